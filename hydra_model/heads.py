@@ -1,0 +1,72 @@
+"""Heads: decoder layers [K, L), final norm and LM head, several evaluated as one stack."""
+
+from __future__ import annotations
+
+import torch
+
+from hydra_model.kv_cache import KVCache
+from hydra_model.layers import LayerStack, rms_norm
+from hydra_model.rope import RotaryTable
+
+
+class HeadStack:
+    """S heads over the same hidden states, one batched computation.
+
+    `lm_head` is either one [V, D] matrix all heads share (tied embedding or a shared LM
+    head: one matmul for every head) or a stack [S, V, D] (one batched matmul).
+    """
+
+    def __init__(
+        self,
+        names: list[str],
+        layers: LayerStack,
+        norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        rope: RotaryTable,
+    ) -> None:
+        if len(names) != layers.size or norm.shape[0] != layers.size:
+            raise ValueError("head names, layers and norms disagree on the number of heads")
+        self.names = names
+        self.layers = layers
+        self.norm = norm  # [S, D]
+        self.lm_head = lm_head  # [V, D] shared, or [S, V, D]
+        self.rope = rope
+
+    @property
+    def size(self) -> int:
+        return len(self.names)
+
+    @property
+    def shares_lm_head(self) -> bool:
+        return self.lm_head.dim() == 2
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.layers.tensors(), self.norm, self.lm_head]
+
+    def select(self, index: int) -> HeadStack:
+        """A stack of the one head at `index`, sharing this stack's weights (no copy)."""
+        if not 0 <= index < self.size:
+            raise IndexError(f"head index {index} out of range for {self.size} heads")
+        members = slice(index, index + 1)
+        lm_head = self.lm_head if self.shares_lm_head else self.lm_head[members]
+        return HeadStack(
+            [self.names[index]], self.layers.select(members), self.norm[members], lm_head, self.rope
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self, hidden: torch.Tensor, cache: KVCache, start: int, return_hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """hidden: trunk output [T, D] at positions start..start+T-1.
+
+        Returns logits [S, T, V] in float32, and with `return_hidden` also each head's last
+        hidden state before the final norm, [S, T, D]. Appends T positions to the cache."""
+        x = hidden[None].expand(self.size, -1, -1)  # [S, T, D], no copy
+        x = self.layers.forward(x, cache, start, self.rope)
+        normed = rms_norm(x, self.norm, self.layers.config.rms_norm_eps)
+        if self.shares_lm_head:
+            logits = normed @ self.lm_head.T  # [S, T, V]
+        else:
+            logits = torch.bmm(normed, self.lm_head.mT)
+        logits = logits.float()
+        return (logits, x) if return_hidden else logits

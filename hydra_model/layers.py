@@ -1,0 +1,214 @@
+"""Decoder layers evaluated as a stack of S independent copies at once.
+
+The trunk is a stack of one; a `HeadStack` is a stack of one copy per head. Every
+weight carries a leading stack dimension and every matmul is batched over it, so S heads
+reading the same hidden states cost one batched computation, not a Python loop.
+
+Per-layer tensor names (as stored in Hydra checkpoints, without the `layers.{i}.`
+prefix) are those of Hugging Face Llama/Qwen2/OLMo-2 with the module path dropped:
+`q_proj.weight`, `gate_proj.weight`, `input_layernorm.weight`, ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from hydra_model.config import DecoderConfig
+from hydra_model.kv_cache import KVCache
+from hydra_model.rope import RotaryTable
+
+
+def layer_tensor_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor one decoder layer of this config must have."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.q_size, config.kv_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "q_proj.weight": (q, hidden),
+        "k_proj.weight": (kv, hidden),
+        "v_proj.weight": (kv, hidden),
+        "o_proj.weight": (hidden, q),
+        "gate_proj.weight": (inter, hidden),
+        "up_proj.weight": (inter, hidden),
+        "down_proj.weight": (hidden, inter),
+        "post_attention_layernorm.weight": (hidden,),
+    }
+    if config.post_norms:
+        shapes["post_feedforward_layernorm.weight"] = (hidden,)
+    else:
+        shapes["input_layernorm.weight"] = (hidden,)
+    if config.qk_norm:
+        shapes["q_norm.weight"] = (q,)
+        shapes["k_norm.weight"] = (kv,)
+    if config.attention_bias:
+        shapes.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
+    if config.o_proj_bias:
+        shapes["o_proj.bias"] = (hidden,)
+    if config.mlp_bias:
+        shapes.update(
+            {"gate_proj.bias": (inter,), "up_proj.bias": (inter,), "down_proj.bias": (hidden,)}
+        )
+    return shapes
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [S, T, N], weight: [S, N]. Statistics in float32 whatever the compute dtype."""
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(variance + eps)).to(x.dtype) * weight[:, None, :]
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x: [S, T, in], weight: [S, out, in], bias: [S, out] -> [S, T, out]."""
+    if bias is None:
+        return torch.bmm(x, weight.mT)
+    return torch.baddbmm(bias[:, None, :], x, weight.mT)
+
+
+class _Layer:
+    """One decoder layer's stacked weights, fused where that saves a matmul."""
+
+    def __init__(self, config: DecoderConfig, members: Sequence[dict[str, torch.Tensor]]) -> None:
+        def stack(name: str) -> torch.Tensor:
+            return torch.stack([member[name] for member in members])
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return stack(name) if name in members[0] else None
+
+        # q, k and v in one matmul; gate and up in another.
+        self.qkv_weight = torch.cat(
+            [stack("q_proj.weight"), stack("k_proj.weight"), stack("v_proj.weight")], dim=1
+        )
+        self.qkv_bias = (
+            torch.cat([stack("q_proj.bias"), stack("k_proj.bias"), stack("v_proj.bias")], dim=1)
+            if config.attention_bias
+            else None
+        )
+        self.o_weight, self.o_bias = stack("o_proj.weight"), maybe("o_proj.bias")
+        self.gate_up_weight = torch.cat([stack("gate_proj.weight"), stack("up_proj.weight")], dim=1)
+        self.gate_up_bias = (
+            torch.cat([stack("gate_proj.bias"), stack("up_proj.bias")], dim=1)
+            if config.mlp_bias
+            else None
+        )
+        self.down_weight, self.down_bias = stack("down_proj.weight"), maybe("down_proj.bias")
+        if config.post_norms:
+            self.attn_norm = stack("post_attention_layernorm.weight")
+            self.mlp_norm = stack("post_feedforward_layernorm.weight")
+        else:
+            self.attn_norm = stack("input_layernorm.weight")
+            self.mlp_norm = stack("post_attention_layernorm.weight")
+        self.q_norm, self.k_norm = maybe("q_norm.weight"), maybe("k_norm.weight")
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
+
+    def select(self, members: slice) -> _Layer:
+        """A view of some members of the stack (no copy)."""
+        view = object.__new__(_Layer)
+        for name, value in vars(self).items():
+            setattr(view, name, None if value is None else value[members])
+        return view
+
+
+class LayerStack:
+    """Layers [first, first + n) of the decoder, S copies evaluated together."""
+
+    def __init__(self, config: DecoderConfig, first_layer: int, layers: list[_Layer]) -> None:
+        self.config = config
+        self.first_layer = first_layer
+        self.layers = layers
+
+    @classmethod
+    def from_tensors(
+        cls,
+        config: DecoderConfig,
+        first_layer: int,
+        members: Sequence[Sequence[dict[str, torch.Tensor]]],
+    ) -> LayerStack:
+        """members[s][l] is the tensor dict of layer first_layer + l of stack member s."""
+        num_layers = len(members[0])
+        layers = [_Layer(config, [member[i] for member in members]) for i in range(num_layers)]
+        return cls(config, first_layer, layers)
+
+    @property
+    def size(self) -> int:
+        """S, the number of stacked copies."""
+        return self.layers[0].qkv_weight.shape[0] if self.layers else 0
+
+    def select(self, members: slice) -> LayerStack:
+        return LayerStack(
+            self.config, self.first_layer, [layer.select(members) for layer in self.layers]
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for layer in self.layers for t in layer.tensors()]
+
+    def forward(
+        self, x: torch.Tensor, cache: KVCache, start: int, rope: RotaryTable
+    ) -> torch.Tensor:
+        """x: [S, T, D] at positions start..start+T-1 -> [S, T, D]. Appends to the cache."""
+        cache.check_append(start, x.shape[1])
+        for index, layer in enumerate(self.layers):
+            x = self._layer_forward(layer, index, x, cache, start, rope)
+        cache.advance(x.shape[1])
+        return x
+
+    def _layer_forward(
+        self,
+        layer: _Layer,
+        index: int,
+        x: torch.Tensor,
+        cache: KVCache,
+        start: int,
+        rope: RotaryTable,
+    ) -> torch.Tensor:
+        config = self.config
+        eps = config.rms_norm_eps
+        if config.post_norms:
+            x = x + rms_norm(
+                self._attention(layer, index, x, cache, start, rope), layer.attn_norm, eps
+            )
+            return x + rms_norm(self._mlp(layer, x), layer.mlp_norm, eps)
+        x = x + self._attention(layer, index, rms_norm(x, layer.attn_norm, eps), cache, start, rope)
+        return x + self._mlp(layer, rms_norm(x, layer.mlp_norm, eps))
+
+    def _attention(
+        self,
+        layer: _Layer,
+        index: int,
+        x: torch.Tensor,
+        cache: KVCache,
+        start: int,
+        rope: RotaryTable,
+    ) -> torch.Tensor:
+        config = self.config
+        stack, length, _ = x.shape
+        hd = config.head_dim
+        qkv = _linear(x, layer.qkv_weight, layer.qkv_bias)  # [S, T, q + 2kv]
+        q, k, v = qkv.split([config.q_size, config.kv_size, config.kv_size], dim=-1)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, config.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, config.rms_norm_eps)
+        q = rope.apply(q.view(stack, length, -1, hd), start).transpose(1, 2)  # [S, nh, T, hd]
+        k = rope.apply(k.view(stack, length, -1, hd), start).transpose(1, 2)  # [S, nkv, T, hd]
+        v = v.view(stack, length, -1, hd).transpose(1, 2)
+        keys, values = cache.write(index, start, k, v)  # [S, nkv, start+T, hd]
+        gqa = config.num_attention_heads != config.num_key_value_heads
+        if length == 1:
+            out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)
+        elif start == 0:
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
+        else:
+            # Query i sits at position start + i and sees keys 0..start + i.
+            key_positions = torch.arange(start + length, device=x.device)
+            query_positions = torch.arange(start, start + length, device=x.device)
+            mask = key_positions[None, :] <= query_positions[:, None]  # [T, start+T]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+        out = out.transpose(1, 2).reshape(stack, length, config.q_size)
+        return _linear(out, layer.o_weight, layer.o_bias)
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        gate, up = _linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
+        return _linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)

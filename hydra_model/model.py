@@ -1,0 +1,192 @@
+"""A loaded Hydra model: trunk, heads, tokenizer, and the caches they need."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hydra_model.checkpoint import (
+    DTYPES,
+    HEAD_SHAPE_NOTE,
+    TRUNK_FILE,
+    CheckpointError,
+    HeadSpec,
+    Manifest,
+    read_manifest,
+    read_tensors,
+    split_layers,
+)
+from hydra_model.heads import HeadStack
+from hydra_model.kv_cache import KVCache, KVCachePool, bytes_per_position
+from hydra_model.layers import LayerStack
+from hydra_model.rope import RotaryTable
+from hydra_model.trunk import Trunk
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {list(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass
+class HydraModel:
+    manifest: Manifest
+    directory: Path
+    trunk: Trunk | None
+    heads: HeadStack  # the loaded `llm` heads, in checkpoint order
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def config(self):
+        return self.manifest.decoder
+
+    @property
+    def context_length(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def head_names(self) -> list[str]:
+        return list(self.heads.names)
+
+    def head_index(self, name: str) -> int:
+        if name not in self.heads.names:
+            raise KeyError(f"unknown head {name!r}; loaded heads: {self.heads.names}")
+        return self.heads.names.index(name)
+
+    @classmethod
+    def load(
+        cls,
+        directory: str | Path,
+        *,
+        dtype: str | None = None,
+        device: str = "cpu",
+        heads: list[str] | None = None,
+        role: str = "llm",
+        load_trunk: bool = True,
+    ) -> HydraModel:
+        """Loads and validates a checkpoint. `heads` picks a subset (default: every head of
+        `role`); `load_trunk=False` skips the trunk (a jury shard needs none)."""
+        directory = Path(directory)
+        manifest = read_manifest(directory)
+        torch_dtype = resolve_dtype(dtype or manifest.dtype)
+        torch_device = torch.device(device)
+        config = manifest.decoder
+        by_name = {h.name: h for h in manifest.heads}
+        if heads is None:
+            chosen = [h for h in manifest.heads if h.role == role]
+        else:
+            unknown = [name for name in heads if name not in by_name]
+            if unknown:
+                raise CheckpointError(
+                    f"{directory}: unknown heads {unknown}; the checkpoint has {list(by_name)}"
+                )
+            chosen = [by_name[name] for name in heads]
+        if not chosen:
+            raise CheckpointError(f"{directory}: no heads to load")
+        rope = RotaryTable(config, config.max_position_embeddings, torch_dtype, torch_device)
+
+        def read(path: Path, expected, note: str = "") -> dict[str, torch.Tensor]:
+            return read_tensors(
+                path, expected, device=str(torch_device), dtype=torch_dtype, note=note
+            )
+
+        needs_embedding = load_trunk or any(h.lm_head == "embedding" for h in chosen)
+        needs_shared = any(h.lm_head == "shared" for h in chosen)
+        trunk_tensors = (
+            read(directory / TRUNK_FILE, manifest.trunk_shapes())
+            if needs_embedding or needs_shared
+            else {}
+        )
+        trunk = None
+        if load_trunk:
+            layers = LayerStack.from_tensors(
+                config, 0, [split_layers(trunk_tensors, range(manifest.trunk_layers))]
+            )
+            trunk = Trunk(trunk_tensors["embed_tokens.weight"], layers, rope)
+        head_stack = _load_heads(directory, manifest, chosen, trunk_tensors, rope, read)
+        return cls(manifest, directory, trunk, head_stack, torch_dtype, torch_device)
+
+    def load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.directory))
+
+    def trunk_pool(self, num_slots: int, capacity: int) -> KVCachePool:
+        return self._pool(1, self.manifest.trunk_layers, num_slots, capacity)
+
+    def head_pool(self, stack: int, num_slots: int, capacity: int) -> KVCachePool:
+        return self._pool(
+            stack, self.config.num_layers - self.manifest.trunk_layers, num_slots, capacity
+        )
+
+    def trunk_cache(self, capacity: int) -> KVCache:
+        """A cache for one session (its own one-slot pool)."""
+        return self.trunk_pool(1, capacity).acquire()
+
+    def head_cache(self, stack: int, capacity: int) -> KVCache:
+        return self.head_pool(stack, 1, capacity).acquire()
+
+    def _pool(self, stack: int, layers: int, num_slots: int, capacity: int) -> KVCachePool:
+        config = self.config
+        if capacity > config.max_position_embeddings:
+            raise ValueError(
+                f"cache capacity {capacity} exceeds the model's context length "
+                f"{config.max_position_embeddings}"
+            )
+        return KVCachePool(
+            num_slots=num_slots,
+            stack=stack,
+            layers=layers,
+            kv_heads=config.num_key_value_heads,
+            capacity=capacity,
+            head_dim=config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def cache_bytes_per_position(self, stack: int, trunk: bool = False) -> int:
+        layers = (
+            self.manifest.trunk_layers
+            if trunk
+            else self.config.num_layers - self.manifest.trunk_layers
+        )
+        return bytes_per_position(
+            stack=stack,
+            layers=layers,
+            kv_heads=self.config.num_key_value_heads,
+            head_dim=self.config.head_dim,
+            dtype=self.dtype,
+        )
+
+
+def _load_heads(
+    directory: Path,
+    manifest: Manifest,
+    chosen: list[HeadSpec],
+    trunk_tensors: dict[str, torch.Tensor],
+    rope: RotaryTable,
+    read,
+) -> HeadStack:
+    config = manifest.decoder
+    head_layers = range(manifest.trunk_layers, config.num_layers)
+    members, norms, lm_heads = [], [], []
+    for head in chosen:
+        tensors = read(directory / head.file, manifest.head_shapes(head), HEAD_SHAPE_NOTE)
+        members.append(split_layers(tensors, head_layers))
+        norms.append(tensors["norm.weight"])
+        lm_heads.append(
+            {
+                "embedding": lambda: trunk_tensors["embed_tokens.weight"],
+                "shared": lambda: trunk_tensors["lm_head.weight"],
+                "own": lambda t=tensors: t["lm_head.weight"],
+            }[head.lm_head]()
+        )
+    layers = LayerStack.from_tensors(config, manifest.trunk_layers, members)
+    places = {h.lm_head for h in chosen}
+    # One shared matrix when every head reads the same one; a stack otherwise.
+    lm_head = lm_heads[0] if len(places) == 1 and "own" not in places else torch.stack(lm_heads)
+    return HeadStack([h.name for h in chosen], layers, torch.stack(norms), lm_head, rope)

@@ -1,0 +1,30 @@
+"""The shared trunk: token embedding and decoder layers [0, K)."""
+
+from __future__ import annotations
+
+import torch
+
+from hydra_model.kv_cache import KVCache
+from hydra_model.layers import LayerStack
+from hydra_model.rope import RotaryTable
+
+
+class Trunk:
+    def __init__(self, embedding: torch.Tensor, layers: LayerStack, rope: RotaryTable) -> None:
+        self.embedding = embedding  # [V, D]
+        self.layers = layers  # a stack of one
+        self.rope = rope
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers.layers)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.embedding, *self.layers.tensors()]
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """tokens: [T] at positions start..start+T-1 -> hidden states [T, D] (input of the
+        first head layer). Appends T positions to the cache."""
+        x = self.embedding[tokens][None]  # [1, T, D]
+        return self.layers.forward(x, cache, start, self.rope)[0]

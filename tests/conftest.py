@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny random source models and Hydra checkpoints, built once per run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.models import build_hydra, save_hf_model
+
+FAMILY_VARIANTS = {
+    "llama": ("llama", {}),
+    "llama3-rope": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+    ),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {"tie_word_embeddings": True}),
+    "olmo2": ("olmo2", {}),
+}
+
+
+@pytest.fixture(scope="session")
+def source_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sources")
+    return {
+        name: save_hf_model(root / name, family, seed=1, **overrides)
+        for name, (family, overrides) in FAMILY_VARIANTS.items()
+    }
+
+
+@pytest.fixture(scope="session")
+def hydra_checkpoints(source_models, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hydra")
+    return {name: build_hydra(source, root / name) for name, source in source_models.items()}

@@ -1,0 +1,112 @@
+"""Tiny random models for tests: Hugging Face decoders saved to disk with a tokenizer, and
+Hydra checkpoints built from them. One helper each, shared through fixtures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# A character-level vocabulary: small enough for exact distribution tests.
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
+CHARACTERS = list("abcdefghijklmnopqrstuvwxyz .,!?")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}<|user|>"
+    "{% else %}<|assistant|>{% endif %}{{ message['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def save_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A character-level tokenizer whose vocabulary fits `vocab_size`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = (SPECIAL_TOKENS + CHARACTERS)[:vocab_size]
+    vocab = {symbol: i for i, symbol in enumerate(symbols)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(directory))
+
+
+TINY = dict(
+    vocab_size=40,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def hf_config(family: str, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Olmo2Config, Qwen2Config
+
+    classes = {
+        "llama": LlamaConfig,
+        "mistral": MistralConfig,
+        "qwen2": Qwen2Config,
+        "olmo2": Olmo2Config,
+    }
+    values = {**TINY, **overrides}
+    return classes[family](**values)
+
+
+def save_hf_model(directory: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """A random `transformers` model of `family` saved (safetensors) with a tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = hf_config(family, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random norms and biases too, so a misplaced one cannot go unnoticed.
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.copy_(1 + 0.2 * torch.randn_like(parameter))
+            elif name.endswith("bias"):
+                parameter.copy_(0.1 * torch.randn_like(parameter))
+    model.eval()
+    model.save_pretrained(str(directory))
+    save_tokenizer(directory, config.vocab_size)
+    return directory
+
+
+def load_hf_model(directory: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+
+
+def build_hydra(
+    source: Path, out: Path, *, trunk_layers: int = 2, heads: int = 3, **options
+) -> Path:
+    from hydra_model.builder import BuildOptions, build_checkpoint
+
+    build_checkpoint(
+        BuildOptions(
+            source=str(source), out=str(out), trunk_layers=trunk_layers, heads=heads, **options
+        ),
+        log=lambda line: None,
+    )
+    return out
+
+
+def edit_manifest(directory: Path, **changes) -> None:
+    path = directory / "hydra.json"
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
