@@ -1,0 +1,190 @@
+"""Building checkpoints: heads from fine-tunes and LoRA adapters, the uncertainty head,
+overwrite protection, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hydra_model import HydraModel
+from hydra_model.builder import BuildError
+from orchestrator.cli import main
+from tests.models import build_hydra, load_hf_model, save_hf_model
+
+TOLERANCE = 1e-4
+TRUNK_LAYERS = 2
+
+
+def head_logits(model: HydraModel, head: int, tokens: torch.Tensor) -> torch.Tensor:
+    hidden = model.trunk.forward(tokens, model.trunk_cache(64), 0)
+    return model.heads.select(head).forward(hidden, model.head_cache(1, 64), 0)[0]
+
+
+def reference(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens[None]).logits[0]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return save_hf_model(
+        tmp_path_factory.mktemp("base") / "model", "llama", seed=5, tie_word_embeddings=True
+    )
+
+
+def fine_tune_top_layers(base, out, seed: int):
+    """A 'full fine-tune' whose trunk layers are the base's and whose top differs."""
+    model = load_hf_model(base)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+            if (layer is not None and layer >= TRUNK_LAYERS) or name == "model.norm.weight":
+                parameter.add_(0.05 * torch.randn_like(parameter))
+    model.save_pretrained(str(out))
+    return model
+
+
+def test_head_from_reproduces_the_fine_tune(base, tmp_path):
+    tuned = fine_tune_top_layers(base, tmp_path / "tuned", seed=11)
+    out = build_hydra(
+        base,
+        tmp_path / "hydra",
+        trunk_layers=TRUNK_LAYERS,
+        heads=2,
+        head_from=[str(tmp_path / "tuned")],
+    )
+    model = HydraModel.load(out)
+    tokens = torch.arange(30) % 40
+    assert (head_logits(model, 0, tokens) - reference(tuned, tokens)).abs().max() <= TOLERANCE
+    base_logits = reference(load_hf_model(base), tokens)
+    assert (head_logits(model, 1, tokens) - base_logits).abs().max() <= TOLERANCE
+    manifest = json.loads((out / "hydra.json").read_text())
+    assert [h["lm_head"] for h in manifest["heads"]] == ["embedding", "embedding"]
+    assert manifest["heads"][0]["source"].startswith("from ")
+
+
+def make_lora_adapter(base, out, layers: list[int]):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(7)
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        layers_to_transform=layers,
+        init_lora_weights=False,
+    )
+    peft_model = get_peft_model(load_hf_model(base), config)
+    peft_model.save_pretrained(str(out))
+    return peft_model.merge_and_unload().eval()
+
+
+def test_lora_head_reproduces_the_merged_adapter(base, tmp_path):
+    merged = make_lora_adapter(base, tmp_path / "adapter", layers=[2, 3])
+    out = build_hydra(
+        base,
+        tmp_path / "hydra",
+        trunk_layers=TRUNK_LAYERS,
+        heads=2,
+        lora=[str(tmp_path / "adapter")],
+    )
+    model = HydraModel.load(out)
+    tokens = torch.arange(25) % 40
+    expected = reference(merged, tokens)
+    assert (head_logits(model, 0, tokens) - expected).abs().max() <= TOLERANCE
+    assert (head_logits(model, 1, tokens) - expected).abs().max() > 1e-3  # a plain copy
+
+
+def test_lora_on_trunk_layers_is_refused(base, tmp_path):
+    make_lora_adapter(base, tmp_path / "adapter", layers=[1, 2])
+    with pytest.raises(BuildError, match="adapts layer 1, which is in the shared trunk"):
+        build_hydra(
+            base,
+            tmp_path / "hydra",
+            trunk_layers=TRUNK_LAYERS,
+            heads=1,
+            lora=[str(tmp_path / "adapter")],
+        )
+    assert not (tmp_path / "hydra").exists()  # nothing half-written is left behind
+
+
+def test_uncertainty_head_and_dtype(base, tmp_path):
+    out = build_hydra(base, tmp_path / "hydra", heads=2, uncertainty_head=True, dtype="bfloat16")
+    manifest = json.loads((out / "hydra.json").read_text())
+    assert [(h["name"], h["role"]) for h in manifest["heads"]] == [
+        ("head0", "llm"),
+        ("head1", "llm"),
+        ("uncertainty", "uncertainty"),
+    ]
+    assert HydraModel.load(out).head_names == ["head0", "head1"]
+    uncertainty = HydraModel.load(out, role="uncertainty", load_trunk=False)
+    assert uncertainty.head_names == ["uncertainty"] and uncertainty.trunk is None
+    assert uncertainty.heads.norm.dtype == torch.bfloat16
+
+
+def test_refuses_to_overwrite_without_force(base, tmp_path):
+    out = build_hydra(base, tmp_path / "hydra", heads=1)
+    with pytest.raises(BuildError, match="already exists; pass --force"):
+        build_hydra(base, out, heads=2)
+    build_hydra(base, out, heads=2, force=True)
+    assert HydraModel.load(out).head_names == ["head0", "head1"]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"trunk_layers": 4}, "--trunk-layers 4 is out of range"),
+        ({"trunk_layers": 0}, "--trunk-layers 0 is out of range"),
+        ({"heads": 0}, "--heads must be at least 1"),
+        ({"heads": 1, "lora": ["a", "b"]}, "only --heads 1"),
+        ({"dtype": "int8"}, "--dtype 'int8'"),
+    ],
+)
+def test_bad_build_options(base, tmp_path, options, message):
+    with pytest.raises(BuildError, match=message):
+        build_hydra(base, tmp_path / "hydra", **options)
+
+
+def test_head_from_other_architecture_is_refused(base, tmp_path):
+    other = save_hf_model(tmp_path / "other", "llama", intermediate_size=64)
+    with pytest.raises(BuildError, match="architecture differs"):
+        build_hydra(base, tmp_path / "hydra", heads=1, head_from=[str(other)])
+
+
+def test_unknown_source_architecture(tmp_path):
+    source = save_hf_model(tmp_path / "src", "llama")
+    config = json.loads((source / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(BuildError, match="unknown architecture model_type='gpt2'"):
+        build_hydra(source, tmp_path / "hydra")
+
+
+def test_cli_build_and_inspect(base, tmp_path, capsys):
+    out = tmp_path / "hydra"
+    argv = [
+        "build",
+        "--from",
+        str(base),
+        "--trunk-layers",
+        "3",
+        "--heads",
+        "2",
+        "--out",
+        str(out),
+        "--uncertainty-head",
+    ]
+    assert main(argv) == 0
+    assert "writing trunk (3 layers)" in capsys.readouterr().err
+    assert main(argv) == 2
+    assert "already exists; pass --force" in capsys.readouterr().err
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "layers       4: trunk 0..2, heads 3..3" in text
+    for name in ("trunk", "head0", "head1", "uncertainty"):
+        assert f"\n{name} " in text
+    assert main(["inspect", str(tmp_path / "nowhere")]) == 2
+    assert "not a directory" in capsys.readouterr().err

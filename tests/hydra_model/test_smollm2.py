@@ -1,0 +1,58 @@
+"""Integration: the demo checkpoint built from the SmolLM2 GGUF greedy-decodes exactly what
+`transformers` decodes from the same GGUF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hydra_model import HydraModel
+from hydra_model.demo import demo_gguf_path, ensure_demo_checkpoint
+
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def demo_checkpoint(tmp_path_factory):
+    return ensure_demo_checkpoint(
+        tmp_path_factory.mktemp("demo") / "smollm2-hydra", log=lambda line: None
+    )
+
+
+def test_demo_checkpoint_layout(demo_checkpoint):
+    model = HydraModel.load(demo_checkpoint)
+    assert model.manifest.trunk_layers == 26 and model.config.num_layers == 30
+    assert model.head_names == ["head0", "head1", "head2", "head3"]
+    assert model.heads.shares_lm_head  # tied embedding, stored once
+
+
+def test_greedy_decoding_matches_transformers_on_the_gguf(demo_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    model = HydraModel.load(demo_checkpoint)
+    tokenizer = model.load_tokenizer()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    gguf = demo_gguf_path()
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        expected = reference.generate(
+            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False
+        )[0, len(prompt) :].tolist()
+
+    capacity = len(prompt) + NEW_TOKENS
+    trunk_cache, head_cache = model.trunk_cache(capacity), model.head_cache(1, capacity)
+    head = model.heads.select(0)
+    tokens, start, generated = torch.tensor(prompt), 0, []
+    while len(generated) < len(expected):
+        logits = head.forward(model.trunk.forward(tokens, trunk_cache, start), head_cache, start)
+        start += len(tokens)
+        generated.append(int(logits[0, -1].argmax()))
+        tokens = torch.tensor(generated[-1:])
+    assert generated == expected
+    assert "Paris" in tokenizer.decode(generated)
