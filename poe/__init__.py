@@ -1,0 +1,66 @@
+"""The decoding mathematics of hydra-jury, as pure functions on tensors (no I/O).
+
+Modules
+- target: the PoE target log-probabilities (per-shard partials, their sum) and the draft's.
+- filters: sampling options and the top-k / top-p / min-p filters.
+- rules: acceptance rules (exact, lenient, speculative cascades, baselines).
+- metrics: per-token metrics (entropy, stability, validity, suppression) and request counters.
+- randomness: counter-based draws keyed by (seed, position, purpose).
+"""
+
+from poe.filters import SamplingParams, filter_logprobs
+from poe.metrics import (
+    RequestStats,
+    entropy,
+    stability_margin,
+    stability_radius,
+    suppression_score,
+    validity_radii,
+    validity_radius,
+)
+from poe.randomness import PURPOSES, categorical, choice, random_seed, uniforms
+from poe.rules import (
+    RULES,
+    acceptance_probs,
+    greedy_verdict,
+    residual_probs,
+    rule_target,
+    validate_rule,
+)
+from poe.target import (
+    combine_partials,
+    draft_logprobs,
+    effective_temperature,
+    normalise_logprobs,
+    partial_log_product,
+    target_logprobs,
+)
+
+__all__ = [
+    "PURPOSES",
+    "RULES",
+    "RequestStats",
+    "SamplingParams",
+    "acceptance_probs",
+    "categorical",
+    "choice",
+    "combine_partials",
+    "draft_logprobs",
+    "effective_temperature",
+    "entropy",
+    "filter_logprobs",
+    "greedy_verdict",
+    "normalise_logprobs",
+    "partial_log_product",
+    "random_seed",
+    "residual_probs",
+    "rule_target",
+    "stability_margin",
+    "stability_radius",
+    "suppression_score",
+    "target_logprobs",
+    "uniforms",
+    "validate_rule",
+    "validity_radii",
+    "validity_radius",
+]

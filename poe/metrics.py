@@ -1,0 +1,186 @@
+"""Per-token and per-request metrics of PoE decoding.
+
+Terms
+- votes: each verifier's argmax token at a position, [B, H].
+- entropy: H(P) = −Σ P log P of the target, in nats (0 · log 0 = 0).
+- stability margin: the gap between the two largest target probabilities.
+- stability radius of an emitted token: max(0, ⌊(n_A − n_B)/2⌋), n_A the votes for it,
+  n_B the largest vote count of any other token (0 if none): how many verifiers can
+  change their vote before the emitted token could lose the vote plurality.
+- validity radius of a rejected draft token: the fewest votes that must move to it for
+  it to hold strictly more votes than any other token.
+- suppression score of a rejected draft token: P(token).
+- round: one draft / verify / accept cycle of the decoding loop.
+- reached: a draft position is reached in a round when every earlier draft token of
+  that round was accepted, i.e. when an acceptance decision is taken on it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from poe._checks import check_float, check_long, check_rows
+
+
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """probs: [B, V] → [B] float32 entropy in nats."""
+    check_float("probs", probs, dims=2)
+    return torch.special.entr(probs.float()).sum(dim=-1)
+
+
+def stability_margin(probs: torch.Tensor) -> torch.Tensor:
+    """probs: [B, V] → [B] float32, largest minus second largest (0 when V < 2)."""
+    check_float("probs", probs, dims=2)
+    if probs.shape[1] < 2:
+        return torch.zeros(probs.shape[0], dtype=torch.float32, device=probs.device)
+    top_two = probs.float().topk(2, dim=-1).values  # [B, 2]
+    return top_two[:, 0] - top_two[:, 1]
+
+
+def stability_radius(votes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """votes: [B, H] long, tokens: [B] long → [B] long stability radii.
+
+    Example: votes [7, 7, 7, 7, 7, 3, 3, 9], token 7 → n_A = 5, n_B = 2 → 1.
+    """
+    check_long("votes", votes, dims=2)
+    check_long("tokens", tokens, dims=1)
+    check_rows("tokens", tokens, votes.shape[0])
+    for_token = votes == tokens[:, None]  # [B, H]
+    token_votes = for_token.sum(dim=1)  # [B]
+    if votes.shape[1] == 0:
+        return token_votes
+    # Each vote's multiplicity = the vote count of the token it names; H is small.
+    multiplicity = (votes[:, :, None] == votes[:, None, :]).sum(dim=2)  # [B, H]
+    best_other_votes = multiplicity.masked_fill(for_token, 0).amax(dim=1)  # [B]
+    return (token_votes - best_other_votes).clamp(min=0) // 2
+
+
+def validity_radius(votes: Sequence[int], token: int) -> int:
+    """Fewest votes that must move to `token` for it to have a strict plurality.
+
+    Greedy: move one vote at a time from the current largest competitor. (Reasoning
+    about the vote gap alone undercounts tied competitors: votes {A: 4, B: 4} need 4.)
+    Examples: {A: 8} → 5; {A: 6, B: 2} → 4; token 2 votes with {A: 3, B: 3} → 2.
+    """
+    counts = Counter(votes)
+    token_votes = counts.pop(token, 0)
+    competitors = sorted(counts.values(), reverse=True)
+    moved = 0
+    while competitors and token_votes <= competitors[0]:
+        competitors[0] -= 1
+        competitors.sort(reverse=True)
+        token_votes += 1
+        moved += 1
+    return moved
+
+
+def validity_radii(votes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """votes: [B, H] long, tokens: [B] long → [B] long, `validity_radius` per row.
+
+    A loop over rows: there is at most one rejection per round, so B is tiny.
+    """
+    check_long("votes", votes, dims=2)
+    check_long("tokens", tokens, dims=1)
+    check_rows("tokens", tokens, votes.shape[0])
+    radii = [
+        validity_radius(row, token)
+        for row, token in zip(votes.tolist(), tokens.tolist(), strict=True)
+    ]
+    return torch.tensor(radii, dtype=torch.long, device=votes.device)
+
+
+def suppression_score(target_probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """target_probs: [B, V], tokens: [B] long → [B] float32 P(token)."""
+    check_float("target_probs", target_probs, dims=2)
+    check_long("tokens", tokens, dims=1)
+    check_rows("tokens", tokens, target_probs.shape[0])
+    return target_probs.float().gather(1, tokens[:, None]).squeeze(1)
+
+
+@dataclass
+class RequestStats:
+    """Raw counters of one request; rates are derived, never stored.
+
+    Counters
+    - rounds: completed rounds; drafted / accepted: draft tokens proposed / kept.
+    - emitted: tokens committed by the rounds. In the pending-token loop a round emits
+      its accepted draft tokens plus the replacement when one was rejected; a round
+      whose every draft token is accepted emits γ (its last token becomes the pending
+      one, and there is no bonus token); a round with no draft (non-speculative step)
+      emits the one token sampled from P.
+    - reached_per_position[i] / accepted_per_position[i]: rounds that took a decision on
+      / kept draft position i (0-based).
+    - trunk_steps, head_evaluations: compute spent, incremented by the engine.
+
+    Derived
+    - acceptance_rate = accepted / drafted (0 with no draft).
+    - mean_accepted_length = emitted / rounds: tokens committed per round, the
+      replacement included (as vLLM's mean acceptance length includes its bonus token).
+      Rounds accepting a of γ drafts count a + 1 when a < γ and γ when a = γ.
+    - acceptance_per_position[i] = accepted_per_position[i] / reached_per_position[i]:
+      the chance of keeping position i given that it was verified.
+    """
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    reached_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    trunk_steps: int = 0
+    head_evaluations: int = 0
+
+    def observe_round(self, num_drafted: int, num_accepted: int) -> None:
+        """Records one round: `num_drafted` tokens proposed, the first `num_accepted` kept.
+
+        num_drafted is γ, or fewer when the round was cut short by a stop condition (an
+        accepted stop token, the token limit): then count the draft tokens up to it.
+        """
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(
+                f"need 0 <= num_accepted <= num_drafted, got {num_accepted} and {num_drafted}"
+            )
+        self.rounds += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        rejected = num_accepted < num_drafted
+        self.emitted += num_accepted + (1 if rejected or num_drafted == 0 else 0)
+        num_reached = num_accepted + 1 if rejected else num_accepted
+        missing = num_reached - len(self.reached_per_position)
+        if missing > 0:
+            self.reached_per_position.extend([0] * missing)
+            self.accepted_per_position.extend([0] * missing)
+        for position in range(num_reached):
+            self.reached_per_position[position] += 1
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [
+            accepted / reached if reached else 0.0
+            for accepted, reached in zip(
+                self.accepted_per_position, self.reached_per_position, strict=True
+            )
+        ]
+
+    def to_dict(self) -> dict[str, object]:
+        """Counters and derived rates, JSON-ready."""
+        return {
+            **asdict(self),
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_per_position": self.acceptance_per_position,
+        }

@@ -1,0 +1,250 @@
+"""Acceptance rules: how a drafted token is verified, and what replaces it when it is not.
+
+Terms
+- draft token x: the token the draft head proposed at a position, drawn from q.
+- q (`draft_probs`): the draft distribution; P (`target_probs`): the jury's target.
+  Both tempered and filtered, as the tokens are sampled from them.
+- decision distributions (`decision_draft_probs`, `decision_target_probs`): q and P at
+  temperature 1 without filters. The cascade rules decide on these, so that the
+  deferral decision does not move with the sampling settings.
+- lenience λ: how much quality a rule may trade for acceptance. Its range depends on
+  the rule (see `validate_rule`).
+- deferral decision: a cascade rule's choice, per position (chow, diff, opt) or per
+  token (token_v1/v2/v3), between the drafter q and the jury P.
+- effective target π: the distribution a rule samples exactly (`rule_target`).
+- accepted: the draft token is kept, with probability `acceptance_probs`.
+- residual: the distribution a replacement is drawn from after a rejection,
+  normalise(max(0, π − q)); sampling x ~ q, keeping it with min(1, π(x)/q(x)) and
+  otherwise drawing from the residual gives exactly π.
+- replacement: the token emitted at the first rejected position.
+
+| rule | π | acceptance |
+| --- | --- | --- |
+| exact, verifier_only | P | min(1, π(x)/q(x)) |
+| lenient | P | min(1, P(x)/((1−λ)·q(x))): lossy, the output is not P |
+| cascade_chow | q if max q_dec ≥ 1 − λ, else P | min(1, π(x)/q(x)) |
+| cascade_diff | q if max q_dec ≥ max P_dec − λ, else P | as above |
+| cascade_opt | q if max q_dec ≥ max P_dec − λ·TV(q_dec, P_dec), else P | as above |
+| cascade_token_v1 | q·1_A + (1 − Σ_A q)·P, A = {v : q_dec(v) ≥ max P_dec − λ} | as above |
+| cascade_token_v2 | as v1, A = {v : P_dec(v) ≥ max P_dec − λ} | as above |
+| cascade_token_v3 | as v1, A = {v : P_dec(v) ≥ (1 − λ)·max P_dec} | as above |
+| drafter_only | q | 1 |
+
+TV(a, b) = Σ max(0, a − b). `verifier_only` is non-speculative PoE: the engine samples
+from P without drafting. Should it be passed here, it behaves exactly as `exact`.
+
+Shapes: B rows (the engine passes the γ positions of a round), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from poe._checks import check_float, check_long, check_rows, check_same_shape
+
+RULES: tuple[str, ...] = (
+    "exact",
+    "lenient",
+    "cascade_chow",
+    "cascade_diff",
+    "cascade_opt",
+    "cascade_token_v1",
+    "cascade_token_v2",
+    "cascade_token_v3",
+    "drafter_only",
+    "verifier_only",
+)
+
+# Below this residual mass, normalise(max(0, π − q)) is rounding noise: π ≈ q, so a
+# rejection has probability ≤ this mass, and drawing from π instead changes the output
+# distribution by at most that much in total variation.
+_MIN_RESIDUAL_MASS = 1e-6
+
+
+def validate_rule(rule: str, lenience: float) -> None:
+    """Raises ValueError for an unknown rule or a lenience outside the rule's range.
+
+    Ranges: `lenient` 0 ≤ λ < 1 (λ = 1 would accept everything with no correction);
+    every other rule 0 ≤ λ ≤ 1. `exact`, `drafter_only` and `verifier_only` ignore λ.
+    `cascade_opt` stops at 1 too: max P − TV ≤ q(argmax P) ≤ max q always holds, so
+    λ = 1 already defers every position to the drafter (up to float rounding) and larger
+    values change nothing.
+    """
+    if rule not in RULES:
+        raise ValueError(f"unknown acceptance rule {rule!r}; choose one of {', '.join(RULES)}")
+    if not isinstance(lenience, numbers.Real) or not math.isfinite(lenience):
+        raise ValueError(f"lenience must be a finite number, got {lenience!r}")
+    if rule == "lenient":
+        if not 0 <= lenience < 1:
+            raise ValueError(f"rule 'lenient' needs 0 <= lenience < 1, got {lenience}")
+    elif not 0 <= lenience <= 1:
+        raise ValueError(f"rule {rule!r} needs 0 <= lenience <= 1, got {lenience}")
+
+
+def rule_target(
+    rule: str,
+    lenience: float,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    decision_draft_probs: torch.Tensor,
+    decision_target_probs: torch.Tensor,
+) -> torch.Tensor:
+    """The rule's effective target π: [B, V] float32 (table in the module docstring).
+
+    draft_probs, target_probs: [B, V] tempered and filtered q and P; π is built from them.
+    decision_draft_probs, decision_target_probs: [B, V] temperature-1 unfiltered q and P;
+    the deferral decisions are taken on them.
+    """
+    validate_rule(rule, lenience)
+    draft_probs, target_probs, decision_draft_probs, decision_target_probs = _check_probs(
+        draft_probs, target_probs, decision_draft_probs, decision_target_probs
+    )
+    if rule in ("exact", "lenient", "verifier_only"):
+        return target_probs
+    if rule == "drafter_only":
+        return draft_probs
+
+    max_draft = decision_draft_probs.amax(dim=-1, keepdim=True)  # [B, 1]
+    max_target = decision_target_probs.amax(dim=-1, keepdim=True)  # [B, 1]
+    if rule in ("cascade_chow", "cascade_diff", "cascade_opt"):
+        if rule == "cascade_chow":
+            threshold = torch.full_like(max_draft, 1 - lenience)
+        elif rule == "cascade_diff":
+            threshold = max_target - lenience
+        else:
+            total_variation = (decision_draft_probs - decision_target_probs).clamp(min=0)
+            threshold = max_target - lenience * total_variation.sum(dim=-1, keepdim=True)
+        defer_to_draft = max_draft >= threshold  # [B, 1]
+        return torch.where(defer_to_draft, draft_probs, target_probs)
+
+    if rule == "cascade_token_v1":
+        draft_set = decision_draft_probs >= max_target - lenience  # [B, V]
+    elif rule == "cascade_token_v2":
+        draft_set = decision_target_probs >= max_target - lenience
+    else:
+        draft_set = decision_target_probs >= (1 - lenience) * max_target
+    draft_part = draft_probs * draft_set  # [B, V]
+    # Clamped: the draft mass inside the set can round to a hair above 1.
+    target_weight = (1 - draft_part.sum(dim=-1, keepdim=True)).clamp(min=0)  # [B, 1]
+    return draft_part + target_weight * target_probs
+
+
+def acceptance_probs(
+    rule: str,
+    lenience: float,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    decision_draft_probs: torch.Tensor,
+    decision_target_probs: torch.Tensor,
+) -> torch.Tensor:
+    """Probability of keeping each draft token: [B] float32 in [0, 1].
+
+    draft_tokens: [B] long, the tokens drawn from draft_probs; the other arguments as in
+    `rule_target`. A draft token with q(x) = 0 cannot have been drawn from q; it gets
+    probability 0 (rejected, the residual then samples π) rather than a NaN.
+    """
+    target = rule_target(
+        rule, lenience, draft_probs, target_probs, decision_draft_probs, decision_target_probs
+    )
+    check_long("draft_tokens", draft_tokens, dims=1)
+    check_rows("draft_tokens", draft_tokens, draft_probs.shape[0])
+    if rule == "drafter_only":
+        return torch.ones(draft_tokens.shape, dtype=torch.float32, device=draft_tokens.device)
+    index = draft_tokens[:, None]
+    draft_token_probs = draft_probs.float().gather(1, index).squeeze(1)  # [B]
+    target_token_probs = target.gather(1, index).squeeze(1)  # [B]
+    if rule == "lenient":
+        draft_token_probs = (1 - lenience) * draft_token_probs
+    producible = draft_token_probs > 0
+    ratio = target_token_probs / torch.where(producible, draft_token_probs, 1.0)
+    return torch.where(producible, ratio.clamp(max=1), 0.0)
+
+
+def residual_probs(
+    rule: str,
+    lenience: float,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    decision_draft_probs: torch.Tensor,
+    decision_target_probs: torch.Tensor,
+) -> torch.Tensor:
+    """Distribution of the replacement after a rejection: [B, V] float32, rows sum to 1.
+
+    normalise(max(0, π − q)), with π = P for `lenient`. Where that has (near-)zero mass,
+    π ≈ q and rejections (almost) never happen; π itself is returned there so that the
+    result is always a distribution.
+    """
+    target = rule_target(
+        rule, lenience, draft_probs, target_probs, decision_draft_probs, decision_target_probs
+    )
+    excess = (target - draft_probs.float()).clamp(min=0)  # [B, V]
+    excess_mass = excess.double().sum(dim=-1, keepdim=True)  # [B, 1]
+    has_residual = excess_mass > _MIN_RESIDUAL_MASS
+    residual = excess / torch.where(has_residual, excess_mass, 1.0).float()
+    return torch.where(has_residual, residual, target)
+
+
+def greedy_verdict(
+    rule: str,
+    lenience: float,
+    draft_tokens: torch.Tensor,
+    decision_draft_probs: torch.Tensor,
+    decision_target_probs: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy (T = 0) verification: returns (accepted [B] bool, replacement [B] long).
+
+    draft_tokens: [B] long; decision_draft_probs, decision_target_probs: [B, V], the
+    temperature-1 unfiltered q and P (filters never change an argmax of P; they are
+    ignored in greedy mode).
+    - exact, verifier_only: accepted iff x = argmax P; replacement argmax P.
+    - lenient: accepted iff P(x) ≥ (1 − λ)·max P; replacement argmax P.
+    - cascades, drafter_only: accepted iff x = argmax π, π built from the temperature-1
+      q and P; replacement argmax π.
+    Ties go to the lowest token id (`torch.argmax` returns the first maximum), so the
+    non-speculative greedy path must take the argmax of the same float32 P to agree
+    token for token. `replacement` is filled on every row; it is emitted where rejected.
+    """
+    target = rule_target(
+        rule,
+        lenience,
+        decision_draft_probs,
+        decision_target_probs,
+        decision_draft_probs,
+        decision_target_probs,
+    )
+    check_long("draft_tokens", draft_tokens, dims=1)
+    check_rows("draft_tokens", draft_tokens, target.shape[0])
+    replacement = target.argmax(dim=-1)  # [B]
+    if rule == "lenient":
+        draft_token_probs = target.gather(1, draft_tokens[:, None]).squeeze(1)
+        accepted = draft_token_probs >= (1 - lenience) * target.amax(dim=-1)
+    else:
+        accepted = draft_tokens == replacement
+    return accepted, replacement
+
+
+def _check_probs(
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    decision_draft_probs: torch.Tensor,
+    decision_target_probs: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checks the four [B, V] distributions agree in shape; returns them as float32."""
+    check_float("draft_probs", draft_probs, dims=2)
+    for name, tensor in (
+        ("target_probs", target_probs),
+        ("decision_draft_probs", decision_draft_probs),
+        ("decision_target_probs", decision_target_probs),
+    ):
+        check_float(name, tensor, dims=2)
+        check_same_shape("draft_probs", draft_probs, **{name: tensor})
+    return (
+        draft_probs.float(),
+        target_probs.float(),
+        decision_draft_probs.float(),
+        decision_target_probs.float(),
+    )

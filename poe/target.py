@@ -1,0 +1,90 @@
+"""The Product-of-Experts target distribution and the draft distribution, in log space.
+
+Terms
+- verifier: a head of the jury, i.e. any head but the request's draft head.
+- temperature T: logits are divided by T before the softmax. T = 0 means greedy; greedy
+  decoding takes the argmax of the T = 1 distributions, so T = 0 is computed as T = 1.
+- beta β: the verifiers' inverse temperature; each verifier's log-probabilities are
+  multiplied by β before they are added.
+- partial log-product: Σ_h β · log_softmax(z_h / T) over the verifiers one jury shard
+  hosts. Unnormalised; partials of disjoint head sets add up to the jury's log-product.
+- target P: the normalised product, P(x) ∝ exp(Σ_{h ∈ verifiers} β · log_softmax(z_h / T)(x)).
+
+Sampling filters (`poe.filters`) are applied after this module, to the draft and the
+target alike. Everything here works on log-probabilities so that logits of ±1e4 with a
+large β and many heads stay finite: every term is a log_softmax (≤ 0, max 0), and the
+final normalisation is another log_softmax.
+
+Shapes: H heads, N positions, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from poe._checks import check_float, check_same_shape
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature the distributions are computed at: T, or 1 for greedy (T = 0)."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+    return 1.0 if temperature == 0 else float(temperature)
+
+
+def partial_log_product(
+    verifier_logits: torch.Tensor, temperature: float, beta: float
+) -> torch.Tensor:
+    """One shard's share of the PoE log-product.
+
+    verifier_logits: [H, N, V], the logits of this shard's verifiers (the draft head
+    excluded). H = 0 is allowed: a shard whose only head is the draft head contributes
+    a partial of zeros.
+    Returns [N, V] float32: Σ_h β · log_softmax(verifier_logits[h] / T).
+    """
+    check_float("verifier_logits", verifier_logits, dims=3)
+    if not math.isfinite(beta) or beta <= 0:
+        raise ValueError(f"beta must be finite and > 0, got {beta}")
+    scale = effective_temperature(temperature)
+    head_logprobs = F.log_softmax(verifier_logits.float() / scale, dim=-1)  # [H, N, V]
+    return beta * head_logprobs.sum(dim=0)
+
+
+def combine_partials(partials: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Adds the shards' partial log-products: [N, V] each → [N, V] float32.
+
+    Float addition is not associative: add the partials in a fixed order (for example
+    by the shards' lowest head index) so that the same request gives the same bits.
+    """
+    if len(partials) == 0:
+        raise ValueError("combine_partials needs at least one partial log-product")
+    for index, partial in enumerate(partials):
+        check_float(f"partials[{index}]", partial, dims=2)
+        check_same_shape("partials[0]", partials[0], **{f"partials[{index}]": partial})
+    total = partials[0].float()
+    for partial in partials[1:]:
+        total = total + partial.float()
+    return total
+
+
+def normalise_logprobs(log_product: torch.Tensor) -> torch.Tensor:
+    """log_product: [N, V], unnormalised log-probabilities → [N, V] float32 log P."""
+    check_float("log_product", log_product, dims=2)
+    return F.log_softmax(log_product.float(), dim=-1)
+
+
+def target_logprobs(verifier_logits: torch.Tensor, temperature: float, beta: float) -> torch.Tensor:
+    """log P for all verifiers at once: verifier_logits [H ≥ 1, N, V] → [N, V] float32."""
+    if verifier_logits.dim() == 3 and verifier_logits.shape[0] == 0:
+        raise ValueError("target_logprobs needs at least one verifier head")
+    return normalise_logprobs(partial_log_product(verifier_logits, temperature, beta))
+
+
+def draft_logprobs(draft_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log q: draft_logits [N, V] → [N, V] float32 log_softmax(draft_logits / T)."""
+    check_float("draft_logits", draft_logits, dims=2)
+    return F.log_softmax(draft_logits.float() / effective_temperature(temperature), dim=-1)

@@ -1,0 +1,93 @@
+import math
+
+import pytest
+import torch
+
+from poe.metrics import (
+    RequestStats,
+    entropy,
+    stability_margin,
+    stability_radius,
+    suppression_score,
+    validity_radii,
+    validity_radius,
+)
+
+
+def test_entropy_in_nats_with_zero_probabilities():
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.25] * 4])
+    torch.testing.assert_close(entropy(probs), torch.tensor([math.log(2), 0.0, math.log(4)]))
+
+
+def test_stability_margin():
+    probs = torch.tensor([[0.1, 0.6, 0.3], [0.4, 0.4, 0.2]])
+    torch.testing.assert_close(stability_margin(probs), torch.tensor([0.3, 0.0]))
+    assert stability_margin(torch.ones(2, 1)).tolist() == [0.0, 0.0]
+
+
+def test_stability_radius():
+    votes = torch.tensor(
+        [
+            [7, 7, 7, 7, 7, 3, 3, 9],  # n_A 5, n_B 2 → 1
+            [7, 7, 7, 7, 7, 7, 7, 7],  # n_A 8, no other → 4
+            [3, 3, 3, 7, 7, 9, 9, 9],  # n_A 2, n_B 3 → 0
+            [1, 2, 3, 4, 5, 6, 8, 9],  # n_A 0 → 0
+        ]
+    )
+    tokens = torch.tensor([7, 7, 7, 7])
+    assert stability_radius(votes, tokens).tolist() == [1, 4, 0, 0]
+    assert stability_radius(votes[:, :0], tokens).tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("votes", "token", "radius"),
+    [
+        ([1] * 8, 0, 5),  # all 8 for another token
+        ([0, 0, 0, 1, 1, 2], 0, 0),  # already a strict plurality
+        ([1, 1, 1, 1, 2, 2, 2, 2], 0, 4),  # {A: 4, B: 4}, none for the token
+        ([1] * 6 + [2] * 2, 0, 4),  # {A: 6, B: 2}
+        ([0, 0, 1, 1, 1, 2, 2, 2], 0, 2),  # token 2 votes, {A: 3, B: 3}
+        ([0, 0, 1, 1], 0, 1),  # a tie is not a plurality
+        ([], 0, 0),
+    ],
+)
+def test_validity_radius(votes, token, radius):
+    assert validity_radius(votes, token) == radius
+
+
+def test_validity_radii_per_row():
+    votes = torch.tensor([[1] * 8, [1, 1, 1, 1, 2, 2, 2, 2], [0, 0, 1, 1, 1, 2, 2, 2]])
+    assert validity_radii(votes, torch.tensor([0, 0, 0])).tolist() == [5, 4, 2]
+
+
+def test_suppression_score():
+    probs = torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.25, 0.25]])
+    torch.testing.assert_close(
+        suppression_score(probs, torch.tensor([2, 0])), torch.tensor([0.3, 0.5])
+    )
+
+
+def test_request_stats_counts_and_rates():
+    stats = RequestStats()
+    stats.observe_round(num_drafted=4, num_accepted=4)  # all kept: emits 4
+    stats.observe_round(num_drafted=4, num_accepted=1)  # 1 kept + replacement: emits 2
+    stats.observe_round(num_drafted=4, num_accepted=0)  # replacement only: emits 1
+    assert (stats.rounds, stats.drafted, stats.accepted, stats.emitted) == (3, 12, 5, 7)
+    assert stats.reached_per_position == [3, 2, 1, 1]
+    assert stats.accepted_per_position == [2, 1, 1, 1]
+    assert stats.acceptance_rate == pytest.approx(5 / 12)
+    assert stats.mean_accepted_length == pytest.approx(7 / 3)
+    assert stats.acceptance_per_position == pytest.approx([2 / 3, 1 / 2, 1.0, 1.0])
+    exported = stats.to_dict()
+    assert exported["accepted"] == 5 and exported["acceptance_rate"] == pytest.approx(5 / 12)
+    assert exported["reached_per_position"] == [3, 2, 1, 1]
+
+
+def test_request_stats_non_speculative_round_and_empty_stats():
+    stats = RequestStats()
+    assert (stats.acceptance_rate, stats.mean_accepted_length) == (0.0, 0.0)
+    assert stats.acceptance_per_position == []
+    stats.observe_round(num_drafted=0, num_accepted=0)
+    assert (stats.emitted, stats.mean_accepted_length) == (1, 1.0)
+    with pytest.raises(ValueError, match="num_accepted"):
+        stats.observe_round(num_drafted=2, num_accepted=3)

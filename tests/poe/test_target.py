@@ -1,0 +1,85 @@
+import numpy as np
+import pytest
+import torch
+from scipy.special import log_softmax
+
+from poe.target import (
+    combine_partials,
+    draft_logprobs,
+    normalise_logprobs,
+    partial_log_product,
+    target_logprobs,
+)
+
+
+def reference_target_logprobs(verifier_logits: torch.Tensor, temperature: float, beta: float):
+    """The PoE target written naively in float64."""
+    logits = verifier_logits.double().numpy() / (temperature or 1.0)
+    log_product = (beta * log_softmax(logits, axis=-1)).sum(axis=0)
+    return log_softmax(log_product, axis=-1)
+
+
+@pytest.mark.parametrize(("temperature", "beta"), [(1.0, 1.0), (0.7, 0.5), (1.5, 3.0), (0.0, 1.0)])
+def test_matches_float64_reference(make_logits, temperature, beta):
+    verifier_logits = make_logits(5, 6, 50, seed=1, scale=3.0)  # [H, N, V]
+    result = target_logprobs(verifier_logits, temperature, beta)
+    assert result.dtype == torch.float32 and result.shape == (6, 50)
+    # Float32 log_softmax values are accurate to a few ulp of their magnitude (≲ 100 here,
+    # ulp ≈ 8e-6); 1e-4 absolute leaves room for the sum over 5 heads.
+    expected = reference_target_logprobs(verifier_logits, temperature, beta)
+    np.testing.assert_allclose(result.numpy(), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_greedy_uses_temperature_one(make_logits):
+    verifier_logits = make_logits(3, 4, 20, seed=2)
+    assert torch.equal(
+        target_logprobs(verifier_logits, 0.0, 1.0), target_logprobs(verifier_logits, 1.0, 1.0)
+    )
+    draft_logits = verifier_logits[0]
+    assert torch.equal(draft_logprobs(draft_logits, 0.0), draft_logprobs(draft_logits, 1.0))
+
+
+@pytest.mark.parametrize("num_heads", [1, 8])
+@pytest.mark.parametrize("temperature", [1.0, 0.05])
+def test_stable_for_extreme_logits(num_heads, temperature):
+    generator = torch.Generator().manual_seed(3)
+    signs = torch.randint(0, 2, (num_heads, 4, 64), generator=generator) * 2 - 1
+    verifier_logits = 1e4 * signs.float()  # [H, N, V], every logit ±1e4
+    result = target_logprobs(verifier_logits, temperature, beta=10.0)
+    assert torch.isfinite(result).all()
+    # Sum of float32 probabilities: off from 1 by at most a few ulp per term.
+    assert torch.allclose(result.exp().sum(-1), torch.ones(4), atol=1e-5)
+    draft = draft_logprobs(verifier_logits[0], temperature)
+    assert torch.isfinite(draft).all()
+    assert torch.allclose(draft.exp().sum(-1), torch.ones(4), atol=1e-5)
+
+
+def test_shard_partials_add_up_to_the_whole_jury(make_logits):
+    verifier_logits = make_logits(8, 5, 40, seed=4, scale=2.0)
+    shard_a = partial_log_product(verifier_logits[:3], 0.8, 1.5)
+    shard_b = partial_log_product(verifier_logits[3:], 0.8, 1.5)
+    combined = normalise_logprobs(combine_partials([shard_a, shard_b]))
+    whole = target_logprobs(verifier_logits, 0.8, 1.5)
+    # Only the order of float32 additions differs: a few ulp of values ≲ 100.
+    torch.testing.assert_close(combined, whole, atol=1e-4, rtol=1e-5)
+
+
+def test_shard_without_verifiers_contributes_nothing(make_logits):
+    partial = partial_log_product(torch.empty(0, 3, 10), 1.0, 1.0)
+    assert torch.equal(partial, torch.zeros(3, 10))
+
+
+def test_bad_inputs_are_rejected(make_logits):
+    logits = make_logits(2, 3, 10)
+    with pytest.raises(ValueError, match="beta"):
+        partial_log_product(logits, 1.0, 0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        partial_log_product(logits, -1.0, 1.0)
+    with pytest.raises(ValueError, match="dimensions"):
+        partial_log_product(logits[0], 1.0, 1.0)
+    with pytest.raises(ValueError, match="at least one verifier"):
+        target_logprobs(torch.empty(0, 3, 10), 1.0, 1.0)
+    with pytest.raises(ValueError, match="shape"):
+        combine_partials([torch.zeros(3, 10), torch.zeros(3, 11)])
+    with pytest.raises(ValueError, match="at least one"):
+        combine_partials([])
