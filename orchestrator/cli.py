@@ -88,6 +88,101 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_generate(commands: argparse._SubParsersAction) -> None:
+    from orchestrator.request import MAX_GAMMA
+    from poe import RULES
+
+    parser = commands.add_parser(
+        "generate",
+        help="generate text by speculative PoE decoding",
+        description="Generate text from a Hydra checkpoint. With --local the engine runs in "
+        "this process and streams the text as each round commits it.",
+    )
+    parser.add_argument("prompt", help="the prompt (a user message unless --no-chat)")
+    parser.add_argument("--checkpoint", required=True, metavar="DIR")
+    parser.add_argument(
+        "--local",
+        action="store_true",
+        required=True,
+        help="run the engine in-process (the only transport so far)",
+    )
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="format the prompt with the chat template (default) or send it as raw text",
+    )
+    parser.add_argument("--system", help="a system message (chat mode)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the whole output (ids, text, metrics, stats) as JSON",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop sequence (repeatable)"
+    )
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--gamma", type=int, default=4, help=f"draft length, 1..{MAX_GAMMA}")
+    parser.add_argument("--rule", default="exact", choices=RULES)
+    parser.add_argument("--lenience", type=float, default=0.0)
+    parser.add_argument(
+        "--beta", type=float, default=1.0, help="inverse temperature of the verifiers"
+    )
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, help="default: random")
+    parser.add_argument("--draft-head", help="default: drawn from the drafters by the seed")
+    parser.add_argument("--jury", help="comma-separated heads (default: all but the drafter)")
+    parser.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.set_defaults(handler=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import json
+
+    from hydra_model import HydraModel
+    from orchestrator.backend import LocalBackend
+    from orchestrator.engine import Engine
+    from orchestrator.request import GenerationRequest
+
+    model = HydraModel.load(args.checkpoint, dtype=args.dtype, device=args.device)
+    engine = Engine(LocalBackend(model), model.load_tokenizer())
+    messages = None
+    if args.chat:
+        messages = [{"role": "user", "content": args.prompt}]
+        if args.system:
+            messages.insert(0, {"role": "system", "content": args.system})
+    request = GenerationRequest(
+        prompt=None if args.chat else args.prompt,
+        messages=messages,
+        max_new_tokens=args.max_new_tokens,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        gamma=args.gamma,
+        rule=args.rule,
+        lenience=args.lenience,
+        beta=args.beta,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        draft_head=args.draft_head,
+        jury=args.jury.split(",") if args.jury else None,
+    )
+    if args.json:
+        print(json.dumps(engine.generate(request).to_dict(), indent=2))
+        return 0
+    for round_output in engine.stream(request):
+        print(round_output.text, end="", flush=True)
+    print()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hydra-jury",
@@ -96,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_build(commands)
     _add_inspect(commands)
+    _add_generate(commands)
     return parser
 
 

@@ -65,8 +65,11 @@ def hf_config(family: str, **overrides):
     return classes[family](**values)
 
 
-def save_hf_model(directory: Path, family: str, seed: int = 0, **overrides) -> Path:
-    """A random `transformers` model of `family` saved (safetensors) with a tokenizer."""
+def save_hf_model(
+    directory: Path, family: str, seed: int = 0, logit_scale: float = 1.0, **overrides
+) -> Path:
+    """A random `transformers` model of `family` saved (safetensors) with a tokenizer.
+    `logit_scale` multiplies the LM head, for peaked (less uniform) distributions."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -79,6 +82,8 @@ def save_hf_model(directory: Path, family: str, seed: int = 0, **overrides) -> P
                 parameter.copy_(1 + 0.2 * torch.randn_like(parameter))
             elif name.endswith("bias"):
                 parameter.copy_(0.1 * torch.randn_like(parameter))
+            elif name == "lm_head.weight":
+                parameter.mul_(logit_scale)
     model.eval()
     model.save_pretrained(str(directory))
     save_tokenizer(directory, config.vocab_size)
@@ -89,6 +94,22 @@ def load_hf_model(directory: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+
+
+def fine_tune_top_layers(base: Path, out: Path, trunk_layers: int, seed: int, scale: float = 0.5):
+    """A 'full fine-tune' of `base`: the same trunk layers, perturbed top layers, final
+    norm and (untied) LM head. Saved to `out` with the tokenizer; returns the model."""
+    model = load_hf_model(base)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+            top = layer is not None and layer >= trunk_layers
+            if top or name in ("model.norm.weight", "lm_head.weight"):
+                parameter.add_(scale * parameter.std() * torch.randn_like(parameter))
+    model.save_pretrained(str(out))
+    save_tokenizer(out, model.config.vocab_size)
+    return model
 
 
 def build_hydra(

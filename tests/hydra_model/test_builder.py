@@ -11,7 +11,7 @@ import torch
 from hydra_model import HydraModel
 from hydra_model.builder import BuildError
 from orchestrator.cli import main
-from tests.models import build_hydra, load_hf_model, save_hf_model
+from tests.models import build_hydra, fine_tune_top_layers, load_hf_model, save_hf_model
 
 TOLERANCE = 1e-4
 TRUNK_LAYERS = 2
@@ -34,21 +34,8 @@ def base(tmp_path_factory):
     )
 
 
-def fine_tune_top_layers(base, out, seed: int):
-    """A 'full fine-tune' whose trunk layers are the base's and whose top differs."""
-    model = load_hf_model(base)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
-            if (layer is not None and layer >= TRUNK_LAYERS) or name == "model.norm.weight":
-                parameter.add_(0.05 * torch.randn_like(parameter))
-    model.save_pretrained(str(out))
-    return model
-
-
 def test_head_from_reproduces_the_fine_tune(base, tmp_path):
-    tuned = fine_tune_top_layers(base, tmp_path / "tuned", seed=11)
+    tuned = fine_tune_top_layers(base, tmp_path / "tuned", TRUNK_LAYERS, seed=11)
     out = build_hydra(
         base,
         tmp_path / "hydra",

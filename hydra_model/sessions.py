@@ -1,0 +1,103 @@
+"""Per-session cache bookkeeping shared by the trunk and jury workers.
+
+Terms
+- session: a conversation whose caches a worker keeps between requests.
+- position rule: every stateful call names the position its cache must start from; the
+  worker truncates to it first (so calls are idempotent and need no rollback call). A
+  start beyond what the worker holds is a `PositionError`: the caller re-prefills.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+
+class PositionError(RuntimeError):
+    """A call starts at a position the worker does not hold."""
+
+
+class CapacityError(RuntimeError):
+    """Too many sessions, or a session longer than the worker's limit."""
+
+
+class UnknownSessionError(KeyError):
+    """A session the worker does not hold."""
+
+
+State = TypeVar("State")
+
+
+@dataclass
+class _Entry(Generic[State]):
+    state: State
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class SessionTable(Generic[State]):
+    """Session id -> worker state, with a fixed maximum and idle eviction."""
+
+    def __init__(
+        self,
+        max_sessions: int,
+        idle_timeout_s: float | None,
+        create: Callable[[], State],
+        destroy: Callable[[State], None],
+    ) -> None:
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self._create, self._destroy = create, destroy
+        self._entries: dict[str, _Entry[State]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, session: str, *, create: bool) -> State:
+        entry = self._entries.get(session)
+        if entry is None:
+            if not create:
+                raise UnknownSessionError(f"unknown session {session!r}")
+            self.evict_idle()
+            if len(self._entries) >= self.max_sessions:
+                raise CapacityError(
+                    f"all {self.max_sessions} sessions are in use; retry later "
+                    f"or raise --max-sessions"
+                )
+            entry = self._entries[session] = _Entry(self._create())
+        entry.last_used = time.monotonic()
+        return entry.state
+
+    def release(self, session: str) -> bool:
+        entry = self._entries.pop(session, None)
+        if entry is not None:
+            self._destroy(entry.state)
+        return entry is not None
+
+    def evict_idle(self) -> list[str]:
+        if self.idle_timeout_s is None:
+            return []
+        now = time.monotonic()
+        idle = [s for s, e in self._entries.items() if now - e.last_used > self.idle_timeout_s]
+        for session in idle:
+            self.release(session)
+        return idle
+
+
+def check_start(start: int, held: int, what: str) -> None:
+    if start < 0:
+        raise ValueError(f"start position must be >= 0, got {start}")
+    if start > held:
+        raise PositionError(
+            f"{what} holds {held} positions of this session; cannot start "
+            f"at {start} (re-prefill from {held})"
+        )
+
+
+def check_capacity(end: int, capacity: int) -> None:
+    if end > capacity:
+        raise CapacityError(
+            f"the session would reach {end} positions, over the limit of "
+            f"{capacity} tokens per session"
+        )

@@ -1,0 +1,56 @@
+"""What a generation returns: per-token records, per-round messages, the whole output."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class TokenRecord:
+    """One emitted token and its metrics (None where the rule computed no target, as for
+    drafter_only).
+
+    kind: "draft" (a draft token kept), "replacement" (drawn after a rejection),
+    "sample" (drawn from the target with no draft: verifier_only).
+    """
+
+    token_id: int
+    text: str
+    position: int  # absolute position in the sequence
+    kind: str
+    entropy: float | None = None  # of the target P at this position, nats
+    votes: dict[str, int] | None = None  # juror -> its argmax token
+    stability_radius: int | None = None
+    stability_margin: float | None = None
+    rejected_token: int | None = None  # replacement only: the draft token it replaced
+    rejected_text: str | None = None
+    validity_radius: int | None = None  # replacement only
+    suppression_score: float | None = None  # replacement only: P(rejected token)
+
+
+@dataclass
+class RoundOutput:
+    """The tokens one round committed, sent as soon as they are committed."""
+
+    index: int
+    tokens: list[TokenRecord]
+    text: str  # text delta of this round
+    finish_reason: str | None = None  # set on the last round: "eos", "length" or "stop"
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: list[int]
+    tokens: list[TokenRecord]
+    finish_reason: str
+    stats: dict[str, Any]
+    seed: int
+    draft_head: str | None
+    jury: list[str]
+    prompt_tokens: int
+    rounds: list[int] = field(default_factory=list)  # tokens committed by each round
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

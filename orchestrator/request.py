@@ -1,0 +1,162 @@
+"""Generation requests: the options a client sets, checked before any compute.
+
+`GenerationRequest` is what a client sends; `prepare_request` checks every option
+against the model and resolves the defaults (seed, draft head, jury), giving a
+`PreparedRequest` the loop runs. Every problem is a `RequestError` naming the option.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from orchestrator.backend import ModelInfo
+from poe import RULES, SamplingParams, choice, random_seed, validate_rule
+from poe.randomness import MAX_SEED
+
+MAX_GAMMA = 16
+BASELINES = ("drafter_only", "verifier_only")
+
+
+class RequestError(ValueError):
+    """An invalid request option; the message names it."""
+
+
+@dataclass
+class GenerationRequest:
+    prompt: str | None = None  # plain text, used as is
+    messages: list[dict[str, str]] | None = None  # chat, formatted by the chat template
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    gamma: int = 4  # draft length
+    rule: str = "exact"
+    lenience: float = 0.0
+    beta: float = 1.0  # verifier inverse temperature
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None  # random when absent
+    draft_head: str | None = None  # drawn from the drafters by the seed when absent
+    jury: list[str] | None = None  # default: every llm head but the drafter
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p
+        )
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request: GenerationRequest
+    prompt_tokens: list[int]
+    seed: int
+    draft_head: str | None  # None for verifier_only
+    jury: list[str]  # empty for drafter_only
+    sampling: SamplingParams
+
+    @property
+    def speculative(self) -> bool:
+        return self.request.rule not in BASELINES
+
+
+def prompt_tokens(request: GenerationRequest, tokenizer) -> list[int]:
+    if (request.prompt is None) == (request.messages is None):
+        raise RequestError("give exactly one of prompt and messages")
+    if request.messages is not None:
+        if not request.messages:
+            raise RequestError("messages is empty")
+        for message in request.messages:
+            if not isinstance(message, dict) or not {"role", "content"} <= set(message):
+                raise RequestError(f"each message needs a role and a content: {message!r}")
+        if not tokenizer.chat_template:
+            raise RequestError("the checkpoint's tokenizer has no chat template; send a prompt")
+        encoded = tokenizer.apply_chat_template(
+            request.messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return list(encoded["input_ids"])
+    if not request.prompt:
+        raise RequestError("prompt is empty")
+    return list(tokenizer.encode(request.prompt, add_special_tokens=False))
+
+
+def prepare_request(request: GenerationRequest, info: ModelInfo, tokenizer) -> PreparedRequest:
+    _check_numbers(request, info)
+    tokens = prompt_tokens(request, tokenizer)
+    if not tokens:
+        raise RequestError("the prompt encodes to no tokens")
+    if len(tokens) > info.context_length:
+        raise RequestError(
+            f"the prompt has {len(tokens)} tokens, over the context limit of {info.context_length}"
+        )
+    if len(tokens) + request.max_new_tokens > info.context_length:
+        raise RequestError(
+            f"max_new_tokens={request.max_new_tokens} with a prompt of {len(tokens)} tokens "
+            f"exceeds the context limit of {info.context_length}; at most "
+            f"{info.context_length - len(tokens)} new tokens fit"
+        )
+    seed = random_seed() if request.seed is None else request.seed
+    draft_head = _draft_head(request, info, seed)
+    jury = _jury(request, info, draft_head)
+    return PreparedRequest(request, tokens, seed, draft_head, jury, request.sampling)
+
+
+def _check_numbers(request: GenerationRequest, info: ModelInfo) -> None:
+    if not isinstance(request.max_new_tokens, int) or request.max_new_tokens < 1:
+        raise RequestError(
+            f"max_new_tokens must be a positive integer, got {request.max_new_tokens!r}"
+        )
+    if not isinstance(request.gamma, int) or not 1 <= request.gamma <= MAX_GAMMA:
+        raise RequestError(
+            f"gamma (draft length) must be an integer in 1..{MAX_GAMMA}, got {request.gamma!r}"
+        )
+    if request.rule not in RULES:
+        raise RequestError(f"unknown rule {request.rule!r}; choose one of {', '.join(RULES)}")
+    try:
+        validate_rule(request.rule, request.lenience)
+        request.sampling.validate(info.vocab_size)
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+    if not (math.isfinite(request.beta) and 0 < request.beta <= 100):
+        raise RequestError(f"beta must be in (0, 100], got {request.beta!r}")
+    if request.seed is not None and not (
+        isinstance(request.seed, int) and 0 <= request.seed < MAX_SEED
+    ):
+        raise RequestError(f"seed must be an integer in [0, 2**63), got {request.seed!r}")
+    if any(not isinstance(s, str) or not s for s in request.stop):
+        raise RequestError("stop sequences must be non-empty strings")
+
+
+def _draft_head(request: GenerationRequest, info: ModelInfo, seed: int) -> str | None:
+    if request.rule == "verifier_only":
+        if request.draft_head is not None:
+            raise RequestError("rule verifier_only does not draft; leave draft_head unset")
+        return None
+    if request.draft_head is None:
+        return info.drafter_heads[choice(seed, len(info.drafter_heads), "draft_head")]
+    if request.draft_head not in info.drafter_heads:
+        raise RequestError(
+            f"unknown draft head {request.draft_head!r}; drafters: {', '.join(info.drafter_heads)}"
+        )
+    return request.draft_head
+
+
+def _jury(request: GenerationRequest, info: ModelInfo, draft_head: str | None) -> list[str]:
+    if request.rule == "drafter_only":
+        return []
+    if request.jury is None:
+        jury = [h for h in info.head_names if h != draft_head]
+    else:
+        unknown = [h for h in request.jury if h not in info.head_names]
+        if unknown:
+            raise RequestError(f"unknown jury heads {unknown}; heads: {', '.join(info.head_names)}")
+        if draft_head in request.jury:
+            raise RequestError(f"the draft head {draft_head!r} cannot sit in its own jury")
+        if len(set(request.jury)) != len(request.jury):
+            raise RequestError(f"jury lists a head twice: {request.jury}")
+        jury = [h for h in info.head_names if h in request.jury]  # checkpoint order
+    if not jury:
+        raise RequestError("the jury is empty: it needs at least one head besides the drafter")
+    return jury
