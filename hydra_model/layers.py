@@ -55,8 +55,8 @@ def layer_tensor_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [S, T, N], weight: [S, N]. Statistics in float32 whatever the compute dtype."""
-    variance = x.float().pow(2).mean(-1, keepdim=True)
-    return (x.float() * torch.rsqrt(variance + eps)).to(x.dtype) * weight[:, None, :]
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return normed * weight[:, None, :]
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

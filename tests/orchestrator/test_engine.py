@@ -1,0 +1,282 @@
+"""The decoding loop: greedy equivalence, determinism, no wasted work, streaming, stops,
+metrics and request validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orchestrator.backend import LocalBackend, ModelInfo
+from orchestrator.cli import main
+from orchestrator.engine import Engine
+from orchestrator.request import GenerationRequest, RequestError
+from poe import RULES
+
+PROMPTS = ["hi", "the cat sat", "abc, xyz!"]
+
+
+def greedy(prompt: str, **options) -> GenerationRequest:
+    values = {
+        "max_new_tokens": 64,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "seed": 0,
+        "draft_head": "head3",
+        **options,
+    }
+    return GenerationRequest(prompt=prompt, **values)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_speculative_equals_non_speculative_poe(engine, prompt):
+    reference = engine.generate(
+        greedy(prompt, rule="verifier_only", draft_head=None, jury=["head0", "head1", "head2"])
+    )
+    assert len(reference.token_ids) == 64
+    for gamma in (1, 3, 8):
+        output = engine.generate(greedy(prompt, gamma=gamma))
+        assert output.token_ids == reference.token_ids, f"gamma={gamma}"
+        assert output.text == reference.text
+        # Different heads really disagree here, so the test exercises rejections.
+        if gamma == 8:
+            assert output.stats["accepted"] < output.stats["drafted"]
+
+
+def test_same_seed_same_output_and_different_seeds_differ(engine):
+    request = GenerationRequest(prompt="hi", max_new_tokens=40, ignore_eos=True, gamma=3)
+    first = engine.generate(GenerationRequest(**{**vars(request), "seed": 7}))
+    again = engine.generate(GenerationRequest(**{**vars(request), "seed": 7}))
+    other = engine.generate(GenerationRequest(**{**vars(request), "seed": 8}))
+    assert first.token_ids == again.token_ids and first.tokens == again.tokens
+    assert first.stats == again.stats
+    assert other.token_ids != first.token_ids
+
+
+def test_unseeded_requests_report_their_seed_and_replay(engine):
+    output = engine.generate(GenerationRequest(prompt="hi", max_new_tokens=20, ignore_eos=True))
+    replay = engine.generate(
+        GenerationRequest(prompt="hi", max_new_tokens=20, ignore_eos=True, seed=output.seed)
+    )
+    assert replay.token_ids == output.token_ids and replay.draft_head == output.draft_head
+
+
+def test_draft_head_is_drawn_from_the_seed(engine):
+    heads = {
+        engine.prepare(GenerationRequest(prompt="hi", seed=seed, max_new_tokens=8)).draft_head
+        for seed in range(40)
+    }
+    assert heads == {"head0", "head1", "head2", "head3"}
+    prepared = engine.prepare(GenerationRequest(prompt="hi", seed=1, max_new_tokens=8))
+    assert prepared.draft_head not in prepared.jury and len(prepared.jury) == 3
+
+
+class CountingBackend(LocalBackend):
+    """The in-process backend, recording every call the loop makes."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple] = []
+
+    def prefill(self, session, start, tokens):
+        self.calls.append(("prefill", start, len(tokens)))
+        super().prefill(session, start, tokens)
+
+    def draft(self, session, start, pending, gamma, *args):
+        self.calls.append(("draft", start, gamma))
+        return super().draft(session, start, pending, gamma, *args)
+
+    def score(self, session, start, hidden, *args):
+        self.calls.append(("score", start, len(hidden)))
+        return super().score(session, start, hidden, *args)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_no_wasted_work(jury_model, tokenizer, temperature):
+    backend = CountingBackend(jury_model, max_sessions=1, max_session_tokens=128)
+    engine = Engine(backend, tokenizer)
+    gamma, prompt = 4, tokenizer.encode("the cat", add_special_tokens=False)
+    output = engine.generate(
+        GenerationRequest(
+            prompt="the cat",
+            max_new_tokens=48,
+            gamma=gamma,
+            ignore_eos=True,
+            seed=3,
+            temperature=temperature,
+        )
+    )
+    calls = backend.calls
+    assert calls[0] == ("prefill", 0, len(prompt) - 1)
+    rounds = calls[1:]
+    assert len(rounds) == 2 * output.stats["rounds"]
+    processed = len(prompt) - 1
+    for (kind_d, start_d, gamma_d), (kind_s, start_s, rows), size in zip(
+        rounds[::2], rounds[1::2], output.rounds, strict=True
+    ):
+        # One draft call of γ trunk steps and one jury call per round, both starting at
+        # the processed length: nothing re-runs after a rejection.
+        assert (kind_d, kind_s) == ("draft", "score")
+        assert start_d == start_s == processed and rows == gamma_d
+        assert gamma_d == min(gamma, 48 - (processed - len(prompt) + 1))
+        processed += size  # a kept + the replacement, or all γ: the next round starts there
+    counters = backend.trunk.counters
+    drafted = output.stats["drafted"]
+    assert counters.trunk_positions == len(prompt) - 1 + drafted
+    assert output.stats["trunk_steps"] == drafted
+    assert backend.jury.counters.calls == output.stats["rounds"] + 1  # + the prefill
+    assert output.stats["accepted"] < drafted  # rejections happened
+
+
+def test_streaming_delivers_the_unary_tokens_round_by_round(engine):
+    request = GenerationRequest(
+        prompt="the cat", max_new_tokens=30, ignore_eos=True, seed=5, gamma=3
+    )
+    unary = engine.generate(request)
+    messages = list(engine.stream(request))
+    assert [len(m.tokens) for m in messages] == unary.rounds
+    assert [t.token_id for m in messages for t in m.tokens] == unary.token_ids
+    assert "".join(m.text for m in messages) == unary.text
+    assert [m.index for m in messages] == list(range(len(messages)))
+    assert [m.finish_reason for m in messages] == [None] * (len(messages) - 1) + ["length"]
+
+
+def test_stream_releases_caches_when_abandoned(jury_model, tokenizer):
+    backend = LocalBackend(jury_model, max_sessions=1, max_session_tokens=128)
+    engine = Engine(backend, tokenizer)
+    stream = engine.stream(GenerationRequest(prompt="hi", max_new_tokens=30, seed=1))
+    next(stream)
+    assert len(backend.trunk.sessions) == 1
+    stream.close()
+    assert len(backend.trunk.sessions) == len(backend.jury.sessions) == 0
+
+
+def test_stop_sequence_and_eos(jury_model, tokenizer, engine):
+    full = engine.generate(greedy("hi", max_new_tokens=40))
+    stop = full.text[10:12]
+    cut = full.text.index(stop)
+    stopped = engine.generate(greedy("hi", max_new_tokens=40, stop=[stop]))
+    assert stopped.finish_reason == "stop" and stopped.text == full.text[:cut]
+    assert full.token_ids[: len(stopped.token_ids)] == stopped.token_ids
+
+    # Any token can be the end-of-sequence token: make it the 6th generated one.
+    backend = LocalBackend(jury_model, max_sessions=1, max_session_tokens=128)
+    eos = full.token_ids[5]
+    backend.info = ModelInfo(**{**vars(backend.info), "eos_token_ids": (eos,)})
+    ended = Engine(backend, tokenizer).generate(greedy("hi", max_new_tokens=40, ignore_eos=False))
+    first = full.token_ids.index(eos)
+    assert ended.finish_reason == "eos" and ended.token_ids == full.token_ids[: first + 1]
+
+
+def test_per_token_metrics_and_request_stats(engine):
+    output = engine.generate(
+        GenerationRequest(prompt="hi", max_new_tokens=40, seed=2, gamma=4, ignore_eos=True)
+    )
+    replacements = [t for t in output.tokens if t.kind == "replacement"]
+    assert replacements and all(t.kind in ("draft", "replacement") for t in output.tokens)
+    for record in output.tokens:
+        assert record.entropy >= 0 and 0 <= record.stability_margin <= 1
+        assert set(record.votes) == set(output.jury)
+        assert record.stability_radius >= 0
+    for record in replacements:
+        assert record.rejected_token is not None and record.rejected_token != record.token_id
+        assert 0 <= record.suppression_score <= 1 and record.validity_radius >= 0
+    stats = output.stats
+    assert stats["rounds"] == len(output.rounds)
+    assert stats["acceptance_rate"] == stats["accepted"] / stats["drafted"]
+    assert stats["mean_accepted_length"] == pytest.approx(40 / stats["rounds"])
+    positions = [t.position for t in output.tokens]
+    assert positions == list(range(positions[0], positions[0] + 40))
+
+
+@pytest.mark.parametrize("rule", [r for r in RULES if r != "verifier_only"])
+def test_every_rule_runs(engine, rule):
+    lenience = 0.3 if rule in ("lenient",) or rule.startswith("cascade") else 0.0
+    output = engine.generate(
+        GenerationRequest(
+            prompt="hi",
+            rule=rule,
+            lenience=lenience,
+            max_new_tokens=12,
+            seed=4,
+            temperature=0.7,
+            top_p=0.9,
+            ignore_eos=True,
+        )
+    )
+    assert len(output.token_ids) == 12
+    if rule == "drafter_only":
+        assert output.stats["accepted"] == output.stats["drafted"] == 12
+        assert output.jury == [] and output.tokens[0].entropy is None
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"gamma": 0}, r"gamma \(draft length\) must be an integer in 1..16"),
+        ({"gamma": 17}, r"gamma \(draft length\) must be an integer in 1..16"),
+        ({"temperature": -0.5}, "temperature must be finite and >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -1}, "top_k must be >= 0"),
+        ({"min_p": 1.0}, r"min_p must be in \[0, 1\)"),
+        ({"rule": "majority"}, "unknown rule 'majority'"),
+        ({"rule": "lenient", "lenience": 1.0}, "lenience"),
+        ({"rule": "cascade_chow", "lenience": -0.1}, "lenience"),
+        ({"draft_head": "head9"}, "unknown draft head 'head9'"),
+        ({"jury": ["head0", "head7"]}, r"unknown jury heads \['head7'\]"),
+        ({"draft_head": "head0", "jury": ["head0", "head1"]}, "cannot sit in its own jury"),
+        ({"draft_head": "head0", "jury": []}, "the jury is empty"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be a positive integer"),
+        ({"max_new_tokens": 127}, "exceeds the context limit of 128"),
+        ({"prompt": "a" * 129}, "the prompt has 129 tokens, over the context limit of 128"),
+        ({"prompt": ""}, "prompt is empty"),
+        ({"prompt": None}, "give exactly one of prompt and messages"),
+        ({"seed": -1}, r"seed must be an integer in \[0, 2\*\*63\)"),
+        ({"beta": 0.0}, r"beta must be in \(0, 100\]"),
+        ({"stop": [""]}, "stop sequences must be non-empty strings"),
+        ({"rule": "verifier_only", "draft_head": "head1"}, "does not draft"),
+    ],
+)
+def test_invalid_options_fail_before_any_compute(jury_model, tokenizer, options, message):
+    backend = CountingBackend(jury_model, max_sessions=1, max_session_tokens=128)
+    request = GenerationRequest(**{"prompt": "hi", "max_new_tokens": 8, **options})
+    with pytest.raises(RequestError, match=message):
+        Engine(backend, tokenizer).stream(request)
+    assert backend.calls == []
+
+
+def test_chat_messages_use_the_chat_template(engine, tokenizer):
+    messages = [{"role": "user", "content": "hi"}]
+    prepared = engine.prepare(GenerationRequest(messages=messages, max_new_tokens=8))
+    expected = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    assert prepared.prompt_tokens == list(expected)
+    with pytest.raises(RequestError, match="each message needs a role and a content"):
+        engine.prepare(GenerationRequest(messages=[{"text": "hi"}]))
+
+
+def test_cli_generate(jury_checkpoint, capsys):
+    argv = [
+        "generate",
+        "--checkpoint",
+        str(jury_checkpoint),
+        "--local",
+        "hi",
+        "--no-chat",
+        "--max-new-tokens",
+        "10",
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        "1",
+    ]
+    assert main([*argv, "--json"]) == 0
+    output = json.loads(capsys.readouterr().out)
+    assert len(output["token_ids"]) == 10 and output["stats"]["rounds"] >= 1
+    assert main(argv) == 0
+    assert capsys.readouterr().out == output["text"] + "\n"
+    assert main([*argv, "--gamma", "40"]) == 2
+    assert "gamma (draft length) must be an integer in 1..16" in capsys.readouterr().err
