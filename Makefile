@@ -39,6 +39,7 @@ bench-model: model
 	$(PY) bench/bench_model.py --checkpoint $(MODEL_DIR)
 
 bench: bench-model
+	$(PY) bench/bench_engine.py --checkpoint $(MODEL_DIR)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache protos/hydrajury/v1/*_pb2*.py protos/hydrajury/v1/*_pb2.pyi

@@ -37,6 +37,7 @@ class TrunkCounters:
     trunk_calls: int = 0
     trunk_positions: int = 0
     draft_head_positions: int = 0
+    draft_head_calls: int = 0
 
 
 @dataclass
@@ -146,6 +147,7 @@ class TrunkWorker:
             )
             logits = head.forward(hidden, state.draft_cache, position)[0]  # [1, V]
             self.counters.draft_head_positions += 1
+            self.counters.draft_head_calls += 1
             step_logprobs = draft_logprobs(logits, sampling.temperature)
             if sampling.greedy:
                 # Greedy reads the temperature-1 draft; filters never move its argmax.
@@ -181,4 +183,5 @@ class TrunkWorker:
         if held < start:
             head.forward(state.hidden[held:start], state.draft_cache, held)
             self.counters.draft_head_positions += start - held
+            self.counters.draft_head_calls += 1
         return head
