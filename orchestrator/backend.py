@@ -9,7 +9,7 @@ its caches must start from (see `hydra_model.sessions`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -102,16 +102,34 @@ class LocalBackend(DecodingBackend):
     def prefill(self, session: str, start: int, tokens: torch.Tensor) -> None:
         self.jury.prefill(session, start, self.trunk.prefill(session, start, tokens))
 
+    # The loop's maths runs on the host, on [γ, V] tensors, as it does over gRPC; the
+    # hidden states stay on the model's device for the jury.
     def draft(
         self, session, start, pending, gamma, draft_head, sampling, seed, with_decision
     ) -> DraftResult:
-        return self.trunk.draft(
+        result = self.trunk.draft(
             session, start, pending, gamma, draft_head, sampling, seed, with_decision
+        )
+        return replace(
+            result,
+            tokens=_host(result.tokens),
+            logprobs=_host(result.logprobs),
+            decision_logprobs=_host(result.decision_logprobs),
         )
 
     def score(self, session, start, hidden, jury, temperature, beta, with_decision) -> ScoreResult:
-        return self.jury.score(session, start, hidden, jury, temperature, beta, with_decision)
+        result = self.jury.score(session, start, hidden, jury, temperature, beta, with_decision)
+        return replace(
+            result,
+            log_product=_host(result.log_product),
+            decision_log_product=_host(result.decision_log_product),
+            votes=_host(result.votes),
+        )
 
     def release(self, session: str) -> None:
         self.trunk.release(session)
         self.jury.release(session)
+
+
+def _host(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.cpu()
