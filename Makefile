@@ -7,7 +7,7 @@ MODEL_DIR ?= var/models/smollm2-hydra
 PROTO_SRC := $(wildcard protos/hydrajury/v1/*.proto)
 PROTO_OUT := $(PROTO_SRC:.proto=_pb2.py)
 
-.PHONY: setup protos test lint model bench bench-model clean
+.PHONY: setup protos test lint model run bench bench-model clean
 
 setup: $(STAMP)
 
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 
 protos: setup $(PROTO_OUT)
 
-protos/hydrajury/v1/%_pb2.py: protos/hydrajury/v1/%.proto
+protos/hydrajury/v1/%_pb2.py: protos/hydrajury/v1/%.proto $(PROTO_SRC)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $<
 
 lint: setup
@@ -35,11 +35,16 @@ test: setup protos lint
 model: setup
 	$(PY) -m hydra_model.demo --out $(MODEL_DIR)
 
+# The local stack: trunk, two jury shards and the orchestrator on 127.0.0.1:50050.
+run: model protos
+	$(PY) -m orchestrator.cli up --checkpoint $(MODEL_DIR)
+
 bench-model: model
 	$(PY) bench/bench_model.py --checkpoint $(MODEL_DIR)
 
 bench: bench-model
 	$(PY) bench/bench_engine.py --checkpoint $(MODEL_DIR)
+	$(PY) bench/bench_grpc.py --checkpoint $(MODEL_DIR)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache protos/hydrajury/v1/*_pb2*.py protos/hydrajury/v1/*_pb2.pyi

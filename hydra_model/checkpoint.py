@@ -16,6 +16,7 @@ trunk.safetensors) or "own" (in its file).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,6 +158,11 @@ def parse_manifest(data: dict[str, Any], where: str = MANIFEST) -> Manifest:
         source=data.get("source", ""),
         extra={k: v for k, v in data.items() if k not in known},
     )
+
+
+def checkpoint_fingerprint(directory: str | Path) -> str:
+    """sha256 of hydra.json: services built from the same checkpoint share it."""
+    return hashlib.sha256((Path(directory) / MANIFEST).read_bytes()).hexdigest()
 
 
 def read_manifest(directory: str | Path) -> Manifest:

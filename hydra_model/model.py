@@ -14,6 +14,7 @@ from hydra_model.checkpoint import (
     CheckpointError,
     HeadSpec,
     Manifest,
+    checkpoint_fingerprint,
     read_manifest,
     read_tensors,
     split_layers,
@@ -51,6 +52,11 @@ class HydraModel:
     @property
     def head_names(self) -> list[str]:
         return list(self.heads.names)
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of hydra.json: services built from the same checkpoint share it."""
+        return checkpoint_fingerprint(self.directory)
 
     def head_index(self, name: str) -> int:
         if name not in self.heads.names:

@@ -23,8 +23,9 @@ class CapacityError(RuntimeError):
     """Too many sessions, or a session longer than the worker's limit."""
 
 
-class UnknownSessionError(KeyError):
-    """A session the worker does not hold."""
+class UnknownSessionError(PositionError, KeyError):
+    """A session the worker does not hold, asked for at a position > 0: a position not
+    held, so the caller re-prefills (FAILED_PRECONDITION over gRPC)."""
 
 
 State = TypeVar("State")
@@ -54,11 +55,17 @@ class SessionTable(Generic[State]):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def ids(self) -> list[str]:
+        return list(self._entries)
+
     def get(self, session: str, *, create: bool) -> State:
         entry = self._entries.get(session)
         if entry is None:
             if not create:
-                raise UnknownSessionError(f"unknown session {session!r}")
+                raise UnknownSessionError(
+                    f"unknown session {session!r}: this service holds "
+                    f"no positions of it (re-prefill from 0)"
+                )
             self.evict_idle()
             if len(self._entries) >= self.max_sessions:
                 raise CapacityError(

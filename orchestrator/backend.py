@@ -61,7 +61,9 @@ class DecodingBackend(ABC):
         beta: float,
         with_decision: bool,
     ) -> ScoreResult:
-        """The jury's log-product (summed over shards) and votes for hidden [γ, D]."""
+        """The jury's log-product (summed over shards) and votes for the draft's hidden
+        states (`DraftResult.hidden` as `draft` returned it: a tensor in-process, the
+        message itself over gRPC)."""
 
     @abstractmethod
     def release(self, session: str) -> None:

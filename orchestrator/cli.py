@@ -183,6 +183,49 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_services(commands: argparse._SubParsersAction) -> None:
+    for name, module, help_text in (
+        ("trunk", "trunk_service", "serve the trunk and drafter heads (gRPC)"),
+        ("jury", "jury_service", "serve a shard of verifier heads (gRPC)"),
+        ("orchestrator", "orchestrator.__main__", "serve the public Generation API (gRPC)"),
+    ):
+        parser = commands.add_parser(name, help=help_text, add_help=False)
+        parser.set_defaults(handler=None, module=module)
+    parser = commands.add_parser(
+        "up",
+        help="run the local stack: trunk, jury shards and orchestrator",
+        description="Start a trunk service, jury shards splitting the heads and the "
+        "orchestrator as separate processes on loopback; Ctrl-C stops them all.",
+    )
+    parser.add_argument("--checkpoint", default="var/models/smollm2-hydra", metavar="DIR")
+    parser.add_argument("--shards", type=int, default=2, help="jury shards (default 2)")
+    parser.add_argument(
+        "--port", type=int, default=50050, help="orchestrator port; the services use the next ones"
+    )
+    parser.add_argument("--metrics-port", type=int, default=9100)
+    parser.set_defaults(handler=_run_up)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from orchestrator.launcher import LocalStack
+
+    stack = LocalStack(
+        args.checkpoint, shards=args.shards, port=args.port, metrics_port=args.metrics_port
+    )
+    try:
+        address = stack.start()
+        print(f"hydra-jury stack ready: Generation API at {address}", file=sys.stderr)
+        return stack.wait()
+    finally:
+        stack.stop()
+
+
+def _run_service(module: str, argv: list[str]) -> int:
+    import importlib
+
+    return importlib.import_module(module).main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hydra-jury",
@@ -192,10 +235,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_build(commands)
     _add_inspect(commands)
     _add_generate(commands)
+    _add_services(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # The service commands own their flags: hand everything after the name over.
+    if argv and argv[0] in ("trunk", "jury", "orchestrator"):
+        module = {
+            "trunk": "trunk_service.__main__",
+            "jury": "jury_service.__main__",
+            "orchestrator": "orchestrator.__main__",
+        }[argv[0]]
+        return _run_service(module, argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

@@ -16,12 +16,14 @@ Written once against `DecodingBackend`: the in-process and gRPC transports share
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from hydra_model.sessions import PositionError
 from orchestrator.backend import DecodingBackend
 from orchestrator.output import GenerationOutput, RoundOutput, TokenRecord
 from orchestrator.request import GenerationRequest, PreparedRequest, prepare_request
@@ -53,6 +55,7 @@ class _Verdict:
     votes: torch.Tensor | None = None  # [rows, J]
     voters: list[str] = field(default_factory=list)
     rejected: int | None = None  # the draft token the replacement took the place of
+    timings: dict[str, float] = field(default_factory=dict)  # draft_s, score_s
 
 
 @dataclass
@@ -78,30 +81,51 @@ class Engine:
         compute."""
         return prepare_request(request, self.backend.info, self.tokenizer)
 
+    def start(self, request: GenerationRequest, session: str | None = None) -> Generation:
+        """Checks the request (raising `RequestError` before any compute) and returns the
+        generation, to be iterated round by round. `session` names its caches on the
+        services (default: a fresh id)."""
+        prepared = self.prepare(request)
+        run = _Run(prepared, session or uuid.uuid4().hex, list(prepared.prompt_tokens))
+        return Generation(self, run)
+
     def generate(self, request: GenerationRequest) -> GenerationOutput:
-        run = self._start(self.prepare(request))
-        for _ in self._rounds(run):
+        generation = self.start(request)
+        for _ in generation:
             pass
-        return self._output(run)
+        return generation.result()
 
     def stream(self, request: GenerationRequest) -> Iterator[RoundOutput]:
         """Yields each round's tokens as soon as they are committed. The request is
         checked now, before the first round runs."""
-        return self._rounds(self._start(self.prepare(request)))
-
-    def _start(self, prepared: PreparedRequest) -> _Run:
-        return _Run(prepared, uuid.uuid4().hex, list(prepared.prompt_tokens))
+        return iter(self.start(request))
 
     def _rounds(self, run: _Run) -> Iterator[RoundOutput]:
         try:
-            prompt = run.committed
-            if len(prompt) > 1:
-                self.backend.prefill(run.session, 0, torch.tensor(prompt[:-1]))
+            self._prefill(run)
             while run.finish_reason is None:
-                verdict = self._round(run)
-                yield self._commit(run, verdict)
+                began = time.perf_counter()
+                try:
+                    verdict = self._round(run)
+                except PositionError:
+                    # A service lost this session's caches (it restarted): rebuild them
+                    # from the committed tokens, once, and run the round again.
+                    self._prefill(run)
+                    verdict = self._round(run)
+                output = self._commit(run, verdict)
+                spent = time.perf_counter() - began
+                output.timings = {
+                    **verdict.timings,
+                    "accept_s": spent - sum(verdict.timings.values()),
+                }
+                yield output
         finally:
             self.backend.release(run.session)
+
+    def _prefill(self, run: _Run) -> None:
+        """Every committed token but the pending one, into every component."""
+        if len(run.committed) > 1:
+            self.backend.prefill(run.session, 0, torch.tensor(run.committed[:-1]))
 
     def _round(self, run: _Run) -> _Verdict:
         prepared, request = run.prepared, run.prepared.request
@@ -112,6 +136,7 @@ class Engine:
         speculative_head = prepared.draft_head
         # Cascade rules decide with temperature-1, unfiltered distributions.
         with_decision = request.rule.startswith("cascade") and not prepared.sampling.greedy
+        began = time.perf_counter()
         draft = self.backend.draft(
             run.session,
             start,
@@ -122,11 +147,13 @@ class Engine:
             prepared.seed,
             with_decision,
         )
+        drafted_at = time.perf_counter()
+        timings = {"draft_s": drafted_at - began, "score_s": 0.0}
         run.stats.trunk_steps += draft.trunk_steps
         run.stats.head_evaluations += draft.head_evaluations
         draft_tokens = draft.tokens.tolist()
         if request.rule == "drafter_only":
-            return _Verdict(draft_tokens, gamma, gamma, ["draft"] * gamma)
+            return _Verdict(draft_tokens, gamma, gamma, ["draft"] * gamma, timings=timings)
         score = self.backend.score(
             run.session,
             start,
@@ -137,6 +164,7 @@ class Engine:
             with_decision,
         )
         run.stats.head_evaluations += score.head_evaluations
+        timings["score_s"] = time.perf_counter() - drafted_at
         target_logprobs = normalise_logprobs(score.log_product)  # [γ, V]
         target_probs = target_logprobs.exp()
         positions = torch.arange(start + 1, start + 1 + gamma)  # of the decided tokens
@@ -146,7 +174,16 @@ class Engine:
             else:
                 filtered = filter_logprobs(target_logprobs, prepared.sampling).exp()
                 token = int(categorical(filtered, prepared.seed, positions, "sample")[0])
-            return _Verdict([token], 0, 0, ["sample"], target_probs, score.votes, score.voters)
+            return _Verdict(
+                [token],
+                0,
+                0,
+                ["sample"],
+                target_probs,
+                score.votes,
+                score.voters,
+                timings=timings,
+            )
 
         rule, lenience = request.rule, request.lenience
         if prepared.sampling.greedy:
@@ -197,7 +234,15 @@ class Engine:
             kinds.append("replacement")
         rejected = draft_tokens[accepted_count] if replacement is not None else None
         return _Verdict(
-            tokens, gamma, accepted_count, kinds, target_probs, score.votes, score.voters, rejected
+            tokens,
+            gamma,
+            accepted_count,
+            kinds,
+            target_probs,
+            score.votes,
+            score.voters,
+            rejected,
+            timings=timings,
         )
 
     def _commit(self, run: _Run, verdict: _Verdict) -> RoundOutput:
@@ -227,7 +272,9 @@ class Engine:
         if finish is None and text.endswith("\ufffd"):
             text = run.text
         delta, run.text = text[len(run.text) :], text
-        return RoundOutput(len(run.round_sizes) - 1, records, delta, finish)
+        return RoundOutput(
+            len(run.round_sizes) - 1, records, delta, finish, verdict.drafted, verdict.accepted
+        )
 
     def _cut_at_stop(self, run: _Run, tokens: list[int]) -> tuple[list[int], str, bool]:
         """Cuts the round's tokens after the one that completes a stop sequence."""
@@ -275,7 +322,8 @@ class Engine:
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def _output(self, run: _Run) -> GenerationOutput:
+    @staticmethod
+    def _output(run: _Run) -> GenerationOutput:
         prepared = run.prepared
         return GenerationOutput(
             text=run.text,
@@ -288,7 +336,32 @@ class Engine:
             jury=prepared.jury,
             prompt_tokens=len(prepared.prompt_tokens),
             rounds=run.round_sizes,
+            session=run.session,
         )
+
+
+class Generation:
+    """One request in progress: iterate it for its rounds; `close()` stops it early and
+    frees its caches; `result()` is the whole output once the last round is out."""
+
+    def __init__(self, engine: Engine, run: _Run) -> None:
+        self._run = run
+        self._rounds = engine._rounds(run)
+
+    @property
+    def session(self) -> str:
+        return self._run.session
+
+    def __iter__(self) -> Iterator[RoundOutput]:
+        return self._rounds
+
+    def close(self) -> None:
+        self._rounds.close()
+
+    def result(self) -> GenerationOutput:
+        if self._run.finish_reason is None:
+            raise RuntimeError("the generation has not finished")
+        return Engine._output(self._run)
 
 
 def _leading_true(mask: torch.Tensor) -> int:

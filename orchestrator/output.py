@@ -37,6 +37,11 @@ class RoundOutput:
     tokens: list[TokenRecord]
     text: str  # text delta of this round
     finish_reason: str | None = None  # set on the last round: "eos", "length" or "stop"
+    drafted: int = 0  # draft tokens this round verified
+    accepted: int = 0  # of which kept
+    # Wall time of the round: draft_s (draft call), score_s (jury call), accept_s (the
+    # rest: acceptance, sampling, metrics, commit).
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -51,6 +56,7 @@ class GenerationOutput:
     jury: list[str]
     prompt_tokens: int
     rounds: list[int] = field(default_factory=list)  # tokens committed by each round
+    session: str = ""  # the id of the caches this request used
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from orchestrator.backend import ModelInfo
 from poe import RULES, SamplingParams, choice, random_seed, validate_rule
 from poe.randomness import MAX_SEED
+from trunk_service.worker import MAX_GAMMA
 
-MAX_GAMMA = 16
 BASELINES = ("drafter_only", "verifier_only")
 
 

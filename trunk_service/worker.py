@@ -18,6 +18,8 @@ from hydra_model import HeadStack, HydraModel, KVCache
 from hydra_model.sessions import SessionTable, check_capacity, check_start
 from poe import SamplingParams, categorical, draft_logprobs, filter_logprobs
 
+MAX_GAMMA = 16  # draft tokens per call: the service's and the orchestrator's limit
+
 
 @dataclass
 class DraftResult:

@@ -280,3 +280,23 @@ def test_cli_generate(jury_checkpoint, capsys):
     assert capsys.readouterr().out == output["text"] + "\n"
     assert main([*argv, "--gamma", "40"]) == 2
     assert "gamma (draft length) must be an integer in 1..16" in capsys.readouterr().err
+
+
+def test_lost_caches_are_rebuilt_from_the_committed_tokens(jury_model, tokenizer):
+    """A service that loses a session mid-generation (a restart) costs a re-prefill, not
+    the request: the output is the same as without the loss."""
+    request = GenerationRequest(
+        prompt="the cat", max_new_tokens=30, ignore_eos=True, seed=9, gamma=3
+    )
+    backend = CountingBackend(jury_model, max_sessions=1, max_session_tokens=128)
+    engine = Engine(backend, tokenizer)
+    expected = engine.generate(request)
+    backend.calls.clear()
+    tokens = []
+    for index, message in enumerate(engine.stream(request)):
+        tokens += [t.token_id for t in message.tokens]
+        if index == 2:
+            (session,) = backend.jury.sessions.ids()
+            backend.jury.release(session)
+    assert tokens == expected.token_ids
+    assert [c for c in backend.calls if c[0] == "prefill"][1][1] == 0  # rebuilt from 0

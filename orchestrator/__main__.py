@@ -1,0 +1,83 @@
+"""`python -m orchestrator`: the public Generation service (see `hydra-jury orchestrator`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from orchestrator.config import OrchestratorConfig
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="python -m orchestrator")
+    parser.description = (
+        "Serve hydrajury.v1.Generation: run the speculative PoE loop over a "
+        "trunk service and jury shards. Flags override the --config file."
+    )
+    parser.add_argument("--config", help="YAML file of settings (see orchestrator/config.py)")
+    parser.add_argument("--checkpoint", help="the Hydra checkpoint the services serve")
+    parser.add_argument("--trunk", help="trunk service address HOST:PORT")
+    parser.add_argument("--jury", help="comma-separated jury shard addresses")
+    parser.add_argument("--listen", help="address to serve on (default 127.0.0.1:50050)")
+    parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics HTTP port")
+    parser.add_argument("--metrics-address", help="default 127.0.0.1")
+    parser.add_argument("--max-concurrency", type=int, help="requests in progress at once")
+    parser.add_argument("--connect-timeout-s", type=float)
+    parser.add_argument("--grace-s", type=float, help="graceful shutdown time")
+    return parser
+
+
+async def _serve(config: OrchestratorConfig) -> None:
+    from orchestrator.server import serve_orchestrator
+
+    server, port, servicer, metrics_port = await serve_orchestrator(
+        checkpoint=config.checkpoint,
+        trunk=config.trunk,
+        jury=config.jury,
+        address=config.listen,
+        metrics_port=config.metrics_port,
+        metrics_address=config.metrics_address,
+        max_concurrency=config.max_concurrency,
+        connect_timeout_s=config.connect_timeout_s,
+    )
+    host = config.listen.rsplit(":", 1)[0]
+    metrics = f", metrics on port {metrics_port}" if metrics_port is not None else ""
+    print(f"orchestrator listening on {host}:{port}{metrics}", file=sys.stderr, flush=True)
+
+    async def close() -> None:
+        servicer.shutdown()
+        servicer.backend.close()
+
+    await server.serve_until_signal(config.grace_s, on_stop=close)
+
+
+def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = args or build_parser().parse_args(argv)
+    overrides = {
+        k: getattr(args, k)
+        for k in (
+            "checkpoint",
+            "trunk",
+            "jury",
+            "listen",
+            "metrics_port",
+            "metrics_address",
+            "max_concurrency",
+            "connect_timeout_s",
+            "grace_s",
+        )
+    }
+    try:
+        config = OrchestratorConfig.load(args.config, overrides)
+        asyncio.run(_serve(config))
+    except (ValueError, OSError, RuntimeError) as error:
+        print(f"orchestrator: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

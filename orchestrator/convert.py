@@ -1,0 +1,80 @@
+"""Protobuf at the edge: public API messages to engine objects and back."""
+
+from __future__ import annotations
+
+from orchestrator.output import GenerationOutput, RoundOutput, TokenRecord
+from orchestrator.request import GenerationRequest, RequestError
+from protos.hydrajury.v1 import generation_pb2
+
+_OPTIONAL_FIELDS = ("max_new_tokens", "gamma", "beta", "temperature", "top_p", "seed")
+_PLAIN_FIELDS = ("ignore_eos", "lenience", "top_k", "min_p")
+
+
+def request_from_pb(message: generation_pb2.GenerateRequest) -> GenerationRequest:
+    which = message.WhichOneof("input")
+    if which is None:
+        raise RequestError("give exactly one of prompt and messages")
+    options = message.options
+    values: dict = {name: getattr(options, name) for name in _PLAIN_FIELDS}
+    values.update(
+        {name: getattr(options, name) for name in _OPTIONAL_FIELDS if options.HasField(name)}
+    )
+    values["stop"] = list(options.stop)
+    values["rule"] = options.rule or "exact"
+    values["draft_head"] = options.draft_head or None
+    values["jury"] = list(options.jury) or None
+    if which == "prompt":
+        values["prompt"] = message.prompt
+    else:
+        values["messages"] = [
+            {"role": m.role, "content": m.content} for m in message.messages.messages
+        ]
+    return GenerationRequest(**values)
+
+
+def token_to_pb(record: TokenRecord) -> generation_pb2.TokenInfo:
+    fields = {
+        name: value for name, value in vars(record).items() if value is not None and name != "votes"
+    }
+    return generation_pb2.TokenInfo(**fields, votes=record.votes or {})
+
+
+def stats_to_pb(stats: dict) -> generation_pb2.RequestStats:
+    names = generation_pb2.RequestStats.DESCRIPTOR.fields_by_name
+    return generation_pb2.RequestStats(**{k: v for k, v in stats.items() if k in names})
+
+
+def output_to_pb(output: GenerationOutput) -> generation_pb2.GenerateResponse:
+    return generation_pb2.GenerateResponse(
+        text=output.text,
+        token_ids=output.token_ids,
+        tokens=[token_to_pb(t) for t in output.tokens],
+        finish_reason=output.finish_reason,
+        stats=stats_to_pb(output.stats),
+        seed=output.seed,
+        draft_head=output.draft_head or "",
+        jury=output.jury,
+        prompt_tokens=output.prompt_tokens,
+        session_id=output.session,
+    )
+
+
+def round_to_pb(
+    output: RoundOutput, summary: GenerationOutput | None
+) -> generation_pb2.GenerateStreamResponse:
+    """One stream message; the last round carries the request's summary."""
+    message = generation_pb2.GenerateStreamResponse(
+        round=output.index,
+        tokens=[token_to_pb(t) for t in output.tokens],
+        text=output.text,
+        finish_reason=output.finish_reason or "",
+        drafted=output.drafted,
+        accepted=output.accepted,
+    )
+    if summary is not None:
+        message.stats.CopyFrom(stats_to_pb(summary.stats))
+        message.seed = summary.seed
+        message.draft_head = summary.draft_head or ""
+        message.jury.extend(summary.jury)
+        message.session_id = summary.session
+    return message

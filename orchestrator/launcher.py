@@ -1,0 +1,141 @@
+"""The local stack for development (`make run`, `hydra-jury up`): a trunk service, jury
+shards splitting the heads, and the orchestrator, as separate processes on loopback.
+Each child is started, its "listening on" line awaited, and all are stopped together
+(SIGTERM, then SIGKILL after a grace period) when this process is interrupted or one
+child dies."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from hydra_model.checkpoint import read_manifest
+
+LISTENING = re.compile(r"listening on (\S+?):(\d+)")
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    address: str = ""
+
+
+@dataclass
+class LocalStack:
+    checkpoint: str
+    shards: int = 2
+    host: str = "127.0.0.1"
+    port: int = 50050  # orchestrator; services take the next ports (0 everywhere: any free)
+    metrics_port: int | None = None
+    extra_service_args: list[str] = field(default_factory=list)
+    children: list[Child] = field(default_factory=list)
+
+    def _port(self, offset: int) -> int:
+        return 0 if self.port == 0 else self.port + offset
+
+    def start(self, timeout_s: float = 300.0) -> str:
+        """Starts every process; returns the orchestrator's address."""
+        heads = [h.name for h in read_manifest(self.checkpoint).llm_heads]
+        if not 1 <= self.shards <= len(heads):
+            raise ValueError(f"--shards must be between 1 and the {len(heads)} heads")
+        python = [sys.executable, "-m"]
+        trunk = self._spawn(
+            "trunk",
+            [
+                *python,
+                "trunk_service",
+                "--checkpoint",
+                self.checkpoint,
+                "--listen",
+                f"{self.host}:{self._port(1)}",
+                *self.extra_service_args,
+            ],
+            timeout_s,
+        )
+        groups = [heads[i :: self.shards] for i in range(self.shards)]
+        shards = [
+            self._spawn(
+                f"jury{i}",
+                [
+                    *python,
+                    "jury_service",
+                    "--checkpoint",
+                    self.checkpoint,
+                    "--heads",
+                    ",".join(group),
+                    "--listen",
+                    f"{self.host}:{self._port(2 + i)}",
+                    *self.extra_service_args,
+                ],
+                timeout_s,
+            )
+            for i, group in enumerate(groups)
+        ]
+        command = [
+            *python,
+            "orchestrator",
+            "--checkpoint",
+            self.checkpoint,
+            "--trunk",
+            trunk,
+            "--jury",
+            ",".join(shards),
+            "--listen",
+            f"{self.host}:{self.port}",
+        ]
+        if self.metrics_port is not None:
+            command += ["--metrics-port", str(self.metrics_port)]
+        return self._spawn("orchestrator", command, timeout_s)
+
+    def _spawn(self, name: str, command: list[str], timeout_s: float) -> str:
+        process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1)
+        child = Child(name, process)
+        self.children.append(child)
+        deadline = time.monotonic() + timeout_s
+        for line in process.stderr:
+            print(f"[{name}] {line}", end="", file=sys.stderr, flush=True)
+            match = LISTENING.search(line)
+            if match:
+                child.address = f"{match[1]}:{match[2]}"
+                break
+            if time.monotonic() > deadline:
+                break
+        if not child.address:
+            self.stop()
+            raise RuntimeError(
+                f"{name} did not start (exit code {process.poll()}); see its output above"
+            )
+        return child.address
+
+    def wait(self) -> int:
+        """Blocks until a child exits or this process is told to stop; returns its code."""
+        stop = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.append(True))
+        while not stop:
+            for child in self.children:
+                code = child.process.poll()
+                if code is not None:
+                    print(f"{child.name} exited with {code}", file=sys.stderr)
+                    return code or 1
+            time.sleep(0.2)
+        return 0
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self.children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.process.wait(max(0.0, deadline - time.monotonic()))
+            if child.process.poll() is None:
+                child.process.kill()
+                child.process.wait()
+        self.children.clear()

@@ -1,0 +1,74 @@
+"""Tensors to and from `hydrajury.v1.Tensor` messages, with every size validated.
+
+A received tensor is checked for dtype, rank, each dimension the receiver knows, and the
+exact byte length before any bytes become a tensor, so a malformed message is a
+readable `CodecError` (INVALID_ARGUMENT) instead of a failure inside torch. Never pickle.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from protos.hydrajury.v1 import tensor_pb2
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class CodecError(ValueError):
+    """A tensor message that does not match what the receiver expects."""
+
+
+def tensor_to_pb(tensor: torch.Tensor) -> tensor_pb2.Tensor:
+    tensor = tensor.detach().to("cpu").contiguous()
+    if tensor.dtype not in DTYPE_NAMES:
+        raise CodecError(f"cannot send dtype {tensor.dtype}")
+    # Flattened first: a "contiguous" tensor with a size-1 dimension may keep an odd stride.
+    data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    return tensor_pb2.Tensor(dtype=DTYPE_NAMES[tensor.dtype], shape=list(tensor.shape), data=data)
+
+
+def tensor_from_pb(
+    message: tensor_pb2.Tensor,
+    *,
+    name: str,
+    dtypes: Sequence[str],
+    shape: Sequence[int | None],
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Decodes `message`, requiring a dtype in `dtypes` and `shape` (None: any size)."""
+    if message.dtype not in dtypes:
+        raise CodecError(
+            f"{name}: dtype {message.dtype!r} is not accepted here; expected {' or '.join(dtypes)}"
+        )
+    found = tuple(message.shape)
+    if len(found) != len(shape) or any(
+        want is not None and got != want for got, want in zip(found, shape, strict=False)
+    ):
+        wanted = ", ".join("*" if want is None else str(want) for want in shape)
+        raise CodecError(f"{name}: shape {list(found)} does not match [{wanted}]")
+    if any(size < 0 for size in found):
+        raise CodecError(f"{name}: negative size in shape {list(found)}")
+    dtype = DTYPES[message.dtype]
+    expected_bytes = math.prod(found) * dtype.itemsize
+    if len(message.data) != expected_bytes:
+        raise CodecError(
+            f"{name}: {len(message.data)} bytes of data, but shape {list(found)} "
+            f"of {message.dtype} needs {expected_bytes}"
+        )
+    if expected_bytes == 0:
+        return torch.empty(found, dtype=dtype, device=device)
+    flat = torch.frombuffer(bytearray(message.data), dtype=torch.uint8)
+    return flat.view(dtype).reshape(found).to(device)
+
+
+def optional_tensor_to_pb(tensor: torch.Tensor | None) -> tensor_pb2.Tensor | None:
+    return None if tensor is None else tensor_to_pb(tensor)

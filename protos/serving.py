@@ -1,0 +1,205 @@
+"""What every hydra-jury gRPC server shares: error mapping (one interceptor), a single
+model worker thread, health checking, reflection, the epoch and graceful shutdown.
+
+Status codes: bad input → INVALID_ARGUMENT; a cache position the service does not hold →
+FAILED_PRECONDITION; too many sessions or tokens → RESOURCE_EXHAUSTED; an unknown
+session → NOT_FOUND; a dependency down → UNAVAILABLE; anything else → INTERNAL (logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from hydra_model.kv_cache import CacheError
+from hydra_model.sessions import CapacityError, PositionError
+
+log = logging.getLogger("hydra_jury")
+T = TypeVar("T")
+
+MESSAGE_LIMIT = 256 * 1024 * 1024  # draft distributions of large vocabularies
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MESSAGE_LIMIT),
+    ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+]
+SERVER_OPTIONS = [
+    # gRPC binds with SO_REUSEPORT by default: a second server started on a port in use
+    # would silently share it, each call going to either one's caches. Refuse instead.
+    ("grpc.so_reuseport", 0),
+    *CHANNEL_OPTIONS,
+]
+
+
+class ServiceUnavailable(RuntimeError):
+    """An internal service this one depends on cannot be reached."""
+
+
+class SessionNotFound(LookupError):
+    """No service holds the session a client named."""
+
+
+class DeadlineExceeded(RuntimeError):
+    """An internal call ran out of the client's deadline."""
+
+
+def status_for(error: BaseException) -> grpc.StatusCode:
+    if isinstance(error, PositionError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(error, CapacityError | CacheError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, SessionNotFound):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(error, ServiceUnavailable):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(error, DeadlineExceeded):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(error, ValueError | IndexError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+def _detail(error: BaseException) -> str:
+    if isinstance(error, KeyError) and error.args:
+        return str(error.args[0])
+    return str(error) or type(error).__name__
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Turns an exception escaping any RPC into its status code and a readable detail."""
+
+    def __init__(self, on_error: Callable[[str, grpc.StatusCode], None] | None = None) -> None:
+        self.on_error = on_error
+
+    async def _abort(self, method: str, context, error: Exception) -> None:
+        code = status_for(error)
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("internal error in %s", method, exc_info=error)
+        if self.on_error is not None:
+            self.on_error(method, code)
+        await context.abort(code, _detail(error))
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                try:
+                    return await inner(request, context)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as error:
+                    await self._abort(method, context, error)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def stream(request, context):
+                try:
+                    async for item in inner_stream(request, context):
+                        yield item
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as error:
+                    await self._abort(method, context, error)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+class ModelThread:
+    """Runs model compute off the event loop, one call at a time: the place where a
+    scheduler will later batch concurrent requests."""
+
+    def __init__(self, name: str) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, partial(function, *args, **kwargs))
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def new_epoch() -> str:
+    """A random id per process start: a changed epoch tells callers the caches are gone."""
+    return uuid.uuid4().hex[:16]
+
+
+class GrpcServer:
+    """An aio server with the error interceptor, health checking and reflection.
+
+    `add_servicers(server)` registers the service implementations; `service_names` are
+    their full names (for health and reflection)."""
+
+    def __init__(
+        self,
+        add_servicers: Callable[[grpc.aio.Server], None],
+        service_names: Iterable[str],
+        *,
+        on_error=None,
+    ) -> None:
+        self.server = grpc.aio.server(
+            interceptors=[ErrorInterceptor(on_error)], options=SERVER_OPTIONS
+        )
+        add_servicers(self.server)
+        self.service_names = list(service_names)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
+        self.port = 0
+
+    async def start(self, address: str) -> int:
+        """Binds (port 0 picks a free one), starts, and reports SERVING; returns the port."""
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot bind {address}")
+        await self.server.start()
+        for name in ["", *self.service_names]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stops accepting, lets in-flight calls finish for `grace_s`, then cancels them."""
+        for name in ["", *self.service_names]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace_s)
+
+    async def serve_until_signal(
+        self, grace_s: float = 5.0, on_stop: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """Waits for SIGTERM or SIGINT, then shuts down gracefully."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting down (grace %.1f s)", grace_s)
+        await self.stop(grace_s)
+        if on_stop is not None:
+            await on_stop()

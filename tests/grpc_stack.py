@@ -1,0 +1,104 @@
+"""A whole gRPC stack on loopback for tests: trunk service, jury shards and orchestrator,
+each a real grpc.aio server on an ephemeral port, driven by one event loop in a
+background thread. Tests talk to them through ordinary synchronous channels."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from jury_service.server import serve_jury
+from orchestrator.server import serve_orchestrator
+from protos.hydrajury.v1 import generation_pb2_grpc, internal_pb2, internal_pb2_grpc
+from trunk_service.server import serve_trunk
+
+
+class EventLoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coroutine: Coroutine, timeout: float = 60) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@dataclass
+class Stack:
+    checkpoint: str
+    shards: list[list[str]]  # heads of each jury shard
+    max_sessions: int = 4
+    max_session_tokens: int = 128
+    loop: EventLoopThread = field(default_factory=EventLoopThread)
+    servers: dict[str, Any] = field(default_factory=dict)
+    addresses: dict[str, str] = field(default_factory=dict)
+    channels: list[grpc.Channel] = field(default_factory=list)
+
+    def start_services(self) -> Stack:
+        limits = {"max_sessions": self.max_sessions, "max_session_tokens": self.max_session_tokens}
+        server, port, servicer = self.loop.run(serve_trunk(self.checkpoint, **limits))
+        self.servers["trunk"], self.addresses["trunk"] = (server, servicer), f"127.0.0.1:{port}"
+        for index, heads in enumerate(self.shards):
+            server, port, servicer = self.loop.run(
+                serve_jury(self.checkpoint, heads=heads, **limits)
+            )
+            self.servers[f"jury{index}"] = (server, servicer)
+            self.addresses[f"jury{index}"] = f"127.0.0.1:{port}"
+        return self
+
+    @property
+    def jury_addresses(self) -> list[str]:
+        return [self.addresses[f"jury{i}"] for i in range(len(self.shards))]
+
+    def start_orchestrator(self, **options) -> Stack:
+        server, port, servicer, metrics_port = self.loop.run(
+            serve_orchestrator(
+                checkpoint=self.checkpoint,
+                trunk=self.addresses["trunk"],
+                jury=self.jury_addresses,
+                connect_timeout_s=10,
+                **options,
+            )
+        )
+        self.servers["orchestrator"] = (server, None)
+        self.addresses["orchestrator"] = f"127.0.0.1:{port}"
+        self.servicer, self.metrics_port = servicer, metrics_port
+        return self
+
+    def channel(self, name: str) -> grpc.Channel:
+        channel = grpc.insecure_channel(self.addresses[name])
+        self.channels.append(channel)
+        return channel
+
+    def generation(self) -> generation_pb2_grpc.GenerationStub:
+        return generation_pb2_grpc.GenerationStub(self.channel("orchestrator"))
+
+    def active_sessions(self, name: str) -> int:
+        stub_class = internal_pb2_grpc.TrunkStub if name == "trunk" else internal_pb2_grpc.JuryStub
+        info = stub_class(self.channel(name)).Info(internal_pb2.InfoRequest(), timeout=5)
+        return info.limits.active_sessions
+
+    def stop_server(self, name: str) -> None:
+        server, servicer = self.servers.pop(name)
+        self.loop.run(server.stop(0))
+        if servicer is not None:
+            self.loop.run(servicer.close())
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+        if "orchestrator" in self.servers:
+            self.servicer.shutdown()
+            self.servicer.backend.close()
+        for name in list(self.servers):
+            self.stop_server(name)
+        self.loop.close()

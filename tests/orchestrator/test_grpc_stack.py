@@ -1,0 +1,240 @@
+"""The orchestrator over gRPC: the same tokens as in-process, streaming, cancellation,
+status codes, health, reflection, layout checks and metrics."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from orchestrator.grpc_backend import GrpcBackend, LayoutError
+from orchestrator.request import GenerationRequest
+from protos.hydrajury.v1 import generation_pb2
+from tests.grpc_stack import Stack
+
+ALL_HEADS = ["head0", "head1", "head2", "head3"]
+CASES = [
+    {"rule": "exact", "temperature": 0.0, "gamma": 3},
+    {"rule": "exact", "temperature": 0.9, "gamma": 4, "top_k": 10},
+    {"rule": "cascade_token_v2", "lenience": 0.2, "temperature": 1.0, "gamma": 2},
+    {"rule": "lenient", "lenience": 0.3, "temperature": 0.7, "gamma": 5},
+    {"rule": "verifier_only", "temperature": 0.8},
+]
+
+
+@pytest.fixture(
+    scope="module",
+    params=[[ALL_HEADS], [["head0", "head1"], ["head2", "head3"]]],
+    ids=["one-shard", "two-shards"],
+)
+def stack(request, jury_checkpoint):
+    stack = Stack(str(jury_checkpoint), request.param).start_services()
+    stack.start_orchestrator(metrics_port=0)
+    yield stack
+    stack.close()
+
+
+def to_pb(prompt: str, **options) -> generation_pb2.GenerateRequest:
+    options.setdefault("max_new_tokens", 8)
+    return generation_pb2.GenerateRequest(
+        prompt=prompt, options=generation_pb2.DecodingOptions(**options)
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["rule"] + str(c["temperature"]) for c in CASES])
+def test_grpc_gives_the_in_process_tokens(stack, engine, case):
+    options = {"max_new_tokens": 24, "seed": 11, "ignore_eos": True, **case}
+    expected = engine.generate(GenerationRequest(prompt="the cat", **options))
+    response = stack.generation().Generate(to_pb("the cat", **options), timeout=30)
+    assert list(response.token_ids) == expected.token_ids
+    assert response.text == expected.text
+    assert response.draft_head == (expected.draft_head or "")
+    assert response.stats.rounds == expected.stats["rounds"]
+    assert response.stats.accepted == expected.stats["accepted"]
+    first = response.tokens[0]
+    assert first.token_id == expected.tokens[0].token_id
+    assert first.entropy == pytest.approx(expected.tokens[0].entropy, abs=1e-5)
+    assert dict(first.votes) == expected.tokens[0].votes
+
+
+def test_stream_delivers_the_unary_tokens_one_message_per_round(stack):
+    request = to_pb("hi", max_new_tokens=20, seed=3, gamma=3, ignore_eos=True)
+    generation = stack.generation()
+    unary = generation.Generate(request, timeout=30)
+    messages = list(generation.GenerateStream(request, timeout=30))
+    assert [t.token_id for m in messages for t in m.tokens] == list(unary.token_ids)
+    assert [m.round for m in messages] == list(range(len(messages)))
+    assert len(messages) == unary.stats.rounds
+    assert "".join(m.text for m in messages) == unary.text
+    assert [m.finish_reason for m in messages[:-1]] == [""] * (len(messages) - 1)
+    assert messages[-1].finish_reason == "length" and messages[-1].stats.rounds == len(messages)
+    assert messages[-1].seed == 3
+
+
+def wait_for(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def test_cancelling_a_stream_releases_the_session_everywhere(stack):
+    stream = stack.generation().GenerateStream(
+        to_pb("hi", max_new_tokens=100, seed=1, gamma=1, ignore_eos=True), timeout=30
+    )
+    next(stream)
+    assert stack.active_sessions("trunk") == 1
+    stream.cancel()
+    names = ["trunk", *(f"jury{i}" for i in range(len(stack.shards)))]
+    assert wait_for(lambda: all(stack.active_sessions(n) == 0 for n in names))
+
+
+@pytest.mark.parametrize(
+    ("request_pb", "message"),
+    [
+        (to_pb(""), "prompt is empty"),
+        (generation_pb2.GenerateRequest(), "give exactly one of prompt and messages"),
+        (to_pb("hi", rule="best"), "unknown rule 'best'"),
+        (to_pb("hi", gamma=17), "gamma"),
+        (to_pb("hi", temperature=-1.0), "temperature"),
+        (to_pb("hi", draft_head="head7"), "unknown draft head 'head7'"),
+        (to_pb("hi", jury=["head9"]), "unknown jury heads"),
+        (to_pb("a" * 200), "over the context limit of 128"),
+    ],
+)
+def test_bad_requests_are_invalid_argument(stack, request_pb, message):
+    with pytest.raises(grpc.RpcError) as raised:
+        stack.generation().Generate(request_pb, timeout=10)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in raised.value.details()
+
+
+def test_too_many_sessions_is_resource_exhausted(jury_checkpoint):
+    stack = Stack(str(jury_checkpoint), [ALL_HEADS], max_sessions=1).start_services()
+    try:
+        stack.start_orchestrator()
+        generation = stack.generation()
+        first = generation.GenerateStream(
+            to_pb("hi", max_new_tokens=100, gamma=1, seed=1, ignore_eos=True), timeout=30
+        )
+        next(first)
+        with pytest.raises(grpc.RpcError) as raised:
+            generation.Generate(to_pb("hi", max_new_tokens=5), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "sessions are in use" in raised.value.details()
+        first.cancel()
+    finally:
+        stack.close()
+
+
+def test_health_and_reflection(stack):
+    health = health_pb2_grpc.HealthStub(stack.channel("orchestrator"))
+    for service in ("", "hydrajury.v1.Generation"):
+        status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(stack.channel("orchestrator"))
+    answers = reflection.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+    )
+    names = {s.name for a in answers for s in a.list_services_response.service}
+    assert {"hydrajury.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def test_info_and_metrics(stack):
+    info = stack.generation().Info(generation_pb2.GenerationInfoRequest(), timeout=5)
+    assert list(info.heads) == ALL_HEADS and info.max_gamma == 16
+    assert list(info.jury_shards) == stack.jury_addresses
+    stack.generation().Generate(to_pb("hi", max_new_tokens=8, seed=2), timeout=30)
+    url = f"http://127.0.0.1:{stack.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    for name in (
+        "hydrajury_requests_total",
+        "hydrajury_tokens_emitted_total",
+        "hydrajury_draft_tokens_total",
+        "hydrajury_accepted_tokens_total",
+        "hydrajury_time_to_first_token_seconds_bucket",
+        'hydrajury_round_phase_seconds_count{phase="score"}',
+        "hydrajury_active_sessions",
+        "hydrajury_draft_position_reached_total",
+    ):
+        assert name in text, name
+
+
+def test_close_session(stack):
+    generation = stack.generation()
+    with pytest.raises(grpc.RpcError) as raised:
+        generation.CloseSession(generation_pb2.CloseSessionRequest(session_id="nope"), timeout=5)
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    stream = generation.GenerateStream(
+        generation_pb2.GenerateRequest(
+            prompt="hi",
+            session_id="mine",
+            options=generation_pb2.DecodingOptions(max_new_tokens=100, gamma=1, seed=1),
+        ),
+        timeout=30,
+    )
+    next(stream)
+    closed = generation.CloseSession(
+        generation_pb2.CloseSessionRequest(session_id="mine"), timeout=5
+    )
+    assert closed.closed
+    stream.cancel()
+
+
+def test_layouts_are_checked(jury_checkpoint):
+    stack = Stack(str(jury_checkpoint), [["head0", "head1"], ["head1", "head2"], ["head3"]])
+    stack.start_services()
+    try:
+        trunk, (a, b, c) = stack.addresses["trunk"], stack.jury_addresses
+        with pytest.raises(LayoutError, match="'head1' is hosted by both"):
+            GrpcBackend(trunk, [a, b, c])
+        with pytest.raises(LayoutError, match=r"no jury shard hosts heads \['head2', 'head3'\]"):
+            GrpcBackend(trunk, [a])
+        with pytest.raises(LayoutError, match="shards must host disjoint heads"):
+            GrpcBackend(trunk, [b, a])
+    finally:
+        stack.close()
+
+
+def test_services_of_another_checkpoint_are_refused(jury_checkpoint, hydra_checkpoints):
+    ours = Stack(str(jury_checkpoint), [ALL_HEADS]).start_services()
+    other = Stack(str(hydra_checkpoints["llama"]), [["head0", "head1", "head2"]])
+    other.start_services()
+    try:
+        with pytest.raises(LayoutError, match="all services must load the same checkpoint"):
+            GrpcBackend(ours.addresses["trunk"], other.jury_addresses)
+    finally:
+        ours.close()
+        other.close()
+
+
+def test_a_shard_going_down_is_unavailable_and_names_it(jury_checkpoint):
+    stack = Stack(str(jury_checkpoint), [["head0", "head1"], ["head2", "head3"]])
+    stack.start_services().start_orchestrator()
+    try:
+        generation = stack.generation()
+        generation.Generate(to_pb("hi", max_new_tokens=4, seed=1), timeout=30)
+        down = stack.addresses["jury1"]
+        stack.stop_server("jury1")
+        with pytest.raises(grpc.RpcError) as raised:
+            generation.Generate(to_pb("hi", max_new_tokens=4, seed=1), timeout=30)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"jury shard at {down}" in raised.value.details()
+    finally:
+        stack.close()
+
+
+def test_deadline_propagates(stack):
+    with pytest.raises(grpc.RpcError) as raised:
+        stack.generation().Generate(
+            to_pb("hi", max_new_tokens=100, gamma=1, seed=1, ignore_eos=True), timeout=0.05
+        )
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    names = ["trunk", *(f"jury{i}" for i in range(len(stack.shards)))]
+    assert wait_for(lambda: all(stack.active_sessions(n) == 0 for n in names))

@@ -1,0 +1,122 @@
+"""In-process trunk and jury services over the jury checkpoint, for the service tests.
+
+pytest-asyncio is not a dependency, so the servers run on one background event loop (a
+thread of its own) and the tests call them through ordinary synchronous channels. Each
+test that asks for a service gets a fresh one on 127.0.0.1, port 0 (the tiny model loads
+in milliseconds), stopped when the test ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+
+from hydra_model import HydraModel
+from jury_service.server import serve_jury
+from protos.hydrajury.v1 import internal_pb2_grpc
+from trunk_service.server import serve_trunk
+
+SERVICE_LIMITS = {"max_sessions": 2, "max_session_tokens": 32}
+
+
+class BackgroundLoop:
+    """An asyncio event loop running in a daemon thread; `run` waits for a coroutine."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, Any], timeout_s: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+@dataclass
+class Service:
+    """A started service: its port, servicer (for white-box checks) and a client stub."""
+
+    server: Any  # protos.serving.GrpcServer
+    port: int
+    servicer: Any
+    channel: grpc.Channel
+    stub: Any
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@pytest.fixture(scope="session")
+def background_loop():
+    loop = BackgroundLoop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="session")
+def full_model(jury_checkpoint) -> HydraModel:
+    """The whole checkpoint in this process, for calling the workers directly."""
+    return HydraModel.load(jury_checkpoint)
+
+
+def _starter(serve, stub_class, checkpoint, loop: BackgroundLoop):
+    started: list[Service] = []
+
+    def start(**options) -> Service:
+        server, port, servicer = loop.run(serve(checkpoint, **{**SERVICE_LIMITS, **options}))
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        service = Service(server, port, servicer, channel, stub_class(channel))
+        started.append(service)
+        return service
+
+    async def stop(service: Service) -> None:
+        await service.server.stop(0)
+        await service.servicer.close()
+
+    def stop_all() -> None:
+        for service in started:
+            service.channel.close()
+            loop.run(stop(service))
+
+    return start, stop_all
+
+
+@pytest.fixture
+def start_trunk(jury_checkpoint, background_loop) -> Callable[..., Service]:
+    """start_trunk(**serve_trunk options) → a running trunk service."""
+    start, stop_all = _starter(
+        serve_trunk, internal_pb2_grpc.TrunkStub, jury_checkpoint, background_loop
+    )
+    yield start
+    stop_all()
+
+
+@pytest.fixture
+def start_jury(jury_checkpoint, background_loop) -> Callable[..., Service]:
+    """start_jury(**serve_jury options) → a running jury service."""
+    start, stop_all = _starter(
+        serve_jury, internal_pb2_grpc.JuryStub, jury_checkpoint, background_loop
+    )
+    yield start
+    stop_all()
+
+
+@pytest.fixture
+def trunk(start_trunk) -> Service:
+    return start_trunk()
+
+
+@pytest.fixture
+def jury(start_jury) -> Service:
+    return start_jury()
