@@ -95,17 +95,15 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "generate",
         help="generate text by speculative PoE decoding",
-        description="Generate text from a Hydra checkpoint. With --local the engine runs in "
-        "this process and streams the text as each round commits it.",
+        description="Generate text and stream it as each round commits it: in this process "
+        "(--local, with --checkpoint) or through a running orchestrator (--address).",
     )
     parser.add_argument("prompt", help="the prompt (a user message unless --no-chat)")
-    parser.add_argument("--checkpoint", required=True, metavar="DIR")
-    parser.add_argument(
-        "--local",
-        action="store_true",
-        required=True,
-        help="run the engine in-process (the only transport so far)",
-    )
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--local", action="store_true", help="run the engine in-process")
+    where.add_argument("--address", metavar="HOST:PORT", help="an orchestrator's Generation API")
+    parser.add_argument("--checkpoint", metavar="DIR", help="the checkpoint (with --local)")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="deadline (--address)")
     parser.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
@@ -149,8 +147,6 @@ def _run_generate(args: argparse.Namespace) -> int:
     from orchestrator.engine import Engine
     from orchestrator.request import GenerationRequest
 
-    model = HydraModel.load(args.checkpoint, dtype=args.dtype, device=args.device)
-    engine = Engine(LocalBackend(model), model.load_tokenizer())
     messages = None
     if args.chat:
         messages = [{"role": "user", "content": args.prompt}]
@@ -174,12 +170,44 @@ def _run_generate(args: argparse.Namespace) -> int:
         draft_head=args.draft_head,
         jury=args.jury.split(",") if args.jury else None,
     )
+    if args.address:
+        return _generate_remote(args, request)
+    if not args.checkpoint:
+        raise ValueError("--local needs --checkpoint DIR")
+    model = HydraModel.load(args.checkpoint, dtype=args.dtype, device=args.device)
+    engine = Engine(LocalBackend(model), model.load_tokenizer())
     if args.json:
         print(json.dumps(engine.generate(request).to_dict(), indent=2))
         return 0
     for round_output in engine.stream(request):
         print(round_output.text, end="", flush=True)
     print()
+    return 0
+
+
+def _generate_remote(args: argparse.Namespace, request) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToJson
+
+    from orchestrator.convert import request_to_pb
+    from protos.hydrajury.v1 import generation_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        try:
+            if args.json:
+                response = stub.Generate(request_to_pb(request), timeout=args.timeout_s)
+                print(MessageToJson(response, indent=2))
+                return 0
+            for message in stub.GenerateStream(request_to_pb(request), timeout=args.timeout_s):
+                print(message.text, end="", flush=True)
+            print()
+        except grpc.RpcError as error:
+            print(
+                f"hydra-jury generate: error: {error.code().name}: {error.details()}",
+                file=sys.stderr,
+            )
+            return 2
     return 0
 
 

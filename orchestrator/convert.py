@@ -32,6 +32,32 @@ def request_from_pb(message: generation_pb2.GenerateRequest) -> GenerationReques
     return GenerationRequest(**values)
 
 
+def request_to_pb(
+    request: GenerationRequest, session_id: str = ""
+) -> generation_pb2.GenerateRequest:
+    """The inverse of `request_from_pb` (for clients such as the CLI)."""
+    options = generation_pb2.DecodingOptions(
+        stop=request.stop,
+        rule=request.rule,
+        draft_head=request.draft_head or "",
+        jury=request.jury or [],
+        **{name: getattr(request, name) for name in _PLAIN_FIELDS},
+    )
+    for name in _OPTIONAL_FIELDS:
+        value = getattr(request, name)
+        if value is not None:
+            setattr(options, name, value)
+    message = generation_pb2.GenerateRequest(options=options, session_id=session_id)
+    if request.messages is not None:
+        message.messages.messages.extend(
+            generation_pb2.ChatMessage(role=m["role"], content=m["content"])
+            for m in request.messages
+        )
+    else:
+        message.prompt = request.prompt or ""
+    return message
+
+
 def token_to_pb(record: TokenRecord) -> generation_pb2.TokenInfo:
     fields = {
         name: value for name, value in vars(record).items() if value is not None and name != "votes"

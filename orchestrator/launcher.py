@@ -127,7 +127,8 @@ class LocalStack:
             time.sleep(0.2)
         return 0
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = 10.0) -> dict[str, int]:
+        """Stops every child; returns their exit codes (0: a graceful shutdown)."""
         for child in reversed(self.children):
             if child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)
@@ -138,4 +139,6 @@ class LocalStack:
             if child.process.poll() is None:
                 child.process.kill()
                 child.process.wait()
+        codes = {child.name: child.process.returncode for child in self.children}
         self.children.clear()
+        return codes

@@ -1,0 +1,115 @@
+"""Running the stack as processes: the launcher, the CLI client, configuration, start-up
+refusals and graceful shutdown."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orchestrator.__main__ import main as orchestrator_main
+from orchestrator.cli import main
+from orchestrator.config import ConfigFileError, OrchestratorConfig
+from orchestrator.convert import request_from_pb, request_to_pb
+from orchestrator.launcher import LocalStack
+from orchestrator.request import GenerationRequest
+from tests.grpc_stack import Stack
+
+
+def test_request_messages_round_trip():
+    for request in (
+        GenerationRequest(
+            prompt="hi",
+            max_new_tokens=9,
+            stop=["x"],
+            gamma=2,
+            rule="lenient",
+            lenience=0.5,
+            beta=2.0,
+            temperature=0.0,
+            top_k=3,
+            top_p=0.5,
+            min_p=0.1,
+            seed=5,
+            draft_head="head1",
+            jury=["head0"],
+        ),
+        GenerationRequest(messages=[{"role": "user", "content": "yo"}], ignore_eos=True),
+    ):
+        assert request_from_pb(request_to_pb(request)) == request
+
+
+def test_config_file_and_flags(tmp_path):
+    path = tmp_path / "orchestrator.yaml"
+    path.write_text(
+        "checkpoint: ckpt\ntrunk: 127.0.0.1:1\njury: [127.0.0.1:2, 127.0.0.1:3]\n"
+        "metrics_port: 9100\n"
+    )
+    config = OrchestratorConfig.load(path, {"trunk": "127.0.0.1:9", "jury": None})
+    assert config.trunk == "127.0.0.1:9" and config.jury == ["127.0.0.1:2", "127.0.0.1:3"]
+    assert config.metrics_port == 9100
+    path.write_text("checkpoint: ckpt\ntrunk: a\njury: [b]\nshards: 3\n")
+    with pytest.raises(ConfigFileError, match=r"unknown settings \['shards'\]"):
+        OrchestratorConfig.load(path, {})
+    with pytest.raises(ConfigFileError, match="no jury shard addresses"):
+        OrchestratorConfig.load(None, {"checkpoint": "c", "trunk": "t"})
+    with pytest.raises(ConfigFileError, match="listed twice"):
+        OrchestratorConfig.load(None, {"checkpoint": "c", "trunk": "t", "jury": "a,a"})
+
+
+def test_orchestrator_refuses_a_bad_layout(jury_checkpoint, capsys):
+    stack = Stack(str(jury_checkpoint), [["head0", "head1"], ["head1", "head2", "head3"]])
+    stack.start_services()
+    try:
+        code = orchestrator_main(
+            [
+                "--checkpoint",
+                str(jury_checkpoint),
+                "--trunk",
+                stack.addresses["trunk"],
+                "--jury",
+                ",".join(stack.jury_addresses),
+                "--listen",
+                "127.0.0.1:0",
+            ]
+        )
+        assert code == 2
+        assert "'head1' is hosted by both" in capsys.readouterr().err
+    finally:
+        stack.close()
+
+
+def test_local_stack_serves_the_cli_and_shuts_down_gracefully(jury_checkpoint, engine, capsys):
+    stack = LocalStack(
+        str(jury_checkpoint), shards=2, port=0, extra_service_args=["--max-session-tokens", "128"]
+    )
+    try:
+        address = stack.start(timeout_s=120)
+        argv = [
+            "generate",
+            "--address",
+            address,
+            "hi",
+            "--no-chat",
+            "--max-new-tokens",
+            "12",
+            "--ignore-eos",
+            "--seed",
+            "4",
+            "--gamma",
+            "3",
+        ]
+        capsys.readouterr()
+        assert main([*argv, "--json"]) == 0
+        response = json.loads(capsys.readouterr().out)
+        expected = engine.generate(
+            GenerationRequest(prompt="hi", max_new_tokens=12, ignore_eos=True, seed=4, gamma=3)
+        )
+        assert [int(t) for t in response["tokenIds"]] == expected.token_ids
+        assert main(argv) == 0
+        assert capsys.readouterr().out == expected.text + "\n"
+        assert main([*argv, "--gamma", "0"]) == 2
+        assert "INVALID_ARGUMENT: gamma" in capsys.readouterr().err
+    finally:
+        codes = stack.stop()
+    assert codes == {"trunk": 0, "jury0": 0, "jury1": 0, "orchestrator": 0}
