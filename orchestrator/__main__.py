@@ -10,8 +10,8 @@ import sys
 from orchestrator.config import OrchestratorConfig
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="python -m orchestrator")
+def build_parser(prog: str = "python -m orchestrator") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog)
     parser.description = (
         "Serve hydrajury.v1.Generation: run the speculative PoE loop over a "
         "trunk service and jury shards. Flags override the --config file."
@@ -53,9 +53,9 @@ async def _serve(config: OrchestratorConfig) -> None:
     await server.serve_until_signal(config.grace_s, on_stop=close)
 
 
-def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m orchestrator") -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    args = args or build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     overrides = {
         k: getattr(args, k)
         for k in (

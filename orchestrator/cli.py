@@ -248,10 +248,10 @@ def _run_up(args: argparse.Namespace) -> int:
         stack.stop()
 
 
-def _run_service(module: str, argv: list[str]) -> int:
+def _run_service(module: str, argv: list[str], prog: str) -> int:
     import importlib
 
-    return importlib.import_module(module).main(argv)
+    return importlib.import_module(module).main(argv, prog=prog)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             "jury": "jury_service.__main__",
             "orchestrator": "orchestrator.__main__",
         }[argv[0]]
-        return _run_service(module, argv[1:])
+        return _run_service(module, argv[1:], prog=f"hydra-jury {argv[0]}")
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
