@@ -93,7 +93,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    stack = LocalStack(args.checkpoint, shards=2, port=0)
+    # The shards compute concurrently: on one host each gets its share of the cores.
+    shard_threads = max(1, torch.get_num_threads() // 2)
+    stack = LocalStack(args.checkpoint, shards=2, port=0, shard_threads=shard_threads)
     try:
         address = stack.start()
         trunk, *shards = (c.address for c in stack.children[:-1])

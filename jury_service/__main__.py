@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m jury_service") ->
         ),
         name="jury service",
         listen=args.listen,
+        threads=args.threads,
         grace_s=args.grace_s,
         detail=lambda servicer: f" (heads {','.join(servicer.worker.hosted)})",
     )

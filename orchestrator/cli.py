@@ -231,6 +231,9 @@ def _add_services(commands: argparse._SubParsersAction) -> None:
         "--port", type=int, default=50050, help="orchestrator port; the services use the next ones"
     )
     parser.add_argument("--metrics-port", type=int, default=9100)
+    parser.add_argument(
+        "--shard-threads", type=int, help="CPU threads per jury shard (on one host: cores / shards)"
+    )
     parser.set_defaults(handler=_run_up)
 
 
@@ -238,7 +241,11 @@ def _run_up(args: argparse.Namespace) -> int:
     from orchestrator.launcher import LocalStack
 
     stack = LocalStack(
-        args.checkpoint, shards=args.shards, port=args.port, metrics_port=args.metrics_port
+        args.checkpoint,
+        shards=args.shards,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        shard_threads=args.shard_threads,
     )
     try:
         address = stack.start()

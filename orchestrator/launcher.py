@@ -34,6 +34,7 @@ class LocalStack:
     port: int = 50050  # orchestrator; services take the next ports (0 everywhere: any free)
     metrics_port: int | None = None
     extra_service_args: list[str] = field(default_factory=list)
+    shard_threads: int | None = None  # CPU threads of each jury shard (default: torch's)
     children: list[Child] = field(default_factory=list)
 
     def _port(self, offset: int) -> int:
@@ -72,6 +73,7 @@ class LocalStack:
                     "--listen",
                     f"{self.host}:{self._port(2 + i)}",
                     *self.extra_service_args,
+                    *(["--threads", str(self.shard_threads)] if self.shard_threads else []),
                 ],
                 timeout_s,
             )

@@ -214,6 +214,12 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_port: int) ->
     parser.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for model compute (default: torch's; on a host shared by several "
+        "services, give each its share of the cores)",
+    )
+    parser.add_argument(
         "--grace-s",
         type=float,
         default=5.0,
@@ -232,6 +238,7 @@ def run_until_signal(
     name: str,
     listen: str,
     grace_s: float,
+    threads: int | None = None,
     detail: Callable[[WorkerServicer], str] = lambda servicer: "",
 ) -> int:
     """Starts a service, prints "NAME listening on HOST:PORT[ DETAIL]" to stderr (the
@@ -243,6 +250,10 @@ def run_until_signal(
 
     async def serve() -> int:
         try:
+            if threads is not None:
+                if threads < 1:
+                    raise ValueError(f"--threads must be at least 1, got {threads}")
+                torch.set_num_threads(threads)  # the model thread takes this count
             server, port, servicer = await start()
         except (ValueError, KeyError, OSError, RuntimeError) as error:
             message = error.args[0] if isinstance(error, KeyError) and error.args else error

@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m trunk_service") -
         ),
         name="trunk service",
         listen=args.listen,
+        threads=args.threads,
         grace_s=args.grace_s,
     )
 
