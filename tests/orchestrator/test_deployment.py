@@ -81,7 +81,11 @@ def test_orchestrator_refuses_a_bad_layout(jury_checkpoint, capsys):
 
 def test_local_stack_serves_the_cli_and_shuts_down_gracefully(jury_checkpoint, engine, capsys):
     stack = LocalStack(
-        str(jury_checkpoint), shards=2, port=0, extra_service_args=["--max-session-tokens", "128"]
+        str(jury_checkpoint),
+        shards=2,
+        port=0,
+        shard_threads=1,
+        extra_service_args=["--max-session-tokens", "128"],
     )
     try:
         address = stack.start(timeout_s=120)
