@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -113,6 +114,8 @@ class LocalStack:
             raise RuntimeError(
                 f"{name} did not start (exit code {process.poll()}); see its output above"
             )
+        # Keep draining its output: a full pipe would block the child on its next log line.
+        threading.Thread(target=_forward, args=(name, process.stderr), daemon=True).start()
         return child.address
 
     def wait(self) -> int:
@@ -144,3 +147,8 @@ class LocalStack:
         codes = {child.name: child.process.returncode for child in self.children}
         self.children.clear()
         return codes
+
+
+def _forward(name: str, stream) -> None:
+    for line in stream:
+        print(f"[{name}] {line}", end="", file=sys.stderr, flush=True)
