@@ -58,10 +58,13 @@ class SessionTable(Generic[State]):
     def ids(self) -> list[str]:
         return list(self._entries)
 
-    def get(self, session: str, *, create: bool) -> State:
+    def get(self, session: str, *, start: int) -> State:
+        """The session's state for a call starting at `start`; a call at 0 may open it."""
+        if start < 0:
+            raise ValueError(f"start: must be >= 0, got {start}")
         entry = self._entries.get(session)
         if entry is None:
-            if not create:
+            if start != 0:
                 raise UnknownSessionError(
                     f"unknown session {session!r}: this service holds "
                     f"no positions of it (re-prefill from 0)"
@@ -93,8 +96,6 @@ class SessionTable(Generic[State]):
 
 
 def check_start(start: int, held: int, what: str) -> None:
-    if start < 0:
-        raise ValueError(f"start position must be >= 0, got {start}")
     if start > held:
         raise PositionError(
             f"{what} holds {held} positions of this session; cannot start "

@@ -32,7 +32,6 @@ from protos.worker_servicer import (
     llm_heads_in_order,
     model_description_to_pb,
     require_session,
-    require_start,
     start_server,
     worker_limits,
 )
@@ -75,7 +74,7 @@ class PrefillCall:
     def from_pb(cls, request: internal_pb2.JuryPrefillRequest, model: HydraModel) -> PrefillCall:
         return cls(
             require_session(request.session),
-            require_start(request.start),
+            request.start,
             hidden_from_pb(request.hidden, model),
         )
 
@@ -102,7 +101,7 @@ class ScoreCall:
             raise ValueError(f"beta: must be in (0, {MAX_BETA:g}], got {request.beta}")
         return cls(
             require_session(request.session),
-            require_start(request.start),
+            request.start,
             hidden_from_pb(request.hidden, model),
             jurors(request.jury, all_heads),
             request.temperature,

@@ -61,9 +61,10 @@ class JuryWorker:
         return self.sessions.release(session)
 
     def _forward(self, session: str, start: int, hidden: torch.Tensor) -> torch.Tensor:
-        cache = self.sessions.get(session, create=start == 0)
-        check_start(start, cache.length, "the jury")
+        # Limits first: a refused call must not open a session.
         check_capacity(start + len(hidden), self.max_session_tokens)
+        cache = self.sessions.get(session, start=start)
+        check_start(start, cache.length, "the jury")
         cache.truncate(start)
         logits = self.model.heads.forward(
             hidden.to(self.model.device, self.model.dtype), cache, start

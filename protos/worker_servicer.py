@@ -32,12 +32,6 @@ def require_session(session: str) -> str:
     return session
 
 
-def require_start(start: int) -> int:
-    if start < 0:
-        raise ValueError(f"start: must be >= 0, got {start}")
-    return start
-
-
 def model_description_to_pb(
     model: HydraModel, context_length: int
 ) -> internal_pb2.ModelDescription:

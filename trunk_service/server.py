@@ -36,7 +36,6 @@ from protos.worker_servicer import (
     llm_heads_in_order,
     model_description_to_pb,
     require_session,
-    require_start,
     start_server,
     worker_limits,
 )
@@ -85,7 +84,7 @@ class PrefillCall:
     def from_pb(cls, request: internal_pb2.TrunkPrefillRequest, vocab_size: int) -> PrefillCall:
         return cls(
             require_session(request.session),
-            require_start(request.start),
+            request.start,
             token_ids("tokens", request.tokens, vocab_size),
         )
 
@@ -127,7 +126,7 @@ class DraftCall:
             raise ValueError("sampling: required when a draft_head is given")
         return cls(
             require_session(request.session),
-            require_start(request.start),
+            request.start,
             int(token_ids("pending_token", [request.pending_token], vocab_size)[0]),
             request.gamma,
             draft_head,

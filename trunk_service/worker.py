@@ -99,9 +99,10 @@ class TrunkWorker:
 
     def prefill(self, session: str, start: int, tokens: torch.Tensor) -> torch.Tensor:
         """Runs tokens [T] at positions start.. through the trunk; returns hidden [T, D]."""
-        state = self.sessions.get(session, create=start == 0)
-        check_start(start, state.trunk.length, "the trunk")
+        # Limits first: a refused call must not open a session.
         check_capacity(start + len(tokens), self.max_session_tokens)
+        state = self.sessions.get(session, start=start)
+        check_start(start, state.trunk.length, "the trunk")
         return self._trunk_step(state, tokens.to(self.model.device), start)
 
     def _trunk_step(self, state: _Session, tokens: torch.Tensor, start: int) -> torch.Tensor:
@@ -127,9 +128,9 @@ class TrunkWorker:
         through the trunk and the draft head: γ trunk steps, γ draft tokens at positions
         start+1..start+γ. Without a draft head (non-speculative decoding) γ must be 1 and
         only the trunk runs."""
-        state = self.sessions.get(session, create=start == 0)
-        check_start(start, state.trunk.length, "the trunk")
         check_capacity(start + gamma, self.max_session_tokens)
+        state = self.sessions.get(session, start=start)
+        check_start(start, state.trunk.length, "the trunk")
         if draft_head is None:
             if gamma != 1:
                 raise ValueError("without a draft head only one trunk step can be taken")

@@ -48,6 +48,11 @@ def test_session_and_length_limits(jury_model):
     with pytest.raises(CapacityError, match="over the limit of 8 tokens per session"):
         trunk.draft("a", 2, 6, 7, "head0", GREEDY, 0)
     assert trunk.release("a") and not trunk.release("a")
+    with pytest.raises(CapacityError, match="over the limit of 8 tokens per session"):
+        trunk.prefill("b", 0, torch.arange(9))
+    assert len(trunk.sessions) == 0  # a refused call opens no session
+    with pytest.raises(ValueError, match="start: must be >= 0, got -1"):
+        trunk.prefill("b", -1, torch.tensor([5]))
     trunk.prefill("b", 0, torch.tensor([5]))
 
 
