@@ -66,3 +66,11 @@ def jury_checkpoint(tmp_path_factory) -> Path:
     return build_hydra(
         base, root / "hydra", trunk_layers=JURY_TRUNK_LAYERS, heads=4, head_from=tunes
     )
+
+
+@pytest.fixture(scope="session")
+def jury_model(jury_checkpoint):
+    """The whole jury checkpoint loaded once, for calling the runtime and workers directly."""
+    from hydra_model import HydraModel
+
+    return HydraModel.load(jury_checkpoint)

@@ -18,18 +18,21 @@ from protos.hydrajury.v1 import generation_pb2_grpc, internal_pb2, internal_pb2_
 from trunk_service.server import serve_trunk
 
 
-class EventLoopThread:
+class BackgroundLoop:
+    """An asyncio event loop running in a daemon thread; `run` waits for a coroutine."""
+
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
 
-    def run(self, coroutine: Coroutine, timeout: float = 60) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+    def run(self, coroutine: Coroutine[Any, Any, Any], timeout_s: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self._thread.join()
+        self.loop.close()
 
 
 @dataclass
@@ -38,7 +41,7 @@ class Stack:
     shards: list[list[str]]  # heads of each jury shard
     max_sessions: int = 4
     max_session_tokens: int = 128
-    loop: EventLoopThread = field(default_factory=EventLoopThread)
+    loop: BackgroundLoop = field(default_factory=BackgroundLoop)
     servers: dict[str, Any] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
     channels: list[grpc.Channel] = field(default_factory=list)

@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hydra_model import HydraModel
 from orchestrator.backend import LocalBackend
 from orchestrator.engine import Engine
-
-
-@pytest.fixture(scope="session")
-def jury_model(jury_checkpoint) -> HydraModel:
-    return HydraModel.load(jury_checkpoint)
 
 
 @pytest.fixture(scope="session")

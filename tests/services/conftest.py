@@ -8,38 +8,19 @@ in milliseconds), stopped when the test ends.
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import pytest
 
-from hydra_model import HydraModel
 from jury_service.server import serve_jury
 from protos.hydrajury.v1 import internal_pb2_grpc
+from tests.grpc_stack import BackgroundLoop
 from trunk_service.server import serve_trunk
 
 SERVICE_LIMITS = {"max_sessions": 2, "max_session_tokens": 32}
-
-
-class BackgroundLoop:
-    """An asyncio event loop running in a daemon thread; `run` waits for a coroutine."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-
-    def run(self, coroutine: Coroutine[Any, Any, Any], timeout_s: float = 30.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self.loop.close()
 
 
 @dataclass
@@ -62,12 +43,6 @@ def background_loop():
     loop = BackgroundLoop()
     yield loop
     loop.close()
-
-
-@pytest.fixture(scope="session")
-def full_model(jury_checkpoint) -> HydraModel:
-    """The whole checkpoint in this process, for calling the workers directly."""
-    return HydraModel.load(jury_checkpoint)
 
 
 def _starter(serve, stub_class, checkpoint, loop: BackgroundLoop):

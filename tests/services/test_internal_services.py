@@ -91,18 +91,18 @@ def assert_error(method, request, code: grpc.StatusCode, message: str) -> None:
 # --- Info, health, reflection ---------------------------------------------------------
 
 
-def test_info_describes_the_model_the_heads_and_the_limits(start_trunk, start_jury, full_model):
+def test_info_describes_the_model_the_heads_and_the_limits(start_trunk, start_jury, jury_model):
     trunk = start_trunk(drafter_heads=["head2", "head0"], idle_timeout_s=60)
     jury = start_jury(heads=["head3", "head1"])
     trunk_info = trunk.stub.Info(internal_pb2.InfoRequest())
     jury_info = jury.stub.Info(internal_pb2.InfoRequest())
     for info in (trunk_info, jury_info):
         model = info.model
-        assert model.fingerprint == full_model.fingerprint
+        assert model.fingerprint == jury_model.fingerprint
         assert (model.architecture, model.vocab_size, model.hidden_size) == ("llama", 32, 64)
         assert model.context_length == 32  # the session limit, below the model's 256
         assert list(model.heads) == ["head0", "head1", "head2", "head3"]
-        assert list(model.eos_token_ids) == list(full_model.config.eos_token_ids)
+        assert list(model.eos_token_ids) == list(jury_model.config.eos_token_ids)
         assert model.dtype == "float32"
         assert len(info.epoch) == 16
     # Head lists come in checkpoint order whatever the order asked for.
@@ -132,8 +132,8 @@ def test_health_and_reflection(trunk, jury):
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_trunk_rpcs_match_the_worker(trunk, full_model, sampling):
-    worker = TrunkWorker(full_model, max_sessions=1, max_session_tokens=32)
+def test_trunk_rpcs_match_the_worker(trunk, jury_model, sampling):
+    worker = TrunkWorker(jury_model, max_sessions=1, max_session_tokens=32)
     expected_hidden = worker.prefill("s", 0, torch.tensor(PROMPT))
     expected = worker.draft("s", 5, 11, 4, "head1", sampling, 7, True)
 
@@ -163,7 +163,7 @@ def test_trunk_rpcs_match_the_worker(trunk, full_model, sampling):
     assert (step.trunk_steps, step.head_evaluations) == (1, 0)
 
 
-def test_jury_rpcs_match_the_worker(start_jury, jury_checkpoint, full_model):
+def test_jury_rpcs_match_the_worker(start_jury, jury_checkpoint, jury_model):
     jury = start_jury(heads=["head1", "head3"])
     worker = JuryWorker(
         HydraModel.load(jury_checkpoint, heads=["head1", "head3"], load_trunk=False),
@@ -171,7 +171,7 @@ def test_jury_rpcs_match_the_worker(start_jury, jury_checkpoint, full_model):
         max_session_tokens=32,
     )
     tokens = torch.tensor([*PROMPT, 11, 12, 13])
-    hidden = full_model.trunk.forward(tokens, full_model.trunk_cache(32), 0)  # [8, D]
+    hidden = jury_model.trunk.forward(tokens, jury_model.trunk_cache(32), 0)  # [8, D]
     worker.prefill("s", 0, hidden[:5])
     expected = worker.score("s", 5, hidden[5:], ["head0", "head1", "head3"], 0.7, 2.0, True)
 
