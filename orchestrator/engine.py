@@ -133,7 +133,6 @@ class Engine:
         gamma = min(request.gamma, request.max_new_tokens - len(run.generated))
         if request.rule == "verifier_only":
             gamma = 1
-        speculative_head = prepared.draft_head
         # Cascade rules decide with temperature-1, unfiltered distributions.
         with_decision = request.rule.startswith("cascade") and not prepared.sampling.greedy
         began = time.perf_counter()
@@ -142,7 +141,7 @@ class Engine:
             start,
             pending,
             gamma,
-            speculative_head,
+            prepared.draft_head,
             prepared.sampling,
             prepared.seed,
             with_decision,

@@ -50,6 +50,7 @@ class TransportStats:
 @dataclass
 class _Service:
     name: str  # "trunk service at HOST:PORT"
+    address: str
     channel: grpc.Channel
     stub: object
     info: object
@@ -89,7 +90,7 @@ class GrpcBackend(DecodingBackend):
         except grpc.RpcError as error:
             channel.close()
             raise ServiceUnavailable(f"{name} did not answer Info: {error.details()}") from None
-        return _Service(name, channel, stub, info)
+        return _Service(name, address, channel, stub, info)
 
     def _check_layout(self) -> ModelInfo:
         model = self.trunk.info.model
@@ -269,7 +270,7 @@ class GrpcBackend(DecodingBackend):
         ] * len(self.shards)
         began = time.perf_counter_ns()
         responses = self._call_all(self.shards, "Score", requests)
-        self._account("score", began, requests[:1] * len(responses), responses)
+        self._account("score", began, requests, responses)
         rows, vocab = hidden.shape[0], self.info.vocab_size
         log_product = decision = None
         votes, voters, evaluations = [], [], 0

@@ -39,19 +39,15 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(
         self,
-        engine: Engine,
         backend: GrpcBackend,
+        tokenizer,
         metrics: OrchestratorMetrics,
         *,
-        trunk_address: str,
-        jury_addresses: list[str],
         max_concurrency: int = 32,
     ) -> None:
-        self.engine = engine
+        self.engine = Engine(backend, tokenizer)
         self.backend = backend
         self.metrics = metrics
-        self.trunk_address = trunk_address
-        self.jury_addresses = jury_addresses
         self._pool = ThreadPoolExecutor(
             max_workers=max_concurrency, thread_name_prefix="generation"
         )
@@ -70,8 +66,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             rules=RULES,
             max_gamma=MAX_GAMMA,
             context_length=info.context_length,
-            trunk=self.trunk_address,
-            jury_shards=self.jury_addresses,
+            trunk=self.backend.trunk.address,
+            jury_shards=[shard.address for shard in self.backend.shards],
         )
 
     async def CloseSession(self, request, context):
@@ -183,14 +179,7 @@ async def serve_orchestrator(
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     metrics = OrchestratorMetrics()
-    servicer = GenerationServicer(
-        Engine(backend, tokenizer),
-        backend,
-        metrics,
-        trunk_address=trunk,
-        jury_addresses=jury,
-        max_concurrency=max_concurrency,
-    )
+    servicer = GenerationServicer(backend, tokenizer, metrics, max_concurrency=max_concurrency)
     server = GrpcServer(
         lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
         [SERVICE_NAME],
