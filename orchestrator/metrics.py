@@ -70,7 +70,8 @@ class OrchestratorMetrics:
         server, _thread = start_http_server(port, addr=address, registry=self.registry)
         return server.server_port
 
-    def observe_round(self, output: RoundOutput, drafted: int, accepted: int) -> None:
+    def observe_round(self, output: RoundOutput) -> None:
+        drafted, accepted = output.drafted, output.accepted
         self.tokens.inc(len(output.tokens))
         self.drafted.inc(drafted)
         self.accepted.inc(accepted)

@@ -141,7 +141,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     per_token = (now - first_at) / max(1, emitted + len(item.tokens) - 1)
                     self.metrics.tpot.observe(per_token)
                 emitted += len(item.tokens)
-                self.metrics.observe_round(item, item.drafted, item.accepted)
+                self.metrics.observe_round(item)
                 yield item, summary
         finally:
             # Finished, failed or cancelled by the client: stop the worker between rounds.
