@@ -33,7 +33,7 @@ test: setup protos lint
 	$(PY) -m pytest -q
 
 model: setup
-	$(PY) -m hydra_model.demo --out $(MODEL_DIR)
+	$(PY) -m hydra_model.build.demo --out $(MODEL_DIR)
 
 # The local stack: trunk, two jury shards and the orchestrator on 127.0.0.1:50050.
 run: model protos

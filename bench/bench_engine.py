@@ -20,9 +20,10 @@ from contextlib import contextmanager
 import torch
 
 from hydra_model import HeadStack, HydraModel, Trunk
-from orchestrator.backend import LocalBackend
 from orchestrator.engine import Engine
+from orchestrator.local_backend import LocalBackend
 from orchestrator.request import GenerationRequest
+from workers.sessions import SessionLimits
 
 PROMPT = "Write a short story about a robot who learns to paint."
 MODES = [
@@ -66,7 +67,7 @@ class ForwardTimer:
 def run_mode(
     model: HydraModel, tokenizer, options: dict, new_tokens: int, temperature: float, seed: int
 ) -> dict:
-    backend = LocalBackend(model, max_sessions=1, max_session_tokens=1024)
+    backend = LocalBackend(model, limits=SessionLimits(1, 1024))
     engine = Engine(backend, tokenizer)
     request = GenerationRequest(
         messages=[{"role": "user", "content": PROMPT}],

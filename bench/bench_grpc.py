@@ -22,12 +22,13 @@ import grpc
 import torch
 
 from hydra_model import HydraModel
-from orchestrator.backend import LocalBackend
 from orchestrator.engine import Engine
 from orchestrator.grpc_backend import GrpcBackend
 from orchestrator.launcher import LocalStack
+from orchestrator.local_backend import LocalBackend
 from orchestrator.request import GenerationRequest
 from protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
+from workers.sessions import SessionLimits
 
 PROMPT = "Write a short story about a robot who learns to paint."
 MODES = [
@@ -102,7 +103,7 @@ def main() -> None:
         stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
         model = HydraModel.load(args.checkpoint)
         tokenizer = model.load_tokenizer()
-        local = Engine(LocalBackend(model, max_sessions=1, max_session_tokens=1024), tokenizer)
+        local = Engine(LocalBackend(model, limits=SessionLimits(1, 1024)), tokenizer)
         backend = GrpcBackend(trunk, shards)
         remote = Engine(backend, tokenizer)
         print(

@@ -5,8 +5,7 @@
   preallocated caches
 - `trunk`, `heads`: the `Trunk` and the `HeadStack`
 - `checkpoint`, `model`: the checkpoint format and a loaded `HydraModel`
-- `sources`, `lora`, `builder`, `demo`: building checkpoints from Hugging Face models
-- `inspect`: a summary of a checkpoint
+- `build/`: offline tooling (checkpoint builder, sources, LoRA merge, demo, describe)
 """
 
 from hydra_model.checkpoint import CheckpointError

@@ -20,7 +20,7 @@ from hydra_model.checkpoint import (
     split_layers,
 )
 from hydra_model.heads import HeadStack
-from hydra_model.kv_cache import KVCache, KVCachePool, bytes_per_position
+from hydra_model.kv_cache import KVCache, KVCachePool
 from hydra_model.layers import LayerStack
 from hydra_model.rope import RotaryTable
 from hydra_model.trunk import Trunk
@@ -40,6 +40,7 @@ class HydraModel:
     heads: HeadStack  # the loaded `llm` heads, in checkpoint order
     dtype: torch.dtype
     device: torch.device
+    fingerprint: str  # sha256 of hydra.json, read once at load: same checkpoint, same id
 
     @property
     def config(self):
@@ -52,11 +53,6 @@ class HydraModel:
     @property
     def head_names(self) -> list[str]:
         return list(self.heads.names)
-
-    @property
-    def fingerprint(self) -> str:
-        """sha256 of hydra.json: services built from the same checkpoint share it."""
-        return checkpoint_fingerprint(self.directory)
 
     def head_index(self, name: str) -> int:
         if name not in self.heads.names:
@@ -114,7 +110,8 @@ class HydraModel:
             )
             trunk = Trunk(trunk_tensors["embed_tokens.weight"], layers, rope)
         head_stack = _load_heads(directory, manifest, chosen, trunk_tensors, rope, read)
-        return cls(manifest, directory, trunk, head_stack, torch_dtype, torch_device)
+        fingerprint = checkpoint_fingerprint(directory)
+        return cls(manifest, directory, trunk, head_stack, torch_dtype, torch_device, fingerprint)
 
     def load_tokenizer(self):
         from transformers import AutoTokenizer
@@ -152,20 +149,6 @@ class HydraModel:
             head_dim=config.head_dim,
             dtype=self.dtype,
             device=self.device,
-        )
-
-    def cache_bytes_per_position(self, stack: int, trunk: bool = False) -> int:
-        layers = (
-            self.manifest.trunk_layers
-            if trunk
-            else self.config.num_layers - self.manifest.trunk_layers
-        )
-        return bytes_per_position(
-            stack=stack,
-            layers=layers,
-            kv_heads=self.config.num_key_value_heads,
-            head_dim=self.config.head_dim,
-            dtype=self.dtype,
         )
 
 

@@ -1,22 +1,17 @@
-"""What the decoding loop needs from the model, and the in-process implementation.
+"""What the decoding loop needs from the model: `DecodingBackend`, with two transports —
+in-process (`orchestrator.local_backend`) and gRPC (`orchestrator.grpc_backend`).
 
-The loop (`orchestrator.engine`) is written once against `DecodingBackend`; the
-in-process backend calls the trunk and jury workers directly, and the gRPC backend
-calls the same workers inside their services. Every stateful call names the position
-its caches must start from (see `hydra_model.sessions`).
+Every method takes one call object from `workers.calls` and returns its result; every
+stateful call names the position its caches must start from (the position rule,
+`workers.sessions`), so calls are idempotent and there is no rollback call.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-import torch
-
-from hydra_model import HydraModel
-from jury_service.worker import JuryWorker, ScoreResult
-from poe import SamplingParams
-from trunk_service.worker import DraftResult, TrunkWorker
+from workers.calls import DraftCall, DraftResult, PrefillCall, ScoreCall, ScoreResult
 
 
 @dataclass(frozen=True)
@@ -33,105 +28,19 @@ class DecodingBackend(ABC):
     info: ModelInfo
 
     @abstractmethod
-    def prefill(self, session: str, start: int, tokens: torch.Tensor) -> None:
-        """Processes tokens [T] at positions start.. in the trunk and the jury."""
+    def prefill(self, call: PrefillCall) -> None:
+        """Processes the tokens in the trunk and the jury."""
 
     @abstractmethod
-    def draft(
-        self,
-        session: str,
-        start: int,
-        pending: int,
-        gamma: int,
-        draft_head: str | None,
-        sampling: SamplingParams,
-        seed: int,
-        with_decision: bool,
-    ) -> DraftResult:
-        """γ trunk + draft-head steps from the pending token (see `TrunkWorker.draft`)."""
+    def draft(self, call: DraftCall) -> DraftResult:
+        """γ trunk + draft-head steps from the pending token (`workers.trunk`). The
+        result's tensors are on the host; its hidden states are an opaque handle."""
 
     @abstractmethod
-    def score(
-        self,
-        session: str,
-        start: int,
-        hidden: torch.Tensor,
-        jury: list[str],
-        temperature: float,
-        beta: float,
-        with_decision: bool,
-    ) -> ScoreResult:
-        """The jury's log-product (summed over shards) and votes for the draft's hidden
-        states (`DraftResult.hidden` as `draft` returned it: a tensor in-process, the
-        message itself over gRPC)."""
+    def score(self, call: ScoreCall) -> ScoreResult:
+        """The whole jury's log-product (the shards' partials added) and votes, in
+        checkpoint order, on the host."""
 
     @abstractmethod
     def release(self, session: str) -> None:
-        """Frees the session's caches everywhere."""
-
-
-class LocalBackend(DecodingBackend):
-    """Trunk and jury in this process, sharing one loaded model's weights."""
-
-    def __init__(
-        self,
-        model: HydraModel,
-        *,
-        drafter_heads: list[str] | None = None,
-        max_sessions: int = 4,
-        max_session_tokens: int = 2048,
-    ) -> None:
-        self.model = model
-        self.trunk = TrunkWorker(
-            model,
-            drafter_heads=drafter_heads,
-            max_sessions=max_sessions,
-            max_session_tokens=max_session_tokens,
-        )
-        self.jury = JuryWorker(
-            model, max_sessions=max_sessions, max_session_tokens=max_session_tokens
-        )
-        config = model.config
-        self.info = ModelInfo(
-            head_names=tuple(model.head_names),
-            drafter_heads=tuple(self.trunk.drafters),
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            context_length=self.trunk.max_session_tokens,
-            eos_token_ids=config.eos_token_ids,
-        )
-
-    def prefill(self, session: str, start: int, tokens: torch.Tensor) -> None:
-        self.jury.prefill(session, start, self.trunk.prefill(session, start, tokens))
-
-    # The loop's maths runs on the host, on [γ, V] tensors, as it does over gRPC; the
-    # hidden states stay on the model's device for the jury.
-    def draft(
-        self, session, start, pending, gamma, draft_head, sampling, seed, with_decision
-    ) -> DraftResult:
-        result = self.trunk.draft(
-            session, start, pending, gamma, draft_head, sampling, seed, with_decision
-        )
-        return replace(
-            result,
-            tokens=_host(result.tokens),
-            logprobs=_host(result.logprobs),
-            decision_logprobs=_host(result.decision_logprobs),
-        )
-
-    def score(self, session, start, hidden, jury, temperature, beta, with_decision) -> ScoreResult:
-        result = self.jury.score(session, start, hidden, jury, temperature, beta, with_decision)
-        return replace(
-            result,
-            log_product=_host(result.log_product),
-            decision_log_product=_host(result.decision_log_product),
-            votes=_host(result.votes),
-        )
-
-    def release(self, session: str) -> None:
-        self.trunk.release(session)
-        self.jury.release(session)
-
-
-def _host(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else tensor.cpu()
+        """Frees the session's caches everywhere (best effort)."""

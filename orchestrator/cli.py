@@ -58,7 +58,7 @@ def _add_build(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_build(args: argparse.Namespace) -> int:
-    from hydra_model.builder import BuildOptions, build_checkpoint
+    from hydra_model.build.builder import BuildOptions, build_checkpoint
 
     options = BuildOptions(
         source=args.source,
@@ -82,15 +82,15 @@ def _add_inspect(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from hydra_model.inspect import describe_checkpoint
+    from hydra_model.build.describe import describe_checkpoint
 
     print(describe_checkpoint(args.checkpoint))
     return 0
 
 
 def _add_generate(commands: argparse._SubParsersAction) -> None:
-    from orchestrator.request import MAX_GAMMA
     from poe import RULES
+    from workers.calls import MAX_GAMMA
 
     parser = commands.add_parser(
         "generate",
@@ -143,8 +143,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     import json
 
     from hydra_model import HydraModel
-    from orchestrator.backend import LocalBackend
     from orchestrator.engine import Engine
+    from orchestrator.local_backend import LocalBackend
     from orchestrator.request import GenerationRequest
 
     messages = None
@@ -211,14 +211,19 @@ def _generate_remote(args: argparse.Namespace, request) -> int:
     return 0
 
 
+# The server commands own their flags: `main` hands everything after the name over.
+# The worker services are found by name: the CLI is the one place that starts every
+# component, and the orchestrator package never imports a service package.
+SERVER_COMMANDS = {
+    "trunk": ("serve the trunk and drafter heads (gRPC)", "trunk_service.server:TRUNK_SERVICE"),
+    "jury": ("serve a shard of verifier heads (gRPC)", "jury_service.server:JURY_SERVICE"),
+    "orchestrator": ("serve the public Generation API (gRPC)", "orchestrator.__main__:main"),
+}
+
+
 def _add_services(commands: argparse._SubParsersAction) -> None:
-    for name, module, help_text in (
-        ("trunk", "trunk_service", "serve the trunk and drafter heads (gRPC)"),
-        ("jury", "jury_service", "serve a shard of verifier heads (gRPC)"),
-        ("orchestrator", "orchestrator.__main__", "serve the public Generation API (gRPC)"),
-    ):
-        parser = commands.add_parser(name, help=help_text, add_help=False)
-        parser.set_defaults(handler=None, module=module)
+    for name, (help_text, _entry) in SERVER_COMMANDS.items():
+        commands.add_parser(name, help=help_text, add_help=False)
     parser = commands.add_parser(
         "up",
         help="run the local stack: trunk, jury shards and orchestrator",
@@ -255,10 +260,17 @@ def _run_up(args: argparse.Namespace) -> int:
         stack.stop()
 
 
-def _run_service(module: str, argv: list[str], prog: str) -> int:
+def _run_server(name: str, argv: list[str]) -> int:
     import importlib
 
-    return importlib.import_module(module).main(argv, prog=prog)
+    module, attribute = SERVER_COMMANDS[name][1].split(":")
+    entry = getattr(importlib.import_module(module), attribute)
+    prog = f"hydra-jury {name}"
+    if callable(entry):
+        return entry(argv, prog=prog)
+    from serving.worker_service import service_main
+
+    return service_main(entry, argv, prog=prog)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,14 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # The service commands own their flags: hand everything after the name over.
-    if argv and argv[0] in ("trunk", "jury", "orchestrator"):
-        module = {
-            "trunk": "trunk_service.__main__",
-            "jury": "jury_service.__main__",
-            "orchestrator": "orchestrator.__main__",
-        }[argv[0]]
-        return _run_service(module, argv[1:], prog=f"hydra-jury {argv[0]}")
+    if argv and argv[0] in SERVER_COMMANDS:
+        return _run_server(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

@@ -10,8 +10,13 @@ Terms
   first trunk step processes the pending token.
 - baselines: `verifier_only` takes one trunk step and one jury call per token and
   samples from the target; `drafter_only` keeps every draft token and calls no jury.
+- stop condition: an end-of-sequence token, a stop sequence, or the token limit. A
+  round is cut after the token that meets one; the tokens after it were never emitted,
+  and the request statistics count the round as if it had drafted only up to it.
 
-Written once against `DecodingBackend`: the in-process and gRPC transports share it.
+A round is a chain of short steps: `_draft` → (`_score`) → one of `_keep_draft`,
+`_sample_target`, `_accept_greedy`, `_accept_sampled` → `_commit`. Written once
+against `DecodingBackend`: the in-process and gRPC transports share it.
 """
 
 from __future__ import annotations
@@ -23,24 +28,29 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hydra_model.sessions import PositionError
 from orchestrator.backend import DecodingBackend
-from orchestrator.output import GenerationOutput, RoundOutput, TokenRecord
+from orchestrator.detokenizer import IncrementalDetokenizer
+from orchestrator.output import FinishReason, GenerationOutput, RoundOutput, TokenKind, TokenRecord
 from orchestrator.request import GenerationRequest, PreparedRequest, prepare_request
 from poe import (
     RequestStats,
+    Rule,
     acceptance_probs,
     categorical,
     entropy,
     filter_logprobs,
+    greedy_tokens,
     greedy_verdict,
     normalise_logprobs,
     residual_probs,
     stability_margin,
     stability_radius,
+    suppression_score,
     uniforms,
     validity_radius,
 )
+from workers.calls import DraftCall, DraftResult, PrefillCall, ScoreCall, ScoreResult
+from workers.errors import PositionError
 
 
 @dataclass
@@ -48,14 +58,13 @@ class _Verdict:
     """What one round decided, before stop conditions."""
 
     tokens: list[int]
+    kinds: list[TokenKind]
     drafted: int
     accepted: int
-    kinds: list[str]
     target_probs: torch.Tensor | None = None  # [rows, V] unfiltered target, for metrics
     votes: torch.Tensor | None = None  # [rows, J]
-    voters: list[str] = field(default_factory=list)
+    voters: tuple[str, ...] = ()
     rejected: int | None = None  # the draft token the replacement took the place of
-    timings: dict[str, float] = field(default_factory=dict)  # draft_s, score_s
 
 
 @dataclass
@@ -63,12 +72,19 @@ class _Run:
     prepared: PreparedRequest
     session: str
     committed: list[int]
+    detokenizer: IncrementalDetokenizer
     generated: list[int] = field(default_factory=list)
     records: list[TokenRecord] = field(default_factory=list)
     round_sizes: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
-    text: str = ""
-    finish_reason: str | None = None
+    text: str = ""  # the text of the generated tokens (up to a stop sequence)
+    sent: int = 0  # characters of `text` handed out in round deltas
+    finish_reason: FinishReason | None = None
+
+    @property
+    def start(self) -> int:
+        """The processed length: where the next round's caches start."""
+        return len(self.committed) - 1
 
 
 class Engine:
@@ -86,7 +102,12 @@ class Engine:
         generation, to be iterated round by round. `session` names its caches on the
         services (default: a fresh id)."""
         prepared = self.prepare(request)
-        run = _Run(prepared, session or uuid.uuid4().hex, list(prepared.prompt_tokens))
+        run = _Run(
+            prepared,
+            session or uuid.uuid4().hex,
+            list(prepared.prompt_tokens),
+            IncrementalDetokenizer(self.tokenizer),
+        )
         return Generation(self, run)
 
     def generate(self, request: GenerationRequest) -> GenerationOutput:
@@ -105,19 +126,17 @@ class Engine:
             self._prefill(run)
             while run.finish_reason is None:
                 began = time.perf_counter()
+                timings: dict[str, float] = {}
                 try:
-                    verdict = self._round(run)
+                    verdict = self._round(run, timings)
                 except PositionError:
                     # A service lost this session's caches (it restarted): rebuild them
                     # from the committed tokens, once, and run the round again.
                     self._prefill(run)
-                    verdict = self._round(run)
+                    verdict = self._round(run, timings)
                 output = self._commit(run, verdict)
                 spent = time.perf_counter() - began
-                output.timings = {
-                    **verdict.timings,
-                    "accept_s": spent - sum(verdict.timings.values()),
-                }
+                output.timings = {**timings, "accept_s": spent - sum(timings.values())}
                 yield output
         finally:
             self.backend.release(run.session)
@@ -125,171 +144,189 @@ class Engine:
     def _prefill(self, run: _Run) -> None:
         """Every committed token but the pending one, into every component."""
         if len(run.committed) > 1:
-            self.backend.prefill(run.session, 0, torch.tensor(run.committed[:-1]))
+            self.backend.prefill(PrefillCall(run.session, 0, torch.tensor(run.committed[:-1])))
 
-    def _round(self, run: _Run) -> _Verdict:
-        prepared, request = run.prepared, run.prepared.request
-        start, pending = len(run.committed) - 1, run.committed[-1]
-        gamma = min(request.gamma, request.max_new_tokens - len(run.generated))
-        if request.rule == "verifier_only":
-            gamma = 1
-        # Cascade rules decide with temperature-1, unfiltered distributions.
-        with_decision = request.rule.startswith("cascade") and not prepared.sampling.greedy
-        began = time.perf_counter()
-        draft = self.backend.draft(
+    # --- one round -------------------------------------------------------------------
+
+    def _round(self, run: _Run, timings: dict[str, float]) -> _Verdict:
+        rule = run.prepared.rule
+        draft = self._draft(run, timings)
+        if rule == Rule.DRAFTER_ONLY:
+            return self._keep_draft(draft)
+        score = self._score(run, draft, timings)
+        target_logprobs = normalise_logprobs(score.log_product)  # [γ, V]
+        if rule == Rule.VERIFIER_ONLY:
+            return self._sample_target(run, target_logprobs, score)
+        if run.prepared.sampling.greedy:
+            return self._accept_greedy(run, draft, target_logprobs, score)
+        return self._accept_sampled(run, draft, target_logprobs, score)
+
+    def _draft(self, run: _Run, timings: dict[str, float]) -> DraftResult:
+        prepared = run.prepared
+        remaining = prepared.request.max_new_tokens - len(run.generated)
+        gamma = 1 if prepared.rule == Rule.VERIFIER_ONLY else min(prepared.request.gamma, remaining)
+        call = DraftCall(
             run.session,
-            start,
-            pending,
+            run.start,
+            run.committed[-1],
             gamma,
             prepared.draft_head,
             prepared.sampling,
             prepared.seed,
-            with_decision,
+            # Cascade rules decide with temperature-1, unfiltered distributions.
+            with_decision=prepared.rule.is_cascade and not prepared.sampling.greedy,
         )
-        drafted_at = time.perf_counter()
-        timings = {"draft_s": drafted_at - began, "score_s": 0.0}
+        began = time.perf_counter()
+        draft = self.backend.draft(call)
+        timings["draft_s"] = time.perf_counter() - began
         run.stats.trunk_steps += draft.trunk_steps
         run.stats.head_evaluations += draft.head_evaluations
-        draft_tokens = draft.tokens.tolist()
-        if request.rule == "drafter_only":
-            return _Verdict(draft_tokens, gamma, gamma, ["draft"] * gamma, timings=timings)
-        score = self.backend.score(
-            run.session,
-            start,
-            draft.hidden,
-            prepared.jury,
-            request.temperature,
-            request.beta,
-            with_decision,
-        )
-        run.stats.head_evaluations += score.head_evaluations
-        timings["score_s"] = time.perf_counter() - drafted_at
-        target_logprobs = normalise_logprobs(score.log_product)  # [γ, V]
-        target_probs = target_logprobs.exp()
-        positions = torch.arange(start + 1, start + 1 + gamma)  # of the decided tokens
-        if request.rule == "verifier_only":
-            if prepared.sampling.greedy:
-                token = int(target_logprobs[0].argmax())
-            else:
-                filtered = filter_logprobs(target_logprobs, prepared.sampling).exp()
-                token = int(categorical(filtered, prepared.seed, positions, "sample")[0])
-            return _Verdict(
-                [token],
-                0,
-                0,
-                ["sample"],
-                target_probs,
-                score.votes,
-                score.voters,
-                timings=timings,
-            )
+        return draft
 
-        rule, lenience = request.rule, request.lenience
+    def _score(self, run: _Run, draft: DraftResult, timings: dict[str, float]) -> ScoreResult:
+        prepared = run.prepared
+        call = ScoreCall(
+            run.session,
+            run.start,
+            draft.hidden,
+            tuple(prepared.jury),
+            prepared.request.temperature,
+            prepared.request.beta,
+            with_decision=draft.decision_logprobs is not None,
+        )
+        began = time.perf_counter()
+        score = self.backend.score(call)
+        timings["score_s"] = time.perf_counter() - began
+        run.stats.head_evaluations += score.head_evaluations
+        return score
+
+    @staticmethod
+    def _keep_draft(draft: DraftResult) -> _Verdict:
+        """drafter_only: every draft token is kept; no jury, no metrics."""
+        gamma = len(draft.tokens)
+        return _Verdict(draft.tokens.tolist(), [TokenKind.DRAFT] * gamma, gamma, gamma)
+
+    @staticmethod
+    def _sample_target(run: _Run, target_logprobs: torch.Tensor, score: ScoreResult) -> _Verdict:
+        """verifier_only: one token from the target, nothing drafted."""
+        prepared = run.prepared
+        target_probs = target_logprobs.exp()  # [1, V]
         if prepared.sampling.greedy:
-            draft_probs = draft.logprobs.exp()
-            accepted, replacements = greedy_verdict(
-                rule, lenience, draft.tokens, draft_probs, target_probs
-            )
-            accepted_count = _leading_true(accepted)
-            replacement = int(replacements[accepted_count]) if accepted_count < gamma else None
+            token = int(greedy_tokens(target_probs)[0])
         else:
-            draft_probs = draft.logprobs.exp()
-            sampled_target = filter_logprobs(target_logprobs, prepared.sampling).exp()
-            decision_draft = draft.decision_logprobs.exp() if with_decision else draft_probs
-            decision_target = (
-                normalise_logprobs(score.decision_log_product).exp()
-                if with_decision
-                else sampled_target
-            )
-            keep = acceptance_probs(
+            filtered = filter_logprobs(target_logprobs, prepared.sampling).exp()
+            position = torch.tensor([run.start + 1])
+            token = int(categorical(filtered, prepared.seed, position, "sample")[0])
+        return _Verdict([token], [TokenKind.SAMPLE], 0, 0, target_probs, score.votes, score.voters)
+
+    @staticmethod
+    def _accept_greedy(
+        run: _Run, draft: DraftResult, target_logprobs: torch.Tensor, score: ScoreResult
+    ) -> _Verdict:
+        rule, lenience = run.prepared.rule, run.prepared.request.lenience
+        target_probs = target_logprobs.exp()
+        accepted, replacements = greedy_verdict(
+            rule, lenience, draft.tokens, draft.logprobs.exp(), target_probs
+        )
+        kept = _leading_true(accepted)
+        replacement = int(replacements[kept]) if kept < len(draft.tokens) else None
+        return _verdict(draft, kept, replacement, target_probs, score)
+
+    @staticmethod
+    def _accept_sampled(
+        run: _Run, draft: DraftResult, target_logprobs: torch.Tensor, score: ScoreResult
+    ) -> _Verdict:
+        prepared = run.prepared
+        rule, lenience, seed = prepared.rule, prepared.request.lenience, prepared.seed
+        gamma = len(draft.tokens)
+        positions = torch.arange(run.start + 1, run.start + 1 + gamma)  # of the drafts
+        draft_probs = draft.logprobs.exp()
+        sampled_target = filter_logprobs(target_logprobs, prepared.sampling).exp()
+        if draft.decision_logprobs is not None:
+            decision_draft = draft.decision_logprobs.exp()
+            decision_target = normalise_logprobs(score.decision_log_product).exp()
+        else:
+            decision_draft, decision_target = draft_probs, sampled_target
+        keep = acceptance_probs(
+            rule,
+            lenience,
+            draft_probs,
+            sampled_target,
+            draft.tokens,
+            decision_draft,
+            decision_target,
+        )
+        kept = _leading_true(uniforms(seed, positions, "accept") < keep.double())
+        replacement = None
+        if kept < gamma:
+            row = slice(kept, kept + 1)
+            residual = residual_probs(
                 rule,
                 lenience,
-                draft_probs,
-                sampled_target,
-                draft.tokens,
-                decision_draft,
-                decision_target,
+                draft_probs[row],
+                sampled_target[row],
+                decision_draft[row],
+                decision_target[row],
             )
-            draws = uniforms(prepared.seed, positions, "accept")
-            accepted_count = _leading_true(draws < keep.double())
-            replacement = None
-            if accepted_count < gamma:
-                row = slice(accepted_count, accepted_count + 1)
-                residual = residual_probs(
-                    rule,
-                    lenience,
-                    draft_probs[row],
-                    sampled_target[row],
-                    decision_draft[row],
-                    decision_target[row],
-                )
-                replacement = int(
-                    categorical(residual, prepared.seed, positions[row], "residual")[0]
-                )
-        tokens = draft_tokens[:accepted_count]
-        kinds = ["draft"] * accepted_count
-        if replacement is not None:
-            tokens.append(replacement)
-            kinds.append("replacement")
-        rejected = draft_tokens[accepted_count] if replacement is not None else None
-        return _Verdict(
-            tokens,
-            gamma,
-            accepted_count,
-            kinds,
-            target_probs,
-            score.votes,
-            score.voters,
-            rejected,
-            timings=timings,
-        )
+            replacement = int(categorical(residual, seed, positions[row], "residual")[0])
+        return _verdict(draft, kept, replacement, target_logprobs.exp(), score)
+
+    # --- commit ----------------------------------------------------------------------
 
     def _commit(self, run: _Run, verdict: _Verdict) -> RoundOutput:
-        run.stats.observe_round(verdict.drafted, verdict.accepted)
-        request = run.prepared.request
-        tokens, finish = list(verdict.tokens), None
-        eos = set(self.backend.info.eos_token_ids)
-        if not request.ignore_eos:
-            for index, token in enumerate(tokens):
-                if token in eos:
-                    tokens, finish = tokens[: index + 1], "eos"
-                    break
-        if finish is None and request.stop:
-            tokens, text, stopped = self._cut_at_stop(run, tokens)
-            finish = "stop" if stopped else None
-        else:
-            text = self._decode(run.generated + tokens)
+        tokens, finish = self._emit(run, verdict.tokens)
+        drafted, accepted = verdict.drafted, verdict.accepted
+        if len(tokens) < len(verdict.tokens):
+            # Cut by a stop condition: only accepted draft tokens can precede the cut
+            # (a replacement is always a round's last token), so the round decided on
+            # exactly the positions it emitted.
+            drafted = accepted = len(tokens)
+        run.stats.observe_round(drafted, accepted)
         records = self._records(run, verdict, tokens)
         run.committed += tokens
         run.generated += tokens
         run.records += records
         run.round_sizes.append(len(tokens))
-        if finish is None and len(run.generated) >= request.max_new_tokens:
-            finish = "length"
+        if finish is None and len(run.generated) >= run.prepared.request.max_new_tokens:
+            finish = FinishReason.LENGTH
         run.finish_reason = finish
-        # Hold back an incomplete character (a multi-byte sequence split between tokens).
-        if finish is None and text.endswith("\ufffd"):
-            text = run.text
-        delta, run.text = text[len(run.text) :], text
         return RoundOutput(
-            len(run.round_sizes) - 1, records, delta, finish, verdict.drafted, verdict.accepted
+            len(run.round_sizes) - 1, records, self._text_delta(run), finish, drafted, accepted
         )
 
-    def _cut_at_stop(self, run: _Run, tokens: list[int]) -> tuple[list[int], str, bool]:
-        """Cuts the round's tokens after the one that completes a stop sequence."""
-        stops = run.prepared.request.stop
-        search_from = max(0, len(run.text) - max(len(s) for s in stops) + 1)
-        text = self._decode(run.generated + tokens)
-        hits = [(text.find(s, search_from), s) for s in stops]
-        hits = [(index, s) for index, s in hits if index >= 0]
-        if not hits:
-            return tokens, text, False
-        index, _ = min(hits)
-        for count in range(1, len(tokens) + 1):
-            prefix = self._decode(run.generated + tokens[:count])
-            if any(prefix.find(s, search_from) >= 0 for s in stops):
-                return tokens[:count], text[:index], True
-        return tokens, text[:index], True
+    def _emit(self, run: _Run, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
+        """Appends the round's text to `run.text`, token by token while a stop condition
+        can cut the round; returns the tokens up to the cut and the finish reason."""
+        request = run.prepared.request
+        eos = () if request.ignore_eos else self.backend.info.eos_token_ids
+        if not request.stop and not any(token in eos for token in tokens):
+            run.text += run.detokenizer.push(tokens)
+            return tokens, None
+        longest_stop = max((len(stop) for stop in request.stop), default=0)
+        for index, token in enumerate(tokens):
+            checked_from = max(0, len(run.text) - longest_stop + 1)
+            run.text += run.detokenizer.push([token])
+            if token in eos:
+                return tokens[: index + 1], FinishReason.EOS
+            hits = [i for stop in request.stop if (i := run.text.find(stop, checked_from)) >= 0]
+            if hits:
+                run.text = run.text[: min(hits)]
+                return tokens[: index + 1], FinishReason.STOP
+        return tokens, None
+
+    @staticmethod
+    def _text_delta(run: _Run) -> str:
+        """The text not yet handed out. Until the generation finishes, a tail that could
+        be the start of a stop sequence is held back, so no text is sent that a later
+        stop would cut."""
+        if run.finish_reason is not None:
+            if run.finish_reason != FinishReason.STOP:
+                run.text += run.detokenizer.flush()
+            end = len(run.text)
+        else:
+            end = len(run.text) - _stop_prefix_length(run.text, run.prepared.request.stop)
+        delta, run.sent = run.text[run.sent : end], max(run.sent, end)
+        return delta
 
     def _records(self, run: _Run, verdict: _Verdict, tokens: list[int]) -> list[TokenRecord]:
         first_position = len(run.committed)
@@ -301,25 +338,24 @@ class Engine:
             return records
         rows = len(records)
         target = verdict.target_probs[:rows]
-        emitted = torch.tensor(tokens)
+        votes = verdict.votes[:rows]
         entropies = entropy(target).tolist()
         margins = stability_margin(target).tolist()
-        radii = stability_radius(verdict.votes[:rows], emitted).tolist()
-        votes = verdict.votes[:rows].tolist()
+        radii = stability_radius(votes, torch.tensor(tokens)).tolist()
+        vote_lists = votes.tolist()
         for i, record in enumerate(records):
             record.entropy, record.stability_margin = entropies[i], margins[i]
             record.stability_radius = radii[i]
-            record.votes = dict(zip(verdict.voters, votes[i], strict=True))
-            if record.kind == "replacement":
+            record.votes = dict(zip(verdict.voters, vote_lists[i], strict=True))
+            if record.kind == TokenKind.REPLACEMENT:
                 rejected = verdict.rejected
                 record.rejected_token = rejected
                 record.rejected_text = self.tokenizer.decode([rejected])
-                record.validity_radius = validity_radius(votes[i], rejected)
-                record.suppression_score = float(target[i, rejected])
+                record.validity_radius = validity_radius(vote_lists[i], rejected)
+                record.suppression_score = float(
+                    suppression_score(target[i : i + 1], torch.tensor([rejected]))[0]
+                )
         return records
-
-    def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     @staticmethod
     def _output(run: _Run) -> GenerationOutput:
@@ -328,7 +364,7 @@ class Engine:
             text=run.text,
             token_ids=run.generated,
             tokens=run.records,
-            finish_reason=run.finish_reason or "length",
+            finish_reason=run.finish_reason or FinishReason.LENGTH,
             stats=run.stats.to_dict(),
             seed=prepared.seed,
             draft_head=prepared.draft_head,
@@ -363,6 +399,45 @@ class Generation:
         return Engine._output(self._run)
 
 
+def _verdict(
+    draft: DraftResult,
+    kept: int,
+    replacement: int | None,
+    target_probs: torch.Tensor,
+    score: ScoreResult,
+) -> _Verdict:
+    """The verdict of a speculative round: `kept` draft tokens, then the replacement."""
+    draft_tokens = draft.tokens.tolist()
+    tokens, kinds = draft_tokens[:kept], [TokenKind.DRAFT] * kept
+    rejected = None
+    if replacement is not None:
+        tokens.append(replacement)
+        kinds.append(TokenKind.REPLACEMENT)
+        rejected = draft_tokens[kept]
+    return _Verdict(
+        tokens,
+        kinds,
+        len(draft_tokens),
+        kept,
+        target_probs,
+        score.votes,
+        score.voters,
+        rejected,
+    )
+
+
 def _leading_true(mask: torch.Tensor) -> int:
     """Number of leading True values: [T, T, F, T] -> 2."""
     return int(mask.to(torch.int64).cumprod(0).sum())
+
+
+def _stop_prefix_length(text: str, stops: list[str]) -> int:
+    """The length of the longest tail of `text` that is a proper prefix of a stop
+    sequence: "the ca" with stop "cat" → 2."""
+    longest = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest

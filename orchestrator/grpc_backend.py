@@ -1,36 +1,52 @@
 """The decoding loop's backend over gRPC: one trunk service and any number of jury shards.
 
 Per round: one `Draft` call to the trunk and one `Score` call to every shard, the shards
-called concurrently and their partial log-products added (in shard order, so the sum is
-deterministic). Hidden states travel from the trunk's response to the shards' requests
-as they came, without being decoded. The loop is the same as in-process; only the
-transport differs.
+called concurrently and their partial log-products added (`poe.combine_partials`, in
+shard order, so the sum is deterministic). Hidden states travel from the trunk's
+response to the shards' requests as they came, without being decoded. The loop is the
+same as in-process; only the transport differs.
 
-Each call carries the time left of the client's deadline (`call_scope`). Status codes
-of the services become the project's exceptions: UNAVAILABLE → `ServiceUnavailable`
-naming the service, FAILED_PRECONDITION / NOT_FOUND → `PositionError` (the loop
-re-prefills), RESOURCE_EXHAUSTED → `CapacityError`, INVALID_ARGUMENT → `ValueError`.
+Each call carries the time left of the client's deadline (`call_scope`). A failed call
+becomes the project's exception for its status (`serving.errors.error_from_status`),
+naming the service: FAILED_PRECONDITION → `PositionError` (the loop re-prefills),
+UNAVAILABLE → `ServiceUnavailable`, an internal INVALID_ARGUMENT → `InternalServiceError`
+(the orchestrator checked the request; a refusal is its own bug, not the client's).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 import torch
 
-from hydra_model.sessions import CapacityError, PositionError
-from jury_service.worker import ScoreResult
 from orchestrator.backend import DecodingBackend, ModelInfo
-from poe import SamplingParams
-from protos.codec import tensor_from_pb
-from protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc, tensor_pb2
-from protos.serving import CHANNEL_OPTIONS, DeadlineExceeded, ServiceUnavailable
-from trunk_service.worker import DraftResult
+from poe import combine_partials
+from protos.codec import CodecError
+from protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
+from serving import internal_wire as wire
+from serving.errors import (
+    DeadlineExceeded,
+    InternalServiceError,
+    ServiceUnavailable,
+    error_from_status,
+)
+from serving.server import CHANNEL_OPTIONS
+from workers.calls import (
+    DraftCall,
+    DraftResult,
+    JuryPrefillCall,
+    PrefillCall,
+    ScoreCall,
+    ScoreResult,
+)
+
+Result = TypeVar("Result")
 
 
 class LayoutError(ValueError):
@@ -52,8 +68,8 @@ class _Service:
     name: str  # "trunk service at HOST:PORT"
     address: str
     channel: grpc.Channel
-    stub: object
-    info: object
+    stub: Any
+    info: Any  # its Info response
 
 
 class GrpcBackend(DecodingBackend):
@@ -165,147 +181,61 @@ class GrpcBackend(DecodingBackend):
             raise DeadlineExceeded("the request's deadline passed during generation")
         return left
 
-    def _call(self, service: _Service, method: str, request):
-        try:
-            return getattr(service.stub, method)(request, timeout=self._timeout())
-        except grpc.RpcError as error:
-            raise _translate(service, method, error) from None
-
     def _call_all(self, services: list[_Service], method: str, requests: list) -> list:
-        """The same RPC on several services at once; results in service order."""
+        """The same RPC on several services at once; responses in service order."""
         timeout = self._timeout()
         futures = [
             getattr(s.stub, method).future(r, timeout=timeout)
             for s, r in zip(services, requests, strict=True)
         ]
-        results = []
+        responses = []
         for service, future in zip(services, futures, strict=True):
             try:
-                results.append(future.result())
+                responses.append(future.result())
             except grpc.RpcError as error:
                 for other in futures:
                     other.cancel()
                 raise _translate(service, method, error) from None
-        return results
+        return responses
 
-    def prefill(self, session: str, start: int, tokens: torch.Tensor) -> None:
-        response = self._call(
-            self.trunk,
-            "Prefill",
-            internal_pb2.TrunkPrefillRequest(session=session, start=start, tokens=tokens.tolist()),
-        )
-        self._call_all(
-            self.shards,
-            "Prefill",
-            [internal_pb2.JuryPrefillRequest(session=session, start=start, hidden=response.hidden)]
-            * len(self.shards),
-        )
+    def prefill(self, call: PrefillCall) -> None:
+        (response,) = self._call_all([self.trunk], "Prefill", [wire.prefill_call_to_pb(call)])
+        hidden = wire.forwarded_hidden(response.hidden)
+        request = wire.jury_prefill_call_to_pb(JuryPrefillCall(call.session, call.start, hidden))
+        self._call_all(self.shards, "Prefill", [request] * len(self.shards))
 
-    def draft(
-        self,
-        session,
-        start,
-        pending,
-        gamma,
-        draft_head,
-        sampling: SamplingParams,
-        seed,
-        with_decision,
-    ) -> DraftResult:
-        request = internal_pb2.DraftRequest(
-            session=session,
-            start=start,
-            pending_token=pending,
-            gamma=gamma,
-            draft_head=draft_head or "",
-            seed=seed,
-            with_decision=with_decision,
-            sampling=tensor_pb2.SamplingParams(
-                temperature=sampling.temperature,
-                top_k=sampling.top_k,
-                top_p=sampling.top_p,
-                min_p=sampling.min_p,
-            ),
-        )
+    def draft(self, call: DraftCall) -> DraftResult:
+        request = wire.draft_call_to_pb(call)
         began = time.perf_counter_ns()
-        response = self._call(self.trunk, "Draft", request)
+        (response,) = self._call_all([self.trunk], "Draft", [request])
         self._account("draft", began, [request], [response])
-        vocab = self.info.vocab_size
-        rows = len(response.tokens)
-        logprobs = decision = None
-        if draft_head is not None:
-            logprobs = tensor_from_pb(
-                response.logprobs, name="logprobs", dtypes=["float32"], shape=[rows, vocab]
-            )
-            if with_decision:
-                decision = tensor_from_pb(
-                    response.decision_logprobs,
-                    name="decision_logprobs",
-                    dtypes=["float32"],
-                    shape=[rows, vocab],
-                )
-        # The hidden states stay a message: they go on to the shards as they are.
-        return DraftResult(
-            torch.tensor(list(response.tokens), dtype=torch.long),
-            logprobs,
-            decision,
-            response.hidden,
-            trunk_steps=response.trunk_steps,
-            head_evaluations=response.head_evaluations,
+        return _decoded(
+            self.trunk, lambda: wire.draft_result_from_pb(response, call, self.info.vocab_size)
         )
 
-    def score(
-        self, session, start, hidden: tensor_pb2.Tensor, jury, temperature, beta, with_decision
-    ) -> ScoreResult:
-        requests = [
-            internal_pb2.ScoreRequest(
-                session=session,
-                start=start,
-                hidden=hidden,
-                jury=jury,
-                temperature=temperature,
-                beta=beta,
-                with_decision=with_decision,
-            )
-        ] * len(self.shards)
+    def score(self, call: ScoreCall) -> ScoreResult:
+        requests = [wire.score_call_to_pb(call)] * len(self.shards)
         began = time.perf_counter_ns()
         responses = self._call_all(self.shards, "Score", requests)
         self._account("score", began, requests, responses)
-        rows, vocab = hidden.shape[0], self.info.vocab_size
-        log_product = decision = None
-        votes, voters, evaluations = [], [], 0
-        for response in responses:
-            partial = tensor_from_pb(
-                response.log_product, name="log_product", dtypes=["float32"], shape=[rows, vocab]
+        parts = [
+            _decoded(
+                shard, lambda r=response: wire.score_result_from_pb(r, call, self.info.vocab_size)
             )
-            log_product = partial if log_product is None else log_product + partial
-            if with_decision:
-                part = tensor_from_pb(
-                    response.decision_log_product,
-                    name="decision_log_product",
-                    dtypes=["float32"],
-                    shape=[rows, vocab],
-                )
-                decision = part if decision is None else decision + part
-            votes.append(
-                tensor_from_pb(
-                    response.votes,
-                    name="votes",
-                    dtypes=["int64"],
-                    shape=[rows, len(response.voters)],
-                )
-            )
-            voters += list(response.voters)
-            evaluations += response.head_evaluations
+            for shard, response in zip(self.shards, responses, strict=True)
+        ]
+        decision = None
+        if call.with_decision:
+            decision = combine_partials([part.decision_log_product for part in parts])
+        voters = [voter for part in parts for voter in part.voters]
         # Votes in checkpoint order, whatever shard each juror sits on.
         order = sorted(range(len(voters)), key=lambda i: self.info.head_names.index(voters[i]))
-        all_votes = torch.cat(votes, dim=1)[:, order]
         return ScoreResult(
-            log_product,
+            combine_partials([part.log_product for part in parts]),
             decision,
-            all_votes,
-            [voters[i] for i in order],
-            head_evaluations=evaluations,
+            torch.cat([part.votes for part in parts], dim=1)[:, order],
+            tuple(voters[i] for i in order),
+            head_evaluations=sum(part.head_evaluations for part in parts),
         )
 
     def release(self, session: str) -> None:
@@ -317,11 +247,9 @@ class GrpcBackend(DecodingBackend):
                 service.stub.Release(internal_pb2.ReleaseRequest(session=session), timeout=5)
 
     def close_session(self, session: str) -> bool:
-        released = False
-        for service in self.services:
-            response = self._call(service, "Release", internal_pb2.ReleaseRequest(session=session))
-            released |= response.released
-        return released
+        request = internal_pb2.ReleaseRequest(session=session)
+        responses = self._call_all(self.services, "Release", [request] * len(self.services))
+        return any(response.released for response in responses)
 
     def _account(self, phase: str, began_ns: int, requests: list, responses: list) -> None:
         stats = self.stats
@@ -331,19 +259,13 @@ class GrpcBackend(DecodingBackend):
         stats.bytes_received += sum(r.ByteSize() for r in responses)
 
 
+def _decoded(service: _Service, decode: Callable[[], Result]) -> Result:
+    """A response decoded; a malformed one is the service's fault, never the client's."""
+    try:
+        return decode()
+    except CodecError as error:
+        raise InternalServiceError(f"{service.name} sent a malformed response: {error}") from None
+
+
 def _translate(service: _Service, method: str, error: grpc.RpcError) -> Exception:
-    code, detail = error.code(), error.details() or ""
-    where = f"{service.name} ({method})"
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return ServiceUnavailable(f"{where} is unavailable: {detail}")
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return DeadlineExceeded(f"{where} did not answer within the request's deadline")
-    if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
-        return PositionError(f"{where}: {detail}")
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return CapacityError(f"{where}: {detail}")
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ValueError(f"{where}: {detail}")
-    if code == grpc.StatusCode.CANCELLED:
-        return RuntimeError(f"{where} was cancelled")
-    return RuntimeError(f"{where} failed with {code.name}: {detail}")
+    return error_from_status(error.code(), f"{service.name} ({method})", error.details() or "")

@@ -7,6 +7,7 @@ child dies."""
 from __future__ import annotations
 
 import contextlib
+import queue
 import re
 import signal
 import subprocess
@@ -24,7 +25,44 @@ LISTENING = re.compile(r"listening on (\S+?):(\d+)")
 class Child:
     name: str
     process: subprocess.Popen
-    address: str = ""
+    address: str = ""  # HOST:PORT once it printed its "listening on" line
+    failure: str = ""  # why it did not start
+
+
+def start_child(
+    name: str, command: list[str], timeout_s: float, env: dict[str, str] | None = None
+) -> Child:
+    """Starts `command` and waits for its "listening on HOST:PORT" line on stderr.
+
+    A reader thread forwards every line (prefixed with the name) and keeps draining the
+    pipe for the child's whole life, so a chatty child never blocks on a full pipe and
+    a silent one cannot block the wait: after `timeout_s` without the line, or when the
+    child exits first, the child is killed and `failure` says what happened."""
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
+    child = Child(name, process)
+    listening = queue.Queue()
+
+    def forward() -> None:
+        for line in process.stderr:
+            print(f"[{name}] {line}", end="", file=sys.stderr, flush=True)
+            match = LISTENING.search(line)
+            if match and listening.empty():
+                listening.put(f"{match[1]}:{match[2]}")
+        listening.put("")  # end of output: the child has exited
+
+    threading.Thread(target=forward, daemon=True).start()
+    try:
+        child.address = listening.get(timeout=timeout_s)
+    except queue.Empty:
+        child.failure = f"{name} did not start within {timeout_s:g} s; see its output above"
+    else:
+        if not child.address:
+            code = process.wait()
+            child.failure = f"{name} did not start (exit code {code}); see its output above"
+    if not child.address and process.poll() is None:
+        process.kill()
+        process.wait()
+    return child
 
 
 @dataclass
@@ -97,25 +135,11 @@ class LocalStack:
         return self._spawn("orchestrator", command, timeout_s)
 
     def _spawn(self, name: str, command: list[str], timeout_s: float) -> str:
-        process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1)
-        child = Child(name, process)
+        child = start_child(name, command, timeout_s)
         self.children.append(child)
-        deadline = time.monotonic() + timeout_s
-        for line in process.stderr:
-            print(f"[{name}] {line}", end="", file=sys.stderr, flush=True)
-            match = LISTENING.search(line)
-            if match:
-                child.address = f"{match[1]}:{match[2]}"
-                break
-            if time.monotonic() > deadline:
-                break
         if not child.address:
             self.stop()
-            raise RuntimeError(
-                f"{name} did not start (exit code {process.poll()}); see its output above"
-            )
-        # Keep draining its output: a full pipe would block the child on its next log line.
-        threading.Thread(target=_forward, args=(name, process.stderr), daemon=True).start()
+            raise RuntimeError(child.failure)
         return child.address
 
     def wait(self) -> int:
@@ -147,8 +171,3 @@ class LocalStack:
         codes = {child.name: child.process.returncode for child in self.children}
         self.children.clear()
         return codes
-
-
-def _forward(name: str, stream) -> None:
-    for line in stream:
-        print(f"[{name}] {line}", end="", file=sys.stderr, flush=True)

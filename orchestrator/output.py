@@ -3,22 +3,31 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any
+
+
+class TokenKind(StrEnum):
+    DRAFT = "draft"  # a draft token kept
+    REPLACEMENT = "replacement"  # drawn from the residual after a rejection
+    SAMPLE = "sample"  # drawn from the target with no draft (verifier_only)
+
+
+class FinishReason(StrEnum):
+    EOS = "eos"  # an end-of-sequence token was emitted (and is the last token)
+    LENGTH = "length"  # max_new_tokens reached
+    STOP = "stop"  # a stop sequence completed (the text ends before it)
 
 
 @dataclass
 class TokenRecord:
     """One emitted token and its metrics (None where the rule computed no target, as for
-    drafter_only).
-
-    kind: "draft" (a draft token kept), "replacement" (drawn after a rejection),
-    "sample" (drawn from the target with no draft: verifier_only).
-    """
+    drafter_only)."""
 
     token_id: int
     text: str
     position: int  # absolute position in the sequence
-    kind: str
+    kind: TokenKind
     entropy: float | None = None  # of the target P at this position, nats
     votes: dict[str, int] | None = None  # juror -> its argmax token
     stability_radius: int | None = None
@@ -36,8 +45,8 @@ class RoundOutput:
     index: int
     tokens: list[TokenRecord]
     text: str  # text delta of this round
-    finish_reason: str | None = None  # set on the last round: "eos", "length" or "stop"
-    drafted: int = 0  # draft tokens this round verified
+    finish_reason: FinishReason | None = None  # set on the last round
+    drafted: int = 0  # draft tokens this round verified (up to a stop condition)
     accepted: int = 0  # of which kept
     # Wall time of the round: draft_s (draft call), score_s (jury call), accept_s (the
     # rest: acceptance, sampling, metrics, commit).
@@ -49,7 +58,7 @@ class GenerationOutput:
     text: str
     token_ids: list[int]
     tokens: list[TokenRecord]
-    finish_reason: str
+    finish_reason: FinishReason
     stats: dict[str, Any]
     seed: int
     draft_head: str | None

@@ -3,6 +3,8 @@
 `GenerationRequest` is what a client sends; `prepare_request` checks every option
 against the model and resolves the defaults (seed, draft head, jury), giving a
 `PreparedRequest` the loop runs. Every problem is a `RequestError` naming the option.
+Head names are checked here for the public client, and again by the workers for
+their own callers; the numeric limits are the workers' (`workers.calls`).
 """
 
 from __future__ import annotations
@@ -11,14 +13,13 @@ import math
 from dataclasses import dataclass, field
 
 from orchestrator.backend import ModelInfo
-from poe import RULES, SamplingParams, choice, random_seed, validate_rule
+from poe import RULES, Rule, SamplingParams, choice, random_seed, validate_rule
 from poe.randomness import MAX_SEED
-from trunk_service.worker import MAX_GAMMA
+from workers.calls import MAX_BETA, MAX_GAMMA
+from workers.errors import InvalidArgument
 
-BASELINES = ("drafter_only", "verifier_only")
 
-
-class RequestError(ValueError):
+class RequestError(InvalidArgument):
     """An invalid request option; the message names it."""
 
 
@@ -51,15 +52,12 @@ class GenerationRequest:
 @dataclass(frozen=True)
 class PreparedRequest:
     request: GenerationRequest
+    rule: Rule
     prompt_tokens: list[int]
     seed: int
     draft_head: str | None  # None for verifier_only
     jury: list[str]  # empty for drafter_only
     sampling: SamplingParams
-
-    @property
-    def speculative(self) -> bool:
-        return self.request.rule not in BASELINES
 
 
 def prompt_tokens(request: GenerationRequest, tokenizer) -> list[int]:
@@ -83,7 +81,7 @@ def prompt_tokens(request: GenerationRequest, tokenizer) -> list[int]:
 
 
 def prepare_request(request: GenerationRequest, info: ModelInfo, tokenizer) -> PreparedRequest:
-    _check_numbers(request, info)
+    rule = _check_numbers(request, info)
     tokens = prompt_tokens(request, tokenizer)
     if not tokens:
         raise RequestError("the prompt encodes to no tokens")
@@ -98,12 +96,13 @@ def prepare_request(request: GenerationRequest, info: ModelInfo, tokenizer) -> P
             f"{info.context_length - len(tokens)} new tokens fit"
         )
     seed = random_seed() if request.seed is None else request.seed
-    draft_head = _draft_head(request, info, seed)
-    jury = _jury(request, info, draft_head)
-    return PreparedRequest(request, tokens, seed, draft_head, jury, request.sampling)
+    draft_head = _draft_head(request, rule, info, seed)
+    jury = _jury(request, rule, info, draft_head)
+    return PreparedRequest(request, rule, tokens, seed, draft_head, jury, request.sampling)
 
 
-def _check_numbers(request: GenerationRequest, info: ModelInfo) -> None:
+def _check_numbers(request: GenerationRequest, info: ModelInfo) -> Rule:
+    """Checks every numeric option and the rule; returns the rule."""
     if not isinstance(request.max_new_tokens, int) or request.max_new_tokens < 1:
         raise RequestError(
             f"max_new_tokens must be a positive integer, got {request.max_new_tokens!r}"
@@ -115,22 +114,23 @@ def _check_numbers(request: GenerationRequest, info: ModelInfo) -> None:
     if request.rule not in RULES:
         raise RequestError(f"unknown rule {request.rule!r}; choose one of {', '.join(RULES)}")
     try:
-        validate_rule(request.rule, request.lenience)
+        rule = validate_rule(request.rule, request.lenience)
         request.sampling.validate(info.vocab_size)
     except ValueError as error:
         raise RequestError(str(error)) from None
-    if not (math.isfinite(request.beta) and 0 < request.beta <= 100):
-        raise RequestError(f"beta must be in (0, 100], got {request.beta!r}")
+    if not (math.isfinite(request.beta) and 0 < request.beta <= MAX_BETA):
+        raise RequestError(f"beta must be in (0, {MAX_BETA:g}], got {request.beta!r}")
     if request.seed is not None and not (
         isinstance(request.seed, int) and 0 <= request.seed < MAX_SEED
     ):
         raise RequestError(f"seed must be an integer in [0, 2**63), got {request.seed!r}")
     if any(not isinstance(s, str) or not s for s in request.stop):
         raise RequestError("stop sequences must be non-empty strings")
+    return rule
 
 
-def _draft_head(request: GenerationRequest, info: ModelInfo, seed: int) -> str | None:
-    if request.rule == "verifier_only":
+def _draft_head(request: GenerationRequest, rule: Rule, info: ModelInfo, seed: int) -> str | None:
+    if rule == Rule.VERIFIER_ONLY:
         if request.draft_head is not None:
             raise RequestError("rule verifier_only does not draft; leave draft_head unset")
         return None
@@ -143,8 +143,10 @@ def _draft_head(request: GenerationRequest, info: ModelInfo, seed: int) -> str |
     return request.draft_head
 
 
-def _jury(request: GenerationRequest, info: ModelInfo, draft_head: str | None) -> list[str]:
-    if request.rule == "drafter_only":
+def _jury(
+    request: GenerationRequest, rule: Rule, info: ModelInfo, draft_head: str | None
+) -> list[str]:
+    if rule == Rule.DRAFTER_ONLY:
         return []
     if request.jury is None:
         jury = [h for h in info.head_names if h != draft_head]

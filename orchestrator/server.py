@@ -22,10 +22,12 @@ from orchestrator.convert import output_to_pb, request_from_pb, round_to_pb
 from orchestrator.engine import Engine, Generation
 from orchestrator.grpc_backend import GrpcBackend
 from orchestrator.metrics import OrchestratorMetrics
-from orchestrator.request import MAX_GAMMA
+from orchestrator.request import RequestError
 from poe import RULES
 from protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
-from protos.serving import GrpcServer, SessionNotFound
+from serving.errors import SessionNotFound
+from serving.server import GrpcServer
+from workers.calls import MAX_GAMMA
 
 log = logging.getLogger("hydra_jury.orchestrator")
 SERVICE_NAME = "hydrajury.v1.Generation"
@@ -73,7 +75,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def CloseSession(self, request, context):
         self.metrics.requests.labels("CloseSession").inc()
         if not request.session_id:
-            raise ValueError("session_id is empty")
+            raise RequestError("session_id is empty")
         loop = asyncio.get_running_loop()
         closed = await loop.run_in_executor(
             self._pool, self.backend.close_session, request.session_id

@@ -12,6 +12,7 @@ from poe.filters import SamplingParams, filter_logprobs
 from poe.metrics import (
     RequestStats,
     entropy,
+    reached_positions,
     stability_margin,
     stability_radius,
     suppression_score,
@@ -21,7 +22,9 @@ from poe.metrics import (
 from poe.randomness import PURPOSES, categorical, choice, random_seed, uniforms
 from poe.rules import (
     RULES,
+    Rule,
     acceptance_probs,
+    greedy_tokens,
     greedy_verdict,
     residual_probs,
     rule_target,
@@ -40,6 +43,7 @@ __all__ = [
     "PURPOSES",
     "RULES",
     "RequestStats",
+    "Rule",
     "SamplingParams",
     "acceptance_probs",
     "categorical",
@@ -49,10 +53,12 @@ __all__ = [
     "effective_temperature",
     "entropy",
     "filter_logprobs",
+    "greedy_tokens",
     "greedy_verdict",
     "normalise_logprobs",
     "partial_log_product",
     "random_seed",
+    "reached_positions",
     "residual_probs",
     "rule_target",
     "stability_margin",

@@ -101,6 +101,16 @@ def suppression_score(target_probs: torch.Tensor, tokens: torch.Tensor) -> torch
     return target_probs.float().gather(1, tokens[:, None]).squeeze(1)
 
 
+def reached_positions(num_drafted: int, num_accepted: int) -> int:
+    """Draft positions a round took a decision on: the accepted ones, plus the rejected
+    one when the round ended in a rejection. Examples: 4 drafted, 2 kept → 3; 4 of 4 → 4."""
+    if not 0 <= num_accepted <= num_drafted:
+        raise ValueError(
+            f"need 0 <= num_accepted <= num_drafted, got {num_accepted} and {num_drafted}"
+        )
+    return num_accepted + 1 if num_accepted < num_drafted else num_accepted
+
+
 @dataclass
 class RequestStats:
     """Raw counters of one request; rates are derived, never stored.
@@ -140,16 +150,12 @@ class RequestStats:
         num_drafted is γ, or fewer when the round was cut short by a stop condition (an
         accepted stop token, the token limit): then count the draft tokens up to it.
         """
-        if not 0 <= num_accepted <= num_drafted:
-            raise ValueError(
-                f"need 0 <= num_accepted <= num_drafted, got {num_accepted} and {num_drafted}"
-            )
+        num_reached = reached_positions(num_drafted, num_accepted)
         self.rounds += 1
         self.drafted += num_drafted
         self.accepted += num_accepted
         rejected = num_accepted < num_drafted
         self.emitted += num_accepted + (1 if rejected or num_drafted == 0 else 0)
-        num_reached = num_accepted + 1 if rejected else num_accepted
         missing = num_reached - len(self.reached_per_position)
         if missing > 0:
             self.reached_per_position.extend([0] * missing)

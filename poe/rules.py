@@ -40,23 +40,49 @@ from __future__ import annotations
 
 import math
 import numbers
+from enum import StrEnum
 
 import torch
 
 from poe._checks import check_float, check_long, check_rows, check_same_shape
 
-RULES: tuple[str, ...] = (
-    "exact",
-    "lenient",
-    "cascade_chow",
-    "cascade_diff",
-    "cascade_opt",
-    "cascade_token_v1",
-    "cascade_token_v2",
-    "cascade_token_v3",
-    "drafter_only",
-    "verifier_only",
+
+class Rule(StrEnum):
+    """The acceptance rules; each is its name, so `Rule.EXACT == "exact"`."""
+
+    EXACT = "exact"
+    LENIENT = "lenient"
+    CASCADE_CHOW = "cascade_chow"
+    CASCADE_DIFF = "cascade_diff"
+    CASCADE_OPT = "cascade_opt"
+    CASCADE_TOKEN_V1 = "cascade_token_v1"
+    CASCADE_TOKEN_V2 = "cascade_token_v2"
+    CASCADE_TOKEN_V3 = "cascade_token_v3"
+    DRAFTER_ONLY = "drafter_only"
+    VERIFIER_ONLY = "verifier_only"
+
+    @property
+    def is_cascade(self) -> bool:
+        """Cascades decide on the temperature-1 unfiltered distributions."""
+        return self in _CASCADES
+
+    @property
+    def is_baseline(self) -> bool:
+        """drafter_only and verifier_only: not speculative decoding."""
+        return self in (Rule.DRAFTER_ONLY, Rule.VERIFIER_ONLY)
+
+
+_CASCADES = frozenset(
+    {
+        Rule.CASCADE_CHOW,
+        Rule.CASCADE_DIFF,
+        Rule.CASCADE_OPT,
+        Rule.CASCADE_TOKEN_V1,
+        Rule.CASCADE_TOKEN_V2,
+        Rule.CASCADE_TOKEN_V3,
+    }
 )
+RULES: tuple[str, ...] = tuple(rule.value for rule in Rule)
 
 # Below this residual mass, normalise(max(0, π − q)) is rounding noise: π ≈ q, so a
 # rejection has probability ≤ this mass, and drawing from π instead changes the output
@@ -64,8 +90,9 @@ RULES: tuple[str, ...] = (
 _MIN_RESIDUAL_MASS = 1e-6
 
 
-def validate_rule(rule: str, lenience: float) -> None:
-    """Raises ValueError for an unknown rule or a lenience outside the rule's range.
+def validate_rule(rule: str, lenience: float) -> Rule:
+    """The rule named `rule`; raises ValueError for an unknown rule or a lenience outside
+    the rule's range.
 
     Ranges: `lenient` 0 ≤ λ < 1 (λ = 1 would accept everything with no correction);
     every other rule 0 ≤ λ ≤ 1. `exact`, `drafter_only` and `verifier_only` ignore λ.
@@ -77,11 +104,12 @@ def validate_rule(rule: str, lenience: float) -> None:
         raise ValueError(f"unknown acceptance rule {rule!r}; choose one of {', '.join(RULES)}")
     if not isinstance(lenience, numbers.Real) or not math.isfinite(lenience):
         raise ValueError(f"lenience must be a finite number, got {lenience!r}")
-    if rule == "lenient":
+    if rule == Rule.LENIENT:
         if not 0 <= lenience < 1:
             raise ValueError(f"rule 'lenient' needs 0 <= lenience < 1, got {lenience}")
     elif not 0 <= lenience <= 1:
-        raise ValueError(f"rule {rule!r} needs 0 <= lenience <= 1, got {lenience}")
+        raise ValueError(f"rule {str(rule)!r} needs 0 <= lenience <= 1, got {lenience}")
+    return Rule(rule)
 
 
 def rule_target(
@@ -98,21 +126,21 @@ def rule_target(
     decision_draft_probs, decision_target_probs: [B, V] temperature-1 unfiltered q and P;
     the deferral decisions are taken on them.
     """
-    validate_rule(rule, lenience)
+    rule = validate_rule(rule, lenience)
     draft_probs, target_probs, decision_draft_probs, decision_target_probs = _check_probs(
         draft_probs, target_probs, decision_draft_probs, decision_target_probs
     )
-    if rule in ("exact", "lenient", "verifier_only"):
+    if rule in (Rule.EXACT, Rule.LENIENT, Rule.VERIFIER_ONLY):
         return target_probs
-    if rule == "drafter_only":
+    if rule == Rule.DRAFTER_ONLY:
         return draft_probs
 
     max_draft = decision_draft_probs.amax(dim=-1, keepdim=True)  # [B, 1]
     max_target = decision_target_probs.amax(dim=-1, keepdim=True)  # [B, 1]
-    if rule in ("cascade_chow", "cascade_diff", "cascade_opt"):
-        if rule == "cascade_chow":
+    if rule in (Rule.CASCADE_CHOW, Rule.CASCADE_DIFF, Rule.CASCADE_OPT):
+        if rule == Rule.CASCADE_CHOW:
             threshold = torch.full_like(max_draft, 1 - lenience)
-        elif rule == "cascade_diff":
+        elif rule == Rule.CASCADE_DIFF:
             threshold = max_target - lenience
         else:
             total_variation = (decision_draft_probs - decision_target_probs).clamp(min=0)
@@ -120,9 +148,9 @@ def rule_target(
         defer_to_draft = max_draft >= threshold  # [B, 1]
         return torch.where(defer_to_draft, draft_probs, target_probs)
 
-    if rule == "cascade_token_v1":
+    if rule == Rule.CASCADE_TOKEN_V1:
         draft_set = decision_draft_probs >= max_target - lenience  # [B, V]
-    elif rule == "cascade_token_v2":
+    elif rule == Rule.CASCADE_TOKEN_V2:
         draft_set = decision_target_probs >= max_target - lenience
     else:
         draft_set = decision_target_probs >= (1 - lenience) * max_target
@@ -152,12 +180,12 @@ def acceptance_probs(
     )
     check_long("draft_tokens", draft_tokens, dims=1)
     check_rows("draft_tokens", draft_tokens, draft_probs.shape[0])
-    if rule == "drafter_only":
+    if rule == Rule.DRAFTER_ONLY:
         return torch.ones(draft_tokens.shape, dtype=torch.float32, device=draft_tokens.device)
     index = draft_tokens[:, None]
     draft_token_probs = draft_probs.float().gather(1, index).squeeze(1)  # [B]
     target_token_probs = target.gather(1, index).squeeze(1)  # [B]
-    if rule == "lenient":
+    if rule == Rule.LENIENT:
         draft_token_probs = (1 - lenience) * draft_token_probs
     producible = draft_token_probs > 0
     ratio = target_token_probs / torch.where(producible, draft_token_probs, 1.0)
@@ -204,9 +232,9 @@ def greedy_verdict(
     - lenient: accepted iff P(x) ≥ (1 − λ)·max P; replacement argmax P.
     - cascades, drafter_only: accepted iff x = argmax π, π built from the temperature-1
       q and P; replacement argmax π.
-    Ties go to the lowest token id (`torch.argmax` returns the first maximum), so the
-    non-speculative greedy path must take the argmax of the same float32 P to agree
-    token for token. `replacement` is filled on every row; it is emitted where rejected.
+    Ties go to the lowest token id (`greedy_tokens`); the non-speculative greedy path
+    calls `greedy_tokens` on the same float32 P, so the two agree token for token.
+    `replacement` is filled on every row; it is emitted where rejected.
     """
     target = rule_target(
         rule,
@@ -218,13 +246,22 @@ def greedy_verdict(
     )
     check_long("draft_tokens", draft_tokens, dims=1)
     check_rows("draft_tokens", draft_tokens, target.shape[0])
-    replacement = target.argmax(dim=-1)  # [B]
-    if rule == "lenient":
+    replacement = greedy_tokens(target)  # [B]
+    if rule == Rule.LENIENT:
         draft_token_probs = target.gather(1, draft_tokens[:, None]).squeeze(1)
         accepted = draft_token_probs >= (1 - lenience) * target.amax(dim=-1)
     else:
         accepted = draft_tokens == replacement
     return accepted, replacement
+
+
+def greedy_tokens(target_probs: torch.Tensor) -> torch.Tensor:
+    """The greedy choice: target_probs [B, V] float32 → [B] long argmax, ties to the
+    lowest token id. Greedy decoding takes it on probabilities, not log-probabilities:
+    two log-probabilities a hair apart can round to the same float32 probability, and
+    every greedy path must break that tie the same way."""
+    check_float("target_probs", target_probs, dims=2)
+    return target_probs.argmax(dim=-1)
 
 
 def _check_probs(

@@ -14,13 +14,13 @@ import torch
 
 from protos.hydrajury.v1 import tensor_pb2
 
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int64": torch.int64,
-}
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# dtypes a tensor may travel in, named as torch names them (`torch.float32` → "float32").
+WIRE_DTYPES = frozenset({"float32", "bfloat16", "float16", "int64"})
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype: "float32", "bfloat16", ..."""
+    return str(dtype).removeprefix("torch.")
 
 
 class CodecError(ValueError):
@@ -29,11 +29,12 @@ class CodecError(ValueError):
 
 def tensor_to_pb(tensor: torch.Tensor) -> tensor_pb2.Tensor:
     tensor = tensor.detach().to("cpu").contiguous()
-    if tensor.dtype not in DTYPE_NAMES:
+    name = dtype_name(tensor.dtype)
+    if name not in WIRE_DTYPES:
         raise CodecError(f"cannot send dtype {tensor.dtype}")
     # Flattened first: a "contiguous" tensor with a size-1 dimension may keep an odd stride.
     data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-    return tensor_pb2.Tensor(dtype=DTYPE_NAMES[tensor.dtype], shape=list(tensor.shape), data=data)
+    return tensor_pb2.Tensor(dtype=name, shape=list(tensor.shape), data=data)
 
 
 def tensor_from_pb(
@@ -45,7 +46,7 @@ def tensor_from_pb(
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """Decodes `message`, requiring a dtype in `dtypes` and `shape` (None: any size)."""
-    if message.dtype not in dtypes:
+    if message.dtype not in dtypes or message.dtype not in WIRE_DTYPES:
         raise CodecError(
             f"{name}: dtype {message.dtype!r} is not accepted here; expected {' or '.join(dtypes)}"
         )
@@ -57,7 +58,7 @@ def tensor_from_pb(
         raise CodecError(f"{name}: shape {list(found)} does not match [{wanted}]")
     if any(size < 0 for size in found):
         raise CodecError(f"{name}: negative size in shape {list(found)}")
-    dtype = DTYPES[message.dtype]
+    dtype = getattr(torch, message.dtype)  # one of WIRE_DTYPES, checked above
     expected_bytes = math.prod(found) * dtype.itemsize
     if len(message.data) != expected_bytes:
         raise CodecError(

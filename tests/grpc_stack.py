@@ -15,6 +15,7 @@ import grpc
 from jury_service.server import serve_jury
 from orchestrator.server import serve_orchestrator
 from protos.hydrajury.v1 import generation_pb2_grpc, internal_pb2, internal_pb2_grpc
+from serving.worker_service import ServiceOptions
 from trunk_service.server import serve_trunk
 
 
@@ -48,14 +49,13 @@ class Stack:
 
     def start_services(self) -> Stack:
         limits = {"max_sessions": self.max_sessions, "max_session_tokens": self.max_session_tokens}
-        server, port, servicer = self.loop.run(serve_trunk(self.checkpoint, **limits))
-        self.servers["trunk"], self.addresses["trunk"] = (server, servicer), f"127.0.0.1:{port}"
+        trunk = self.loop.run(serve_trunk(ServiceOptions(self.checkpoint, **limits)))
+        self.servers["trunk"], self.addresses["trunk"] = trunk, f"127.0.0.1:{trunk.port}"
         for index, heads in enumerate(self.shards):
-            server, port, servicer = self.loop.run(
-                serve_jury(self.checkpoint, heads=heads, **limits)
-            )
-            self.servers[f"jury{index}"] = (server, servicer)
-            self.addresses[f"jury{index}"] = f"127.0.0.1:{port}"
+            options = ServiceOptions(self.checkpoint, heads=heads, **limits)
+            shard = self.loop.run(serve_jury(options))
+            self.servers[f"jury{index}"] = shard
+            self.addresses[f"jury{index}"] = f"127.0.0.1:{shard.port}"
         return self
 
     @property
@@ -72,7 +72,7 @@ class Stack:
                 **options,
             )
         )
-        self.servers["orchestrator"] = (server, None)
+        self.servers["orchestrator"] = server
         self.addresses["orchestrator"] = f"127.0.0.1:{port}"
         self.servicer, self.metrics_port = servicer, metrics_port
         return self
@@ -91,10 +91,8 @@ class Stack:
         return info.limits.active_sessions
 
     def stop_server(self, name: str) -> None:
-        server, servicer = self.servers.pop(name)
-        self.loop.run(server.stop(0))
-        if servicer is not None:
-            self.loop.run(servicer.close())
+        """Stops a server at once (a worker service's model thread too)."""
+        self.loop.run(self.servers.pop(name).stop(0))
 
     def close(self) -> None:
         for channel in self.channels:

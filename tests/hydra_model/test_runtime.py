@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hydra_model import CacheError, HydraModel
+from hydra_model.kv_cache import bytes_per_position
 from tests.conftest import FAMILY_VARIANTS
 from tests.models import load_hf_model
 
@@ -96,7 +97,15 @@ def test_cache_rejects_out_of_order_use(hydra_checkpoints):
 def test_cache_pool_is_bounded_and_reuses_slots(hydra_checkpoints):
     model = HydraModel.load(hydra_checkpoints["llama"])
     pool = model.head_pool(stack=3, num_slots=2, capacity=16)
-    assert pool.nbytes == 16 * 2 * model.cache_bytes_per_position(3)
+    config = model.config
+    per_position = bytes_per_position(
+        stack=3,
+        layers=config.num_layers - model.manifest.trunk_layers,
+        kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        dtype=model.dtype,
+    )
+    assert pool.nbytes == 16 * 2 * per_position
     first, second = pool.acquire(), pool.acquire()
     assert pool.free_slots == 0
     with pytest.raises(CacheError, match="all 2 cache slots are in use"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hydra_model import HydraModel
-from hydra_model.demo import demo_gguf_path, ensure_demo_checkpoint
+from hydra_model.build.demo import demo_gguf_path, ensure_demo_checkpoint
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 24

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.backend import LocalBackend
 from orchestrator.engine import Engine
+from orchestrator.local_backend import LocalBackend
+from workers.sessions import SessionLimits
 
 
 @pytest.fixture(scope="session")
@@ -15,4 +16,4 @@ def tokenizer(jury_model):
 
 @pytest.fixture
 def engine(jury_model, tokenizer) -> Engine:
-    return Engine(LocalBackend(jury_model, max_sessions=2, max_session_tokens=128), tokenizer)
+    return Engine(LocalBackend(jury_model, limits=SessionLimits(2, 128)), tokenizer)

@@ -4,6 +4,8 @@ refusals and graceful shutdown."""
 from __future__ import annotations
 
 import json
+import sys
+import time
 
 import pytest
 
@@ -11,7 +13,7 @@ from orchestrator.__main__ import main as orchestrator_main
 from orchestrator.cli import main
 from orchestrator.config import ConfigFileError, OrchestratorConfig
 from orchestrator.convert import request_from_pb, request_to_pb
-from orchestrator.launcher import LocalStack
+from orchestrator.launcher import LocalStack, start_child
 from orchestrator.request import GenerationRequest
 from tests.grpc_stack import Stack
 
@@ -117,3 +119,15 @@ def test_local_stack_serves_the_cli_and_shuts_down_gracefully(jury_checkpoint, e
     finally:
         codes = stack.stop()
     assert codes == {"trunk": 0, "jury0": 0, "jury1": 0, "orchestrator": 0}
+
+
+def test_a_silent_hung_child_does_not_block_the_launcher():
+    """A child that never prints (hung before logging anything) fails the start-up after
+    the timeout, and is killed; it does not block `hydra-jury up` forever."""
+    began = time.monotonic()
+    silent = start_child("silent", [sys.executable, "-c", "import time; time.sleep(60)"], 1.0)
+    assert time.monotonic() - began < 10
+    assert not silent.address and "did not start within 1 s" in silent.failure
+    assert silent.process.poll() is not None  # killed
+    crashed = start_child("crashed", [sys.executable, "-c", "raise SystemExit(3)"], 30.0)
+    assert "did not start (exit code 3)" in crashed.failure

@@ -7,11 +7,13 @@ import json
 
 import pytest
 
-from orchestrator.backend import LocalBackend, ModelInfo
+from orchestrator.backend import ModelInfo
 from orchestrator.cli import main
 from orchestrator.engine import Engine
+from orchestrator.local_backend import LocalBackend
 from orchestrator.request import GenerationRequest, RequestError
 from poe import RULES
+from workers.sessions import SessionLimits
 
 PROMPTS = ["hi", "the cat sat", "abc, xyz!"]
 
@@ -78,22 +80,22 @@ class CountingBackend(LocalBackend):
         super().__init__(*args, **kwargs)
         self.calls: list[tuple] = []
 
-    def prefill(self, session, start, tokens):
-        self.calls.append(("prefill", start, len(tokens)))
-        super().prefill(session, start, tokens)
+    def prefill(self, call):
+        self.calls.append(("prefill", call.start, len(call.tokens)))
+        super().prefill(call)
 
-    def draft(self, session, start, pending, gamma, *args):
-        self.calls.append(("draft", start, gamma))
-        return super().draft(session, start, pending, gamma, *args)
+    def draft(self, call):
+        self.calls.append(("draft", call.start, call.gamma))
+        return super().draft(call)
 
-    def score(self, session, start, hidden, *args):
-        self.calls.append(("score", start, len(hidden)))
-        return super().score(session, start, hidden, *args)
+    def score(self, call):
+        self.calls.append(("score", call.start, call.hidden.rows))
+        return super().score(call)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_no_wasted_work(jury_model, tokenizer, temperature):
-    backend = CountingBackend(jury_model, max_sessions=1, max_session_tokens=128)
+    backend = CountingBackend(jury_model, limits=SessionLimits(1, 128))
     engine = Engine(backend, tokenizer)
     gamma, prompt = 4, tokenizer.encode("the cat", add_special_tokens=False)
     output = engine.generate(
@@ -142,7 +144,7 @@ def test_streaming_delivers_the_unary_tokens_round_by_round(engine):
 
 
 def test_stream_releases_caches_when_abandoned(jury_model, tokenizer):
-    backend = LocalBackend(jury_model, max_sessions=1, max_session_tokens=128)
+    backend = LocalBackend(jury_model, limits=SessionLimits(1, 128))
     engine = Engine(backend, tokenizer)
     stream = engine.stream(GenerationRequest(prompt="hi", max_new_tokens=30, seed=1))
     next(stream)
@@ -160,7 +162,7 @@ def test_stop_sequence_and_eos(jury_model, tokenizer, engine):
     assert full.token_ids[: len(stopped.token_ids)] == stopped.token_ids
 
     # Any token can be the end-of-sequence token: make it the 6th generated one.
-    backend = LocalBackend(jury_model, max_sessions=1, max_session_tokens=128)
+    backend = LocalBackend(jury_model, limits=SessionLimits(1, 128))
     eos = full.token_ids[5]
     backend.info = ModelInfo(**{**vars(backend.info), "eos_token_ids": (eos,)})
     ended = Engine(backend, tokenizer).generate(greedy("hi", max_new_tokens=40, ignore_eos=False))
@@ -239,7 +241,7 @@ def test_every_rule_runs(engine, rule):
     ],
 )
 def test_invalid_options_fail_before_any_compute(jury_model, tokenizer, options, message):
-    backend = CountingBackend(jury_model, max_sessions=1, max_session_tokens=128)
+    backend = CountingBackend(jury_model, limits=SessionLimits(1, 128))
     request = GenerationRequest(**{"prompt": "hi", "max_new_tokens": 8, **options})
     with pytest.raises(RequestError, match=message):
         Engine(backend, tokenizer).stream(request)
@@ -288,7 +290,7 @@ def test_lost_caches_are_rebuilt_from_the_committed_tokens(jury_model, tokenizer
     request = GenerationRequest(
         prompt="the cat", max_new_tokens=30, ignore_eos=True, seed=9, gamma=3
     )
-    backend = CountingBackend(jury_model, max_sessions=1, max_session_tokens=128)
+    backend = CountingBackend(jury_model, limits=SessionLimits(1, 128))
     engine = Engine(backend, tokenizer)
     expected = engine.generate(request)
     backend.calls.clear()

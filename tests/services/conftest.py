@@ -15,10 +15,11 @@ from typing import Any
 import grpc
 import pytest
 
-from jury_service.server import serve_jury
+from jury_service.server import JURY_SERVICE
 from protos.hydrajury.v1 import internal_pb2_grpc
+from serving.worker_service import ServiceOptions, serve_worker
 from tests.grpc_stack import BackgroundLoop
-from trunk_service.server import serve_trunk
+from trunk_service.server import TRUNK_SERVICE
 
 SERVICE_LIMITS = {"max_sessions": 2, "max_session_tokens": 32}
 
@@ -27,7 +28,7 @@ SERVICE_LIMITS = {"max_sessions": 2, "max_session_tokens": 32}
 class Service:
     """A started service: its port, servicer (for white-box checks) and a client stub."""
 
-    server: Any  # protos.serving.GrpcServer
+    running: Any  # serving.worker_service.RunningService
     port: int
     servicer: Any
     channel: grpc.Channel
@@ -45,33 +46,30 @@ def background_loop():
     loop.close()
 
 
-def _starter(serve, stub_class, checkpoint, loop: BackgroundLoop):
+def _starter(spec, stub_class, checkpoint, loop: BackgroundLoop):
     started: list[Service] = []
 
     def start(**options) -> Service:
-        server, port, servicer = loop.run(serve(checkpoint, **{**SERVICE_LIMITS, **options}))
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        service = Service(server, port, servicer, channel, stub_class(channel))
+        options = ServiceOptions(checkpoint, **{**SERVICE_LIMITS, **options})
+        running = loop.run(serve_worker(spec, options))
+        channel = grpc.insecure_channel(f"127.0.0.1:{running.port}")
+        service = Service(running, running.port, running.servicer, channel, stub_class(channel))
         started.append(service)
         return service
-
-    async def stop(service: Service) -> None:
-        await service.server.stop(0)
-        await service.servicer.close()
 
     def stop_all() -> None:
         for service in started:
             service.channel.close()
-            loop.run(stop(service))
+            loop.run(service.running.stop())
 
     return start, stop_all
 
 
 @pytest.fixture
 def start_trunk(jury_checkpoint, background_loop) -> Callable[..., Service]:
-    """start_trunk(**serve_trunk options) → a running trunk service."""
+    """start_trunk(**ServiceOptions fields) → a running trunk service."""
     start, stop_all = _starter(
-        serve_trunk, internal_pb2_grpc.TrunkStub, jury_checkpoint, background_loop
+        TRUNK_SERVICE, internal_pb2_grpc.TrunkStub, jury_checkpoint, background_loop
     )
     yield start
     stop_all()
@@ -79,9 +77,9 @@ def start_trunk(jury_checkpoint, background_loop) -> Callable[..., Service]:
 
 @pytest.fixture
 def start_jury(jury_checkpoint, background_loop) -> Callable[..., Service]:
-    """start_jury(**serve_jury options) → a running jury service."""
+    """start_jury(**ServiceOptions fields) → a running jury service."""
     start, stop_all = _starter(
-        serve_jury, internal_pb2_grpc.JuryStub, jury_checkpoint, background_loop
+        JURY_SERVICE, internal_pb2_grpc.JuryStub, jury_checkpoint, background_loop
     )
     yield start
     stop_all()

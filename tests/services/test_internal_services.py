@@ -4,14 +4,10 @@ with the right status code and a readable message, and start and stop cleanly.""
 from __future__ import annotations
 
 import os
-import queue
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -20,12 +16,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from hydra_model import HydraModel
-from jury_service.worker import JuryWorker
+from orchestrator.launcher import start_child
 from poe import SamplingParams
 from protos.codec import tensor_from_pb, tensor_to_pb
 from protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc, tensor_pb2
-from trunk_service.__main__ import main as trunk_main
-from trunk_service.worker import TrunkWorker
+from serving.internal_wire import sampling_to_pb
+from serving.worker_service import service_main
+from tests import calls
+from trunk_service.server import TRUNK_SERVICE
+from workers.jury import JuryWorker
+from workers.sessions import SessionLimits
+from workers.trunk import TrunkWorker
 
 Code = grpc.StatusCode
 GREEDY = SamplingParams(temperature=0.0)
@@ -33,13 +34,10 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
 PROMPT = [5, 6, 7, 9, 10]
 PROMPT_LENGTH = len(PROMPT)
 HIDDEN_SIZE = 64
-REPO = Path(__file__).resolve().parents[2]
 
 
-def sampling_pb(params: SamplingParams) -> tensor_pb2.SamplingParams:
-    return tensor_pb2.SamplingParams(
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p
-    )
+def trunk_main(argv: list[str]) -> int:
+    return service_main(TRUNK_SERVICE, argv)
 
 
 def prefill_request(session="s", start=0, tokens=PROMPT) -> internal_pb2.TrunkPrefillRequest:
@@ -49,7 +47,7 @@ def prefill_request(session="s", start=0, tokens=PROMPT) -> internal_pb2.TrunkPr
 def draft_request(
     session="s", start=PROMPT_LENGTH, pending=11, gamma=4, draft_head="head0", **fields
 ) -> internal_pb2.DraftRequest:
-    fields.setdefault("sampling", sampling_pb(GREEDY))
+    fields.setdefault("sampling", sampling_to_pb(GREEDY))
     return internal_pb2.DraftRequest(
         session=session,
         start=start,
@@ -92,7 +90,7 @@ def assert_error(method, request, code: grpc.StatusCode, message: str) -> None:
 
 
 def test_info_describes_the_model_the_heads_and_the_limits(start_trunk, start_jury, jury_model):
-    trunk = start_trunk(drafter_heads=["head2", "head0"], idle_timeout_s=60)
+    trunk = start_trunk(heads=["head2", "head0"], idle_timeout_s=60)
     jury = start_jury(heads=["head3", "head1"])
     trunk_info = trunk.stub.Info(internal_pb2.InfoRequest())
     jury_info = jury.stub.Info(internal_pb2.InfoRequest())
@@ -133,9 +131,9 @@ def test_health_and_reflection(trunk, jury):
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_trunk_rpcs_match_the_worker(trunk, jury_model, sampling):
-    worker = TrunkWorker(jury_model, max_sessions=1, max_session_tokens=32)
-    expected_hidden = worker.prefill("s", 0, torch.tensor(PROMPT))
-    expected = worker.draft("s", 5, 11, 4, "head1", sampling, 7, True)
+    worker = TrunkWorker(jury_model, limits=SessionLimits(1, 32))
+    expected_hidden = worker.prefill(calls.prefill("s", 0, PROMPT)).tensor()
+    expected = worker.draft(calls.draft("s", 5, 11, 4, "head1", sampling, 7, True))
 
     prefill = trunk.stub.Prefill(prefill_request())
     assert prefill.hidden.dtype == "float32"
@@ -143,23 +141,23 @@ def test_trunk_rpcs_match_the_worker(trunk, jury_model, sampling):
     assert prefill.timings.total_ns >= prefill.timings.forward_ns > 0
     draft = trunk.stub.Draft(
         draft_request(
-            draft_head="head1", sampling=sampling_pb(sampling), seed=7, with_decision=True
+            draft_head="head1", sampling=sampling_to_pb(sampling), seed=7, with_decision=True
         )
     )
     assert list(draft.tokens) == expected.tokens.tolist()
     assert draft.logprobs.dtype == draft.decision_logprobs.dtype == "float32"
     assert torch.equal(decoded(draft.logprobs), expected.logprobs)
     assert torch.equal(decoded(draft.decision_logprobs), expected.decision_logprobs)
-    assert torch.equal(decoded(draft.hidden), expected.hidden)
+    assert torch.equal(decoded(draft.hidden), expected.hidden.tensor())
     assert (draft.trunk_steps, draft.head_evaluations) == (4, 4)
     assert draft.timings.total_ns >= draft.timings.forward_ns > 0
 
     # Without a draft head: one trunk step, no tokens or distributions.
     pending = int(expected.tokens[-1])
-    expected_step = worker.draft("s", 9, pending, 1, None, sampling, 7)
+    expected_step = worker.draft(calls.draft("s", 9, pending, 1, None, sampling, 7))
     step = trunk.stub.Draft(draft_request(start=9, pending=pending, gamma=1, draft_head=""))
     assert list(step.tokens) == [] and not step.HasField("logprobs")
-    assert torch.equal(decoded(step.hidden), expected_step.hidden)
+    assert torch.equal(decoded(step.hidden), expected_step.hidden.tensor())
     assert (step.trunk_steps, step.head_evaluations) == (1, 0)
 
 
@@ -167,13 +165,14 @@ def test_jury_rpcs_match_the_worker(start_jury, jury_checkpoint, jury_model):
     jury = start_jury(heads=["head1", "head3"])
     worker = JuryWorker(
         HydraModel.load(jury_checkpoint, heads=["head1", "head3"], load_trunk=False),
-        max_sessions=1,
-        max_session_tokens=32,
+        limits=SessionLimits(1, 32),
     )
     tokens = torch.tensor([*PROMPT, 11, 12, 13])
     hidden = jury_model.trunk.forward(tokens, jury_model.trunk_cache(32), 0)  # [8, D]
-    worker.prefill("s", 0, hidden[:5])
-    expected = worker.score("s", 5, hidden[5:], ["head0", "head1", "head3"], 0.7, 2.0, True)
+    worker.prefill(calls.jury_prefill("s", 0, hidden[:5]))
+    expected = worker.score(
+        calls.score("s", 5, hidden[5:], ["head0", "head1", "head3"], 0.7, 2.0, True)
+    )
 
     prefill = jury.stub.Prefill(
         internal_pb2.JuryPrefillRequest(session="s", start=0, hidden=tensor_to_pb(hidden[:5]))
@@ -190,7 +189,7 @@ def test_jury_rpcs_match_the_worker(start_jury, jury_checkpoint, jury_model):
             with_decision=True,
         )
     )
-    assert list(score.voters) == expected.voters == ["head1", "head3"]
+    assert tuple(score.voters) == expected.voters == ("head1", "head3")
     assert score.log_product.dtype == score.decision_log_product.dtype == "float32"
     assert torch.equal(decoded(score.log_product), expected.log_product)
     assert torch.equal(decoded(score.decision_log_product), expected.decision_log_product)
@@ -512,7 +511,7 @@ def test_a_service_that_cannot_start_exits_2_with_one_line(
     assert error.startswith("trunk service: error: ") and error.count("\n") == 1, error
     argv = ["--checkpoint", str(jury_checkpoint), "--drafter-heads", "head0,head7"]
     assert trunk_main(argv) == 2
-    assert "drafter heads: ['head7'] are not llm heads" in capsys.readouterr().err
+    assert "--drafter-heads: ['head7'] are not llm heads" in capsys.readouterr().err
     # A port in use is an error, not a second service sharing the port (SO_REUSEPORT).
     assert trunk_main(["--checkpoint", str(jury_checkpoint), "--listen", trunk.address]) == 2
     assert f"trunk service: error: Failed to bind to address {trunk.address}" in (
@@ -520,55 +519,37 @@ def test_a_service_that_cannot_start_exits_2_with_one_line(
     )
 
 
-def _start(module: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        cwd=REPO,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-
-
-def _listening_port(process: subprocess.Popen, pattern: str, timeout_s: float) -> int:
-    """Reads stderr (in a thread, which keeps draining it) until `pattern` matches."""
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in process.stderr], daemon=True).start()
-    seen, deadline = [], time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
-        except queue.Empty:
-            break
-        seen.append(line)
-        if match := re.fullmatch(pattern, line.rstrip("\n")):
-            return int(match.group(1))
-    process.kill()
-    raise AssertionError(f"no line matching {pattern!r}; stderr:\n{''.join(seen)}")
-
-
 def test_services_run_from_the_command_line_and_stop_on_sigterm(jury_checkpoint):
     common = ["--checkpoint", str(jury_checkpoint), "--listen", "127.0.0.1:0"]
-    processes = {
-        "trunk": _start("trunk_service", *common, "--drafter-heads", "head0,head1"),
-        "jury": _start("jury_service", *common, "--heads", "head2,head3", "--grace-s", "1"),
+    python = [sys.executable, "-m"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    children = {
+        "trunk": start_child(
+            "trunk", [*python, "trunk_service", *common, "--drafter-heads", "head0,head1"], 30, env
+        ),
+        "jury": start_child(
+            "jury",
+            [*python, "jury_service", *common, "--heads", "head2,head3", "--grace-s", "1"],
+            30,
+            env,
+        ),
     }
     try:
-        patterns = {
-            "trunk": r"trunk service listening on 127\.0\.0\.1:(\d+)",
-            "jury": r"jury service listening on 127\.0\.0\.1:(\d+) \(heads head2,head3\)",
-        }
-        for name, process in processes.items():
-            port = _listening_port(process, patterns[name], timeout_s=30)
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = {"trunk": internal_pb2_grpc.TrunkStub, "jury": internal_pb2_grpc.JuryStub}
-                info = stub[name](channel).Info(internal_pb2.InfoRequest(), timeout=10)
+        for name, child in children.items():
+            assert child.address.startswith("127.0.0.1:"), child.failure
+            with grpc.insecure_channel(child.address) as channel:
+                if name == "trunk":
+                    info = internal_pb2_grpc.TrunkStub(channel).Info(internal_pb2.InfoRequest())
+                    assert list(info.drafter_heads) == ["head0", "head1"]
+                else:
+                    info = internal_pb2_grpc.JuryStub(channel).Info(internal_pb2.InfoRequest())
+                    assert list(info.hosted_heads) == ["head2", "head3"]
                 assert info.model.vocab_size == 32
-        for process in processes.values():
-            process.send_signal(signal.SIGTERM)
-        for process in processes.values():
-            assert process.wait(timeout=10) == 0
+        for child in children.values():
+            child.process.send_signal(signal.SIGTERM)
+        for child in children.values():
+            assert child.process.wait(timeout=10) == 0
     finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.kill()
+        for child in children.values():
+            if child.process.poll() is None:
+                child.process.kill()

@@ -28,8 +28,8 @@ from hydra_model.checkpoint import (
     Manifest,
 )
 from hydra_model.layers import layer_tensor_shapes
-from hydra_model.lora import lora_deltas
-from hydra_model.sources import SourceError, SourceModel, load_source
+from hydra_model.build.lora import lora_deltas
+from hydra_model.build.sources import SourceError, SourceModel, load_source
 
 
 class BuildError(ValueError):

@@ -5,6 +5,8 @@ Terms
 - position rule: every stateful call names the position its cache must start from; the
   worker truncates to it first (so calls are idempotent and need no rollback call). A
   start beyond what the worker holds is a `PositionError`: the caller re-prefills.
+- limits: how many sessions a worker holds at once, how many positions one may reach,
+  and how long an idle one is kept.
 """
 
 from __future__ import annotations
@@ -14,21 +16,30 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-
-class PositionError(RuntimeError):
-    """A call starts at a position the worker does not hold."""
-
-
-class CapacityError(RuntimeError):
-    """Too many sessions, or a session longer than the worker's limit."""
-
-
-class UnknownSessionError(PositionError, KeyError):
-    """A session the worker does not hold, asked for at a position > 0: a position not
-    held, so the caller re-prefills (FAILED_PRECONDITION over gRPC)."""
-
+from workers.errors import CapacityError, InvalidArgument, PositionError, UnknownSessionError
 
 State = TypeVar("State")
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """A worker's session limits, checked on construction."""
+
+    max_sessions: int = 4
+    max_session_tokens: int = 2048  # capped by the model's context length
+    idle_timeout_s: float | None = None  # None (or 0 from a flag): never evicted
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 1:
+            raise InvalidArgument(f"max sessions must be >= 1, got {self.max_sessions}")
+        if self.max_session_tokens < 1:
+            raise InvalidArgument(f"max session tokens must be >= 1, got {self.max_session_tokens}")
+        if self.idle_timeout_s is not None and self.idle_timeout_s < 0:
+            raise InvalidArgument(
+                f"idle timeout must be >= 0 (0 = never), got {self.idle_timeout_s}"
+            )
+        if self.idle_timeout_s == 0:
+            object.__setattr__(self, "idle_timeout_s", None)
 
 
 @dataclass
@@ -42,13 +53,12 @@ class SessionTable(Generic[State]):
 
     def __init__(
         self,
-        max_sessions: int,
-        idle_timeout_s: float | None,
+        limits: SessionLimits,
         create: Callable[[], State],
         destroy: Callable[[State], None],
     ) -> None:
-        self.max_sessions = max_sessions
-        self.idle_timeout_s = idle_timeout_s
+        self.max_sessions = limits.max_sessions
+        self.idle_timeout_s = limits.idle_timeout_s
         self._create, self._destroy = create, destroy
         self._entries: dict[str, _Entry[State]] = {}
 
@@ -60,8 +70,6 @@ class SessionTable(Generic[State]):
 
     def get(self, session: str, *, start: int) -> State:
         """The session's state for a call starting at `start`; a call at 0 may open it."""
-        if start < 0:
-            raise ValueError(f"start: must be >= 0, got {start}")
         entry = self._entries.get(session)
         if entry is None:
             if start != 0:
@@ -96,6 +104,7 @@ class SessionTable(Generic[State]):
 
 
 def check_start(start: int, held: int, what: str) -> None:
+    """The position rule: a call may start anywhere up to what `what` holds."""
     if start > held:
         raise PositionError(
             f"{what} holds {held} positions of this session; cannot start "

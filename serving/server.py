@@ -1,10 +1,5 @@
-"""What every hydra-jury gRPC server shares: error mapping (one interceptor), a single
-model worker thread, health checking, reflection, the epoch and graceful shutdown.
-
-Status codes: bad input → INVALID_ARGUMENT; a cache position the service does not hold →
-FAILED_PRECONDITION; too many sessions or tokens → RESOURCE_EXHAUSTED; an unknown
-session → NOT_FOUND; a dependency down → UNAVAILABLE; anything else → INTERNAL (logged).
-"""
+"""The aio server every hydra-jury process runs: one error interceptor, health checking,
+reflection, the epoch and graceful shutdown."""
 
 from __future__ import annotations
 
@@ -13,19 +8,14 @@ import logging
 import signal
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
-from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from hydra_model.kv_cache import CacheError
-from hydra_model.sessions import CapacityError, PositionError
+from serving.errors import detail_for, status_for
 
 log = logging.getLogger("hydra_jury")
-T = TypeVar("T")
 
 MESSAGE_LIMIT = 256 * 1024 * 1024  # draft distributions of large vocabularies
 CHANNEL_OPTIONS = [
@@ -40,42 +30,9 @@ SERVER_OPTIONS = [
 ]
 
 
-class ServiceUnavailable(RuntimeError):
-    """An internal service this one depends on cannot be reached."""
-
-
-class SessionNotFound(LookupError):
-    """No service holds the session a client named."""
-
-
-class DeadlineExceeded(RuntimeError):
-    """An internal call ran out of the client's deadline."""
-
-
-def status_for(error: BaseException) -> grpc.StatusCode:
-    if isinstance(error, PositionError):
-        return grpc.StatusCode.FAILED_PRECONDITION
-    if isinstance(error, CapacityError | CacheError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(error, SessionNotFound):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(error, ServiceUnavailable):
-        return grpc.StatusCode.UNAVAILABLE
-    if isinstance(error, DeadlineExceeded):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    if isinstance(error, ValueError | IndexError):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    return grpc.StatusCode.INTERNAL
-
-
-def _detail(error: BaseException) -> str:
-    if isinstance(error, KeyError) and error.args:
-        return str(error.args[0])
-    return str(error) or type(error).__name__
-
-
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Turns an exception escaping any RPC into its status code and a readable detail."""
+    """Turns an exception escaping any RPC into its status code (`serving.errors`) and a
+    readable detail; an untyped one is a bug, logged with its traceback."""
 
     def __init__(self, on_error: Callable[[str, grpc.StatusCode], None] | None = None) -> None:
         self.on_error = on_error
@@ -83,10 +40,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     async def _abort(self, method: str, context, error: Exception) -> None:
         code = status_for(error)
         if code == grpc.StatusCode.INTERNAL:
-            log.exception("internal error in %s", method, exc_info=error)
+            log.error("internal error in %s", method, exc_info=error)
         if self.on_error is not None:
             self.on_error(method, code)
-        await context.abort(code, _detail(error))
+        await context.abort(code, detail_for(error))
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -129,21 +86,6 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-class ModelThread:
-    """Runs model compute off the event loop, one call at a time: the place where a
-    scheduler will later batch concurrent requests."""
-
-    def __init__(self, name: str) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-
-    async def run(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, partial(function, *args, **kwargs))
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
-
-
 def new_epoch() -> str:
     """A random id per process start: a changed epoch tells callers the caches are gone."""
     return uuid.uuid4().hex[:16]
@@ -160,7 +102,7 @@ class GrpcServer:
         add_servicers: Callable[[grpc.aio.Server], None],
         service_names: Iterable[str],
         *,
-        on_error=None,
+        on_error: Callable[[str, grpc.StatusCode], None] | None = None,
     ) -> None:
         self.server = grpc.aio.server(
             interceptors=[ErrorInterceptor(on_error)], options=SERVER_OPTIONS

@@ -1,0 +1,49 @@
+"""Incremental detokenization: the text of each new token, decoded from a short window.
+
+Terms
+- read offset: how many tokens have had their text emitted.
+- prefix offset: where the decoding window starts, a few tokens before the read offset.
+  Decoding a window rather than one token keeps the tokenizer's context (SentencePiece's
+  leading space, byte-level pieces of one character); decoding from the start every time
+  would make a generation quadratic in its length.
+- incomplete text: a window whose decoding ends in U+FFFD holds part of a multi-byte
+  character; its text is held back until a later token completes it (or `flush`).
+
+Example (byte-level BPE): tokens for "é" arrive as two byte tokens: the first `push`
+returns "" (the window decodes to "\ufffd"), the second returns "é".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._tokens: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def _decode(self, tokens: Sequence[int]) -> str:
+        return self._tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def push(self, tokens: Sequence[int]) -> str:
+        """Appends `tokens`; returns the text they complete ("" while incomplete)."""
+        self._tokens.extend(tokens)
+        prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+        text = self._decode(self._tokens[self._prefix_offset :])
+        if len(text) <= len(prefix_text) or text.endswith(_REPLACEMENT):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
+        return text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """The text of the tokens not yet emitted, incomplete characters included (as
+        U+FFFD, as a decode of the whole sequence would give them)."""
+        prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+        text = self._decode(self._tokens[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._tokens)
+        return text[len(prefix_text) :]

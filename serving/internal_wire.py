@@ -1,0 +1,208 @@
+"""Calls and results ⇄ `hydrajury.v1` internal messages: protobuf at the edge.
+
+The services build calls from requests (`*_call_from_pb`) and responses from results
+(`*_result_to_pb`); the orchestrator's gRPC backend does the reverse. Both sides use
+this one module, so a field is converted in one place. Hidden states travel in the
+model's dtype, distributions as float32. Tensors are decoded with every size checked
+(`protos.codec`); what needs the model (token ids, head names) the worker checks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from poe import SamplingParams
+from protos.codec import optional_tensor_to_pb, tensor_from_pb, tensor_to_pb
+from protos.hydrajury.v1 import internal_pb2, tensor_pb2
+from workers.calls import (
+    DraftCall,
+    DraftResult,
+    HiddenStates,
+    JuryPrefillCall,
+    PrefillCall,
+    ScoreCall,
+    ScoreResult,
+)
+from workers.errors import InvalidArgument
+
+# --- hidden states ---------------------------------------------------------------------
+
+
+def hidden_to_pb(hidden: HiddenStates) -> tensor_pb2.Tensor:
+    """The message of a handle: a tensor is encoded, a message passes through as it is."""
+    if isinstance(hidden.payload, tensor_pb2.Tensor):
+        return hidden.payload
+    return tensor_to_pb(hidden.tensor())
+
+
+def hidden_from_pb(message: tensor_pb2.Tensor, dtype: str, hidden_size: int) -> HiddenStates:
+    """Hidden states [T, hidden_size] of dtype `dtype`, decoded on the host."""
+    tensor = tensor_from_pb(message, name="hidden", dtypes=[dtype], shape=[None, hidden_size])
+    return HiddenStates(len(tensor), tensor)
+
+
+def forwarded_hidden(message: tensor_pb2.Tensor) -> HiddenStates:
+    """A trunk's hidden-state message kept encoded, to be forwarded to the jury shards."""
+    return HiddenStates(message.shape[0] if message.shape else 0, message)
+
+
+# --- trunk -----------------------------------------------------------------------------
+
+
+def prefill_call_to_pb(call: PrefillCall) -> internal_pb2.TrunkPrefillRequest:
+    return internal_pb2.TrunkPrefillRequest(
+        session=call.session, start=call.start, tokens=call.tokens.tolist()
+    )
+
+
+def prefill_call_from_pb(request: internal_pb2.TrunkPrefillRequest) -> PrefillCall:
+    return PrefillCall(request.session, request.start, torch.tensor(list(request.tokens)).long())
+
+
+def sampling_to_pb(sampling: SamplingParams) -> tensor_pb2.SamplingParams:
+    return tensor_pb2.SamplingParams(
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        min_p=sampling.min_p,
+    )
+
+
+def draft_call_to_pb(call: DraftCall) -> internal_pb2.DraftRequest:
+    return internal_pb2.DraftRequest(
+        session=call.session,
+        start=call.start,
+        pending_token=call.pending,
+        gamma=call.gamma,
+        draft_head=call.draft_head or "",
+        sampling=sampling_to_pb(call.sampling),
+        seed=call.seed,
+        with_decision=call.with_decision,
+    )
+
+
+def draft_call_from_pb(request: internal_pb2.DraftRequest) -> DraftCall:
+    draft_head = request.draft_head or None
+    if request.HasField("sampling"):
+        message = request.sampling
+        sampling = SamplingParams(message.temperature, message.top_k, message.top_p, message.min_p)
+    elif draft_head is None:
+        sampling = SamplingParams()  # unused: nothing is drafted
+    else:
+        raise InvalidArgument("sampling: required when a draft_head is given")
+    return DraftCall(
+        request.session,
+        request.start,
+        request.pending_token,
+        request.gamma,
+        draft_head,
+        sampling,
+        request.seed,
+        request.with_decision,
+    )
+
+
+def draft_result_to_pb(result: DraftResult) -> internal_pb2.DraftResponse:
+    return internal_pb2.DraftResponse(
+        tokens=result.tokens.tolist(),
+        logprobs=optional_tensor_to_pb(result.logprobs),
+        decision_logprobs=optional_tensor_to_pb(result.decision_logprobs),
+        hidden=hidden_to_pb(result.hidden),
+        trunk_steps=result.trunk_steps,
+        head_evaluations=result.head_evaluations,
+    )
+
+
+def draft_result_from_pb(
+    response: internal_pb2.DraftResponse, call: DraftCall, vocab_size: int
+) -> DraftResult:
+    """The result of `call`; the hidden states stay a message, forwarded to the jury."""
+    rows = len(response.tokens)
+
+    def distribution(name: str) -> torch.Tensor:
+        message = getattr(response, name)
+        return tensor_from_pb(message, name=name, dtypes=["float32"], shape=[rows, vocab_size])
+
+    drafting = call.draft_head is not None
+    return DraftResult(
+        torch.tensor(list(response.tokens), dtype=torch.long),
+        distribution("logprobs") if drafting else None,
+        distribution("decision_logprobs") if drafting and call.with_decision else None,
+        forwarded_hidden(response.hidden),
+        trunk_steps=response.trunk_steps,
+        head_evaluations=response.head_evaluations,
+    )
+
+
+# --- jury ------------------------------------------------------------------------------
+
+
+def jury_prefill_call_to_pb(call: JuryPrefillCall) -> internal_pb2.JuryPrefillRequest:
+    return internal_pb2.JuryPrefillRequest(
+        session=call.session, start=call.start, hidden=hidden_to_pb(call.hidden)
+    )
+
+
+def jury_prefill_call_from_pb(
+    request: internal_pb2.JuryPrefillRequest, dtype: str, hidden_size: int
+) -> JuryPrefillCall:
+    hidden = hidden_from_pb(request.hidden, dtype, hidden_size)
+    return JuryPrefillCall(request.session, request.start, hidden)
+
+
+def score_call_to_pb(call: ScoreCall) -> internal_pb2.ScoreRequest:
+    return internal_pb2.ScoreRequest(
+        session=call.session,
+        start=call.start,
+        hidden=hidden_to_pb(call.hidden),
+        jury=call.jury,
+        temperature=call.temperature,
+        beta=call.beta,
+        with_decision=call.with_decision,
+    )
+
+
+def score_call_from_pb(
+    request: internal_pb2.ScoreRequest, dtype: str, hidden_size: int
+) -> ScoreCall:
+    return ScoreCall(
+        request.session,
+        request.start,
+        hidden_from_pb(request.hidden, dtype, hidden_size),
+        tuple(request.jury),
+        request.temperature,
+        request.beta,
+        request.with_decision,
+    )
+
+
+def score_result_to_pb(result: ScoreResult) -> internal_pb2.ScoreResponse:
+    return internal_pb2.ScoreResponse(
+        log_product=tensor_to_pb(result.log_product.float()),
+        decision_log_product=optional_tensor_to_pb(result.decision_log_product),
+        votes=tensor_to_pb(result.votes.long()),
+        voters=result.voters,
+        head_evaluations=result.head_evaluations,
+    )
+
+
+def score_result_from_pb(
+    response: internal_pb2.ScoreResponse, call: ScoreCall, vocab_size: int
+) -> ScoreResult:
+    """One shard's partial result for `call`."""
+    rows = call.hidden.rows
+
+    def distribution(name: str) -> torch.Tensor:
+        message = getattr(response, name)
+        return tensor_from_pb(message, name=name, dtypes=["float32"], shape=[rows, vocab_size])
+
+    votes = tensor_from_pb(
+        response.votes, name="votes", dtypes=["int64"], shape=[rows, len(response.voters)]
+    )
+    return ScoreResult(
+        distribution("log_product"),
+        distribution("decision_log_product") if call.with_decision else None,
+        votes,
+        tuple(response.voters),
+        head_evaluations=response.head_evaluations,
+    )

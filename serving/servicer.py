@@ -1,0 +1,136 @@
+"""What the trunk and jury servicers share: the worker and its model thread, the epoch,
+the model description (built once), model calls with their timings and with protobuf
+conversion off the event loop, limits, `Release`, and idle eviction."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from hydra_model import HydraModel
+from protos.codec import dtype_name
+from protos.hydrajury.v1 import internal_pb2
+from serving.model_thread import ModelThread
+from serving.server import new_epoch
+from workers.errors import InvalidArgument
+
+log = logging.getLogger("hydra_jury.service")
+Call = TypeVar("Call")
+Result = TypeVar("Result")
+Response = TypeVar("Response")
+
+
+def model_description_to_pb(
+    model: HydraModel, context_length: int
+) -> internal_pb2.ModelDescription:
+    config = model.config
+    return internal_pb2.ModelDescription(
+        fingerprint=model.fingerprint,
+        architecture=config.model_type,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        context_length=context_length,
+        heads=[head.name for head in model.manifest.llm_heads],
+        eos_token_ids=list(config.eos_token_ids),
+        dtype=dtype_name(model.dtype),
+    )
+
+
+class WorkerServicer:
+    """The base of the trunk and jury servicers. A worker has `model`, `sessions`,
+    `max_session_tokens` and `release(session)`."""
+
+    def __init__(self, worker: Any, thread_name: str) -> None:
+        self.worker = worker
+        self.thread = ModelThread(thread_name)
+        self.epoch = new_epoch()
+        # Built once: `Info` never re-reads the checkpoint.
+        self.model_description = model_description_to_pb(worker.model, worker.max_session_tokens)
+        self.dtype = self.model_description.dtype
+        self.hidden_size = self.model_description.hidden_size
+        self._evictor: asyncio.Task | None = None
+
+    def listening_detail(self) -> str:
+        """What follows "listening on HOST:PORT" in the start-up line."""
+        return ""
+
+    async def decode(self, from_pb: Callable[..., Call], *args: Any) -> Call:
+        """A call built from its request, off the event loop (tensors are decoded)."""
+        return await asyncio.to_thread(from_pb, *args)
+
+    async def call_model(
+        self,
+        function: Callable[[Call], Result],
+        call: Call,
+        to_pb: Callable[[Result], Response],
+        began_ns: int,
+    ) -> Response:
+        """Runs `function(call)` on the model thread and encodes its result off the event
+        loop; the response carries the epoch and the timings: `forward_ns` is the worker
+        call, including the copy of its outputs to the host (so on a GPU it waits for
+        the device), `total_ns` the whole handler."""
+
+        def timed() -> tuple[Result, int]:
+            began = time.perf_counter_ns()
+            result = function(call)
+            if hasattr(result, "on_host"):
+                result = result.on_host()
+            return result, time.perf_counter_ns() - began
+
+        result, forward_ns = await self.thread.run(timed)
+        response = await asyncio.to_thread(to_pb, result)
+        response.epoch = self.epoch
+        response.timings.forward_ns = forward_ns
+        response.timings.total_ns = time.perf_counter_ns() - began_ns
+        return response
+
+    def limits_to_pb(self) -> internal_pb2.ServiceLimits:
+        sessions = self.worker.sessions
+        return internal_pb2.ServiceLimits(
+            max_sessions=sessions.max_sessions,
+            max_session_tokens=self.worker.max_session_tokens,
+            active_sessions=len(sessions),
+            idle_timeout_s=sessions.idle_timeout_s or 0.0,
+        )
+
+    async def Release(  # the RPC, the same in both services
+        self, request: internal_pb2.ReleaseRequest, context: Any = None
+    ) -> internal_pb2.ReleaseResponse:
+        if not request.session:
+            raise InvalidArgument("session: a non-empty session id is required")
+        released = await self.thread.run(self.worker.release, request.session)
+        return internal_pb2.ReleaseResponse(released=released, epoch=self.epoch)
+
+    def start_idle_eviction(self) -> None:
+        """Evicts idle sessions every so often (nothing to do without an idle timeout).
+        Sessions are also evicted when a new one needs room; this frees their memory
+        and keeps `active_sessions` honest."""
+        timeout = self.worker.sessions.idle_timeout_s
+        if timeout is None or self._evictor is not None:
+            return
+        interval = min(max(timeout / 4, 0.01), 30.0)
+        self._evictor = asyncio.create_task(self._evict_idle_forever(interval))
+
+    async def _evict_idle_forever(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                evicted = await self.thread.run(self.worker.sessions.evict_idle)
+            except Exception:
+                log.exception("idle eviction failed")
+                continue
+            if evicted:
+                log.info("evicted %d idle sessions", len(evicted))
+
+    async def close(self) -> None:
+        """Stops idle eviction and the model thread (after the server has stopped)."""
+        if self._evictor is not None:
+            self._evictor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._evictor
+            self._evictor = None
+        await asyncio.to_thread(self.thread.shutdown)

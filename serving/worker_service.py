@@ -1,0 +1,218 @@
+"""Starting a worker service (trunk or jury): options, checkpoint loading, the server, and
+the command line both services share (`hydra-jury trunk`, `hydra-jury jury`).
+
+A service is described once by a `WorkerServiceSpec` (its name, default port, which
+heads its `--heads` option names, whether it loads the trunk, how to build its servicer);
+`serve_worker` starts any of them and `service_main` is their whole command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from hydra_model import HydraModel
+from hydra_model.checkpoint import DTYPES, read_manifest
+from serving.server import GrpcServer
+from serving.servicer import WorkerServicer
+from workers.errors import InvalidArgument
+from workers.sessions import SessionLimits
+
+log = logging.getLogger("hydra_jury.service")
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    """What a worker service is started with (the flags of `service_main`)."""
+
+    checkpoint: str | Path
+    listen: str = "127.0.0.1:0"  # port 0 picks a free one
+    heads: Sequence[str] | None = None  # None: every `llm` head
+    max_sessions: int = 16
+    max_session_tokens: int = 4096
+    idle_timeout_s: float | None = None  # None or 0: never evicted
+    dtype: str | None = None  # None: the checkpoint's
+    device: str = "cpu"
+
+    @property
+    def limits(self) -> SessionLimits:
+        return SessionLimits(self.max_sessions, self.max_session_tokens, self.idle_timeout_s)
+
+
+@dataclass(frozen=True)
+class WorkerServiceSpec:
+    name: str  # "trunk service"
+    service_name: str  # the gRPC service's full name, for health and reflection
+    default_port: int
+    description: str  # of the command line
+    heads_option: str  # the flag naming its heads
+    heads_help: str
+    load_trunk: bool
+    # (model with the chosen heads, the heads, limits) → the servicer
+    build_servicer: Callable[[HydraModel, list[str], SessionLimits], WorkerServicer]
+    add_servicer: Callable[[Any, grpc.aio.Server], None]
+
+
+@dataclass
+class RunningService:
+    server: GrpcServer
+    port: int
+    servicer: WorkerServicer
+
+    async def stop(self, grace_s: float = 0.0) -> None:
+        await self.server.stop(grace_s)
+        await self.servicer.close()
+
+
+def llm_heads_in_order(checkpoint: str | Path, names: Sequence[str] | None, option: str):
+    """`names` (None: every `llm` head) checked against the checkpoint and put in its
+    order, so the order of a command-line list never changes what a service does."""
+    llm = [head.name for head in read_manifest(checkpoint).llm_heads]
+    if names is None:
+        return llm
+    unknown = [name for name in names if name not in llm]
+    if unknown:
+        raise InvalidArgument(
+            f"{option}: {unknown} are not llm heads of {checkpoint}; it has {llm}"
+        )
+    if not names:
+        raise InvalidArgument(f"{option}: at least one head is required")
+    return [name for name in llm if name in names]
+
+
+async def serve_worker(spec: WorkerServiceSpec, options: ServiceOptions) -> RunningService:
+    """Loads the service's heads (and the trunk if it needs one) and starts it on
+    `options.listen`. Stop it with `RunningService.stop`."""
+    limits = options.limits
+    heads = llm_heads_in_order(options.checkpoint, options.heads, spec.heads_option)
+    model = await asyncio.to_thread(
+        HydraModel.load,
+        options.checkpoint,
+        dtype=options.dtype,
+        device=options.device,
+        heads=heads,
+        load_trunk=spec.load_trunk,
+    )
+    servicer = spec.build_servicer(model, heads, limits)
+    server = GrpcServer(
+        lambda grpc_server: spec.add_servicer(servicer, grpc_server), [spec.service_name]
+    )
+    try:
+        # OpenMP's thread count is per thread: the model thread takes this thread's, so
+        # `torch.set_num_threads` before starting a service applies to its compute too.
+        await servicer.thread.run(torch.set_num_threads, torch.get_num_threads())
+        port = await server.start(options.listen)
+    except BaseException:
+        await servicer.close()
+        raise
+    servicer.start_idle_eviction()
+    log.info(
+        "%s: %s, heads %s, %d sessions of %d tokens, port %d",
+        spec.name,
+        options.checkpoint,
+        ",".join(heads),
+        limits.max_sessions,
+        servicer.worker.max_session_tokens,
+        port,
+    )
+    return RunningService(server, port, servicer)
+
+
+def head_list(text: str) -> list[str]:
+    """'head0, head1' → ['head0', 'head1'] (for comma-separated head options)."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def build_parser(spec: WorkerServiceSpec, prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=spec.description)
+    parser.add_argument("--checkpoint", required=True, metavar="DIR", help="Hydra checkpoint")
+    parser.add_argument(
+        "--listen",
+        default=f"127.0.0.1:{spec.default_port}",
+        metavar="HOST:PORT",
+        help=f"address to bind (port 0 picks a free one; default 127.0.0.1:{spec.default_port})",
+    )
+    parser.add_argument(
+        spec.heads_option, dest="heads", type=head_list, metavar="H1,H2", help=spec.heads_help
+    )
+    parser.add_argument("--max-sessions", type=int, default=16, help="sessions held at once")
+    parser.add_argument(
+        "--max-session-tokens",
+        type=int,
+        default=4096,
+        help="positions one session may reach (at most the model's context length)",
+    )
+    parser.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=600.0,
+        help="evict sessions idle this long (0 = never)",
+    )
+    parser.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for model compute (default: torch's; on a host shared by several "
+        "services, give each its share of the cores)",
+    )
+    parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=5.0,
+        help="on SIGTERM/SIGINT, let in-flight calls finish this long",
+    )
+    return parser
+
+
+def service_main(spec: WorkerServiceSpec, argv: list[str] | None = None, prog: str = "") -> int:
+    """The whole command line of a worker service. Prints "NAME listening on
+    HOST:PORT[ DETAIL]" to stderr once it serves (the line launchers wait for), serves
+    until SIGTERM or SIGINT, then stops gracefully and returns 0; returns 2 with a
+    one-line message when it cannot start (a bad checkpoint, an unknown head, an
+    address in use)."""
+    args = build_parser(spec, prog or f"hydra-jury {spec.name.split()[0]}").parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    async def serve() -> int:
+        try:
+            if args.threads is not None:
+                if args.threads < 1:
+                    raise InvalidArgument(f"--threads must be at least 1, got {args.threads}")
+                torch.set_num_threads(args.threads)  # the model thread takes this count
+            options = ServiceOptions(
+                checkpoint=args.checkpoint,
+                listen=args.listen,
+                heads=args.heads,
+                max_sessions=args.max_sessions,
+                max_session_tokens=args.max_session_tokens,
+                idle_timeout_s=args.idle_timeout_s,
+                dtype=args.dtype,
+                device=args.device,
+            )
+            running = await serve_worker(spec, options)
+        except (ValueError, KeyError, OSError, RuntimeError) as error:
+            message = error.args[0] if isinstance(error, KeyError) and error.args else error
+            print(f"{spec.name}: error: {message}", file=sys.stderr, flush=True)
+            return 2
+        host = args.listen.rsplit(":", 1)[0]
+        detail = running.servicer.listening_detail()
+        print(
+            f"{spec.name} listening on {host}:{running.port}{detail}", file=sys.stderr, flush=True
+        )
+        await running.server.serve_until_signal(args.grace_s, on_stop=running.servicer.close)
+        log.info("%s stopped", spec.name)
+        return 0
+
+    return asyncio.run(serve())

@@ -1,0 +1,85 @@
+"""Trunk and jury workers: the position rule, limits, idle eviction, drafter switching."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from poe import SamplingParams
+from tests import calls
+from workers.errors import CapacityError, InvalidArgument, PositionError, UnknownSessionError
+from workers.jury import JuryWorker
+from workers.sessions import SessionLimits
+from workers.trunk import TrunkWorker
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def test_position_rule_truncates_and_refuses_gaps(jury_model):
+    trunk = TrunkWorker(jury_model, limits=SessionLimits(1, 32))
+    trunk.prefill(calls.prefill("s", 0, torch.tensor([5, 6, 7])))
+    first = trunk.draft(calls.draft("s", 3, 8, 3, "head0", GREEDY, 0))
+    # Same call again: the cache is truncated to 3 first, so the result is identical.
+    again = trunk.draft(calls.draft("s", 3, 8, 3, "head0", GREEDY, 0))
+    assert torch.equal(first.tokens, again.tokens) and torch.equal(
+        first.hidden.tensor(), again.hidden.tensor()
+    )
+    with pytest.raises(PositionError, match="holds 6 positions of this session; cannot start at 7"):
+        trunk.draft(calls.draft("s", 7, 8, 1, "head0", GREEDY, 0))
+    with pytest.raises(UnknownSessionError):
+        trunk.draft(calls.draft("other", 3, 8, 1, "head0", GREEDY, 0))
+
+
+def test_draft_head_switch_catches_up_from_kept_hidden_states(jury_model):
+    trunk = TrunkWorker(jury_model, limits=SessionLimits(2, 32))
+    prompt = torch.tensor([5, 6, 7, 9, 10])
+    for session in ("switch", "fresh"):
+        trunk.prefill(calls.prefill(session, 0, prompt))
+    trunk.draft(calls.draft("switch", 5, 11, 4, "head0", GREEDY, 0))
+    switched = trunk.draft(calls.draft("switch", 5, 11, 4, "head2", GREEDY, 0))
+    fresh = trunk.draft(calls.draft("fresh", 5, 11, 4, "head2", GREEDY, 0))
+    assert torch.equal(switched.tokens, fresh.tokens)
+    assert torch.allclose(switched.logprobs, fresh.logprobs, atol=1e-6)
+
+
+def test_session_and_length_limits(jury_model):
+    trunk = TrunkWorker(jury_model, limits=SessionLimits(1, 8))
+    trunk.prefill(calls.prefill("a", 0, torch.tensor([5, 6])))
+    with pytest.raises(CapacityError, match="all 1 sessions are in use"):
+        trunk.prefill(calls.prefill("b", 0, torch.tensor([5])))
+    with pytest.raises(CapacityError, match="over the limit of 8 tokens per session"):
+        trunk.draft(calls.draft("a", 2, 6, 7, "head0", GREEDY, 0))
+    assert trunk.release("a") and not trunk.release("a")
+    with pytest.raises(CapacityError, match="over the limit of 8 tokens per session"):
+        trunk.prefill(calls.prefill("b", 0, torch.arange(9)))
+    assert len(trunk.sessions) == 0  # a refused call opens no session
+    with pytest.raises(InvalidArgument, match="start: must be >= 0, got -1"):
+        calls.prefill("b", -1, torch.tensor([5]))
+    trunk.prefill(calls.prefill("b", 0, torch.tensor([5])))
+
+
+def test_idle_sessions_are_evicted(jury_model):
+    jury = JuryWorker(jury_model, limits=SessionLimits(1, 8, 0.05))
+    hidden = torch.zeros(2, jury_model.config.hidden_size)
+    jury.prefill(calls.jury_prefill("old", 0, hidden))
+    time.sleep(0.1)
+    jury.prefill(calls.jury_prefill("new", 0, hidden))  # the idle session made room
+    assert len(jury.sessions) == 1
+    with pytest.raises(UnknownSessionError):
+        jury.score(calls.score("old", 2, hidden, ["head0"], 1.0, 1.0))
+
+
+def test_score_returns_the_partial_product_of_the_requested_jurors(jury_model):
+    jury = JuryWorker(jury_model, limits=SessionLimits(1, 16))
+    tokens = torch.tensor([5, 6, 7, 8])
+    hidden = jury_model.trunk.forward(tokens, jury_model.trunk_cache(16), 0)
+    result = jury.score(calls.score("s", 0, hidden, ["head1", "head3"], 0.7, 2.0))
+    logits = jury_model.heads.forward(hidden, jury_model.head_cache(4, 16), 0)
+    expected = sum(2.0 * torch.log_softmax(logits[i] / 0.7, -1) for i in (1, 3))
+    assert torch.allclose(result.log_product, expected, atol=1e-5)
+    assert result.voters == ("head1", "head3")
+    assert torch.equal(result.votes, logits[[1, 3]].argmax(-1).T)
+    with pytest.raises(InvalidArgument, match=r"jury: unknown heads \['head8'\]"):
+        jury.score(calls.score("s", 0, hidden, ["head8"], 1.0, 1.0))

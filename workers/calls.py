@@ -1,0 +1,183 @@
+"""The calls a decoding loop makes on the workers, and what they return.
+
+Each call is one object that travels unchanged from the engine through the backend
+interface, either transport (in-process or gRPC, where `serving.internal_wire` turns it
+into a message and back) and the servicers to the worker. Checks that need no model run
+when a call is built (a bad call never reaches a worker); checks against the model (token
+ids, head names, tensor shapes) run in the worker, before it opens a session.
+
+Terms
+- session: the id of the caches a call works on; start: the position they start from
+  (the position rule, `workers.sessions`).
+- pending token: the last committed token, not yet processed by any component.
+- γ (gamma): draft tokens per round, at most `MAX_GAMMA`.
+- hidden states: trunk outputs of some positions, handed from a draft (or a trunk
+  prefill) to the jury. The loop never looks inside: `HiddenStates` is an opaque handle
+  whose payload is whatever the transport carries.
+- decision distributions: the draft and target at temperature 1 without filters; the
+  cascade rules decide on them (`poe.rules`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+from poe import SamplingParams
+from poe.randomness import MAX_SEED
+from workers.errors import InvalidArgument
+
+MAX_GAMMA = 16  # draft tokens per round: the services' and the orchestrator's limit
+MAX_BETA = 100.0  # largest verifier inverse temperature
+
+
+def _check_session(session: str, start: int) -> None:
+    if not session:
+        raise InvalidArgument("session: a non-empty session id is required")
+    if start < 0:
+        raise InvalidArgument(f"start: must be >= 0, got {start}")
+
+
+@dataclass(frozen=True)
+class HiddenStates:
+    """Trunk outputs of `rows` consecutive positions, opaque to the loop.
+
+    `payload` is what the transport carries: a tensor [rows, D] in-process (left on the
+    model's device) and inside a service, the encoded `Tensor` message between services
+    (the orchestrator forwards it from the trunk's response to the shards' requests
+    without decoding it)."""
+
+    rows: int
+    payload: Any
+
+    def tensor(self) -> torch.Tensor:
+        """The payload as a tensor [rows, D]; only a worker asks for it."""
+        if not isinstance(self.payload, torch.Tensor):
+            raise TypeError(
+                f"hidden states hold a {type(self.payload).__name__}, not a tensor: "
+                "decode them at the service edge first"
+            )
+        return self.payload
+
+
+@dataclass(frozen=True)
+class PrefillCall:
+    """Tokens [T] at positions start.. into the trunk (and, in a backend, the jury)."""
+
+    session: str
+    start: int
+    tokens: torch.Tensor  # [T] long
+
+    def __post_init__(self) -> None:
+        _check_session(self.session, self.start)
+        if self.tokens.dtype != torch.long or self.tokens.dim() != 1 or not len(self.tokens):
+            raise InvalidArgument("tokens: at least one token is required")
+
+
+@dataclass(frozen=True)
+class JuryPrefillCall:
+    """Hidden states of positions start.. into every hosted head's cache."""
+
+    session: str
+    start: int
+    hidden: HiddenStates
+
+    def __post_init__(self) -> None:
+        _check_session(self.session, self.start)
+        if self.hidden.rows < 1:
+            raise InvalidArgument("hidden: at least one position is required")
+
+
+@dataclass(frozen=True)
+class DraftCall:
+    """γ trunk + draft-head steps from the pending token at position `start`; without a
+    draft head (non-speculative decoding) one trunk step and no draft."""
+
+    session: str
+    start: int
+    pending: int
+    gamma: int
+    draft_head: str | None
+    sampling: SamplingParams
+    seed: int
+    with_decision: bool = False  # also return the decision distributions
+
+    def __post_init__(self) -> None:
+        _check_session(self.session, self.start)
+        if not 1 <= self.gamma <= MAX_GAMMA:
+            raise InvalidArgument(f"gamma: must be in 1..{MAX_GAMMA}, got {self.gamma}")
+        if self.draft_head is None and self.gamma != 1:
+            raise InvalidArgument(
+                f"gamma: must be 1 without a draft_head (one trunk step), got {self.gamma}"
+            )
+        if not 0 <= self.seed < MAX_SEED:
+            raise InvalidArgument(f"seed: must be below 2**63 and >= 0, got {self.seed}")
+        try:
+            self.sampling.validate()
+        except ValueError as error:
+            raise InvalidArgument(f"sampling: {error}") from None
+
+
+@dataclass(frozen=True)
+class ScoreCall:
+    """The jurors' partial log-product over the hidden states of positions start.."""
+
+    session: str
+    start: int
+    hidden: HiddenStates
+    jury: tuple[str, ...]  # every juror of the request; a shard scores those it hosts
+    temperature: float  # 0 = greedy (computed at 1)
+    beta: float
+    with_decision: bool = False  # also return the temperature-1 log-product
+
+    def __post_init__(self) -> None:
+        _check_session(self.session, self.start)
+        if self.hidden.rows < 1:
+            raise InvalidArgument("hidden: at least one position is required")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidArgument(
+                f"temperature: must be finite and >= 0 (0 = greedy), got {self.temperature}"
+            )
+        if not (math.isfinite(self.beta) and 0 < self.beta <= MAX_BETA):
+            raise InvalidArgument(f"beta: must be in (0, {MAX_BETA:g}], got {self.beta}")
+        if len(set(self.jury)) != len(self.jury):
+            raise InvalidArgument(f"jury: a head is named twice in {list(self.jury)}")
+
+
+@dataclass(frozen=True)
+class DraftResult:
+    tokens: torch.Tensor  # [γ] long; empty when no draft head was asked for
+    logprobs: torch.Tensor | None  # [γ, V] draft distributions, tempered and filtered
+    decision_logprobs: torch.Tensor | None  # [γ, V] at temperature 1, unfiltered
+    hidden: HiddenStates  # trunk outputs of positions start..start+γ-1
+    trunk_steps: int = 0  # trunk positions this call ran
+    head_evaluations: int = 0  # draft-head positions of the round (not the catch-up)
+
+    def on_host(self) -> DraftResult:
+        """The tokens and distributions on the host; the hidden states stay where they
+        are (they go on to the jury)."""
+        return _tensors_on_host(self, exclude="hidden")
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    log_product: torch.Tensor  # [γ, V] Σ over the jurors of β·log_softmax(z/T)
+    decision_log_product: torch.Tensor | None  # [γ, V] the same at temperature 1
+    votes: torch.Tensor  # [γ, J] long, argmax of each juror below
+    voters: tuple[str, ...]  # the jurors, in checkpoint order
+    head_evaluations: int = 0  # positions × heads the call ran
+
+    def on_host(self) -> ScoreResult:
+        return _tensors_on_host(self)
+
+
+def _tensors_on_host(result, exclude: str = ""):
+    moved = {
+        field.name: value.cpu()
+        for field in fields(result)
+        if field.name != exclude and isinstance(value := getattr(result, field.name), torch.Tensor)
+    }
+    return replace(result, **moved)
