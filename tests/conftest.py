@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models import build_hydra, fine_tune_top_layers, save_hf_model
+from tests.models import build_hydra, build_jury_checkpoint, save_hf_model
 
 # Tiny models: one thread avoids the cost of spreading microsecond ops over cores.
 torch.set_num_threads(1)
@@ -48,24 +48,11 @@ def hydra_checkpoints(source_models, tmp_path_factory) -> dict[str, Path]:
     return {name: build_hydra(source, root / name) for name, source in source_models.items()}
 
 
-JURY_VOCAB = 32
-JURY_TRUNK_LAYERS = 2
-
-
 @pytest.fixture(scope="session")
 def jury_checkpoint(tmp_path_factory) -> Path:
-    """A Llama-family Hydra checkpoint with a 32-token vocabulary and 4 heads that really
-    differ: heads 0-2 come from three different fine-tunes of the top layers and LM head,
-    head 3 is a copy of the base."""
-    root = tmp_path_factory.mktemp("jury")
-    base = save_hf_model(root / "base", "llama", seed=2, logit_scale=10.0, vocab_size=JURY_VOCAB)
-    tunes = []
-    for index in range(3):
-        fine_tune_top_layers(base, root / f"tune{index}", JURY_TRUNK_LAYERS, seed=20 + index)
-        tunes.append(str(root / f"tune{index}"))
-    return build_hydra(
-        base, root / "hydra", trunk_layers=JURY_TRUNK_LAYERS, heads=4, head_from=tunes
-    )
+    """The checkpoint most tests run on (`build_jury_checkpoint`): 2 trunk layers and 2
+    head layers, hidden size 64, 4 heads that really differ."""
+    return build_jury_checkpoint(tmp_path_factory.mktemp("jury"), trunk_layers=2)
 
 
 @pytest.fixture(scope="session")

@@ -131,3 +131,17 @@ def edit_manifest(directory: Path, **changes) -> None:
     data = json.loads(path.read_text())
     data.update(changes)
     path.write_text(json.dumps(data))
+
+
+def build_jury_checkpoint(root: Path, trunk_layers: int, **overrides) -> Path:
+    """A Llama-family Hydra checkpoint with a 32-token vocabulary and 4 heads that really
+    differ: heads 0-2 come from three different fine-tunes of the top layers and LM head,
+    head 3 is a copy of the base. `overrides` change the tiny decoder (`TINY`)."""
+    base = save_hf_model(
+        root / "base", "llama", seed=2, logit_scale=10.0, vocab_size=32, **overrides
+    )
+    tunes = []
+    for index in range(3):
+        fine_tune_top_layers(base, root / f"tune{index}", trunk_layers, seed=20 + index)
+        tunes.append(str(root / f"tune{index}"))
+    return build_hydra(base, root / "hydra", trunk_layers=trunk_layers, heads=4, head_from=tunes)

@@ -7,9 +7,14 @@ empirical distribution of 5,000 seeded runs of the engine.
 
 Tolerance: a chi-square goodness-of-fit test over the 32×32 cells, pooling cells whose
 expected count is below 5, must give p > 1e-4. Under an exact sampler a run fails with
-probability 1e-4 (the seeds are fixed, so the outcome is deterministic); a wrong target
-(for instance the draft's distribution, or a residual that is off) moves tens of
-percent of the mass here and gives p < 1e-30.
+probability 1e-4 (the seeds are fixed, so the outcome is deterministic). Each test also
+checks a control that must fail: the same counts against a plausible wrong target (the
+draft's distribution; the PoE target for a cascade that ignored its deferral) must give
+p < 1e-10.
+
+Cost: the model is the smallest that keeps the heads different (one trunk and one head
+layer), and each run stops once its first two tokens are decided (its first round still
+drafts γ tokens); the sample sizes and tolerances are unchanged.
 """
 
 from __future__ import annotations
@@ -19,13 +24,40 @@ import torch
 from scipy.stats import chisquare
 
 from hydra_model import HydraModel
+from orchestrator.engine import Engine
+from orchestrator.local_backend import LocalBackend
 from orchestrator.request import GenerationRequest
+from tests.models import build_jury_checkpoint
+from workers.sessions import SessionLimits
 
 RUNS = 5000
 PROMPT = "hi"
 DRAFT_HEAD = "head3"
 JURY = ["head0", "head1", "head2"]
 BETA = 0.5
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory) -> HydraModel:
+    """A jury checkpoint of one trunk and one head layer, hidden size 32: a run costs
+    half the forward work of the shared one, and the heads still differ."""
+    root = tmp_path_factory.mktemp("small-jury")
+    return HydraModel.load(
+        build_jury_checkpoint(
+            root,
+            trunk_layers=1,
+            num_hidden_layers=2,
+            hidden_size=32,
+            intermediate_size=48,
+            head_dim=8,
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def small_engine(small_model) -> Engine:
+    backend = LocalBackend(small_model, limits=SessionLimits(1, 32))
+    return Engine(backend, small_model.load_tokenizer())
 
 
 def next_token_logits(model: HydraModel, tokens: list[int]) -> torch.Tensor:
@@ -65,51 +97,77 @@ def joint_distribution(model, prompt, target_fn) -> tuple[torch.Tensor, list[boo
     return joint, decisions
 
 
+def first_two_tokens(engine, request: GenerationRequest) -> list[int]:
+    """The first two generated tokens: the generation runs only the rounds that decide
+    them (its first round still drafts γ tokens), then is closed."""
+    generation = engine.start(request)
+    tokens: list[int] = []
+    for output in generation:
+        tokens += [record.token_id for record in output.tokens]
+        if len(tokens) >= 2:
+            break
+    generation.close()
+    return tokens[:2]
+
+
 def empirical(engine, request_options: dict) -> torch.Tensor:
     vocab = engine.backend.info.vocab_size
     counts = torch.zeros(vocab, vocab, dtype=torch.float64)
     for seed in range(RUNS):
-        output = engine.generate(
-            GenerationRequest(
-                prompt=PROMPT,
-                seed=seed,
-                ignore_eos=True,
-                draft_head=DRAFT_HEAD,
-                beta=BETA,
-                **request_options,
-            )
+        request = GenerationRequest(
+            prompt=PROMPT,
+            seed=seed,
+            ignore_eos=True,
+            draft_head=DRAFT_HEAD,
+            beta=BETA,
+            **request_options,
         )
-        x1, x2 = output.token_ids[:2]
+        x1, x2 = first_two_tokens(engine, request)
         counts[x1, x2] += 1
     return counts
 
 
-def assert_fits(counts: torch.Tensor, joint: torch.Tensor) -> None:
+def chi_square_pvalue(counts: torch.Tensor, joint: torch.Tensor) -> float:
     expected = joint.flatten() * RUNS
     observed = counts.flatten()
-    assert observed[expected == 0].sum() == 0, "sampled a token of probability zero"
+    if observed[expected == 0].sum() > 0:
+        return 0.0  # sampled a pair of probability zero
     large = expected >= 5
     observed_bins = torch.cat([observed[large], observed[~large].sum()[None]])
     expected_bins = torch.cat([expected[large], expected[~large].sum()[None]])
     expected_bins *= observed_bins.sum() / expected_bins.sum()  # float rounding only
-    result = chisquare(observed_bins.numpy(), expected_bins.numpy())
-    assert result.pvalue > 1e-4, f"chi-square p = {result.pvalue:.2e}"
+    return float(chisquare(observed_bins.numpy(), expected_bins.numpy()).pvalue)
+
+
+def assert_fits(counts: torch.Tensor, joint: torch.Tensor, wrong_joint: torch.Tensor) -> None:
+    """The counts fit `joint` (p > 1e-4) and, as a control that the test can fail, do not
+    fit the plausible mistake `wrong_joint` (p < 1e-10)."""
+    pvalue = chi_square_pvalue(counts, joint)
+    assert pvalue > 1e-4, f"chi-square p = {pvalue:.2e}"
+    control = chi_square_pvalue(counts, wrong_joint)
+    assert control < 1e-10, f"the control fits too (p = {control:.2e}): the test is too weak"
 
 
 @pytest.mark.parametrize("gamma", [1, 4])
-def test_exact_rule_samples_the_poe_target(engine, jury_model, tokenizer, gamma):
-    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
+def test_exact_rule_samples_the_poe_target(small_engine, small_model, gamma):
+    prompt = small_engine.tokenizer.encode(PROMPT, add_special_tokens=False)
     temperature, top_k = 0.8, 12
-    names = jury_model.head_names
+    names = small_model.head_names
+
+    def top_k_of(probs):
+        kept = torch.zeros_like(probs).scatter(0, probs.topk(top_k).indices, 1.0)
+        return probs * kept / (probs * kept).sum(), False
 
     def target(logits):
-        full = exact_target(logits, names, temperature)
-        kept = torch.zeros_like(full).scatter(0, full.topk(top_k).indices, 1.0)
-        return full * kept / (full * kept).sum(), False
+        return top_k_of(exact_target(logits, names, temperature))
 
-    joint, _ = joint_distribution(jury_model, prompt, target)
+    def draft(logits):  # the mistake of keeping every draft token
+        return top_k_of(torch.softmax(logits[names.index(DRAFT_HEAD)] / temperature, -1))
+
+    joint, _ = joint_distribution(small_model, prompt, target)
+    draft_joint, _ = joint_distribution(small_model, prompt, draft)
     counts = empirical(
-        engine,
+        small_engine,
         {
             "rule": "exact",
             "gamma": gamma,
@@ -118,21 +176,25 @@ def test_exact_rule_samples_the_poe_target(engine, jury_model, tokenizer, gamma)
             "top_k": top_k,
         },
     )
-    assert_fits(counts, joint)
+    assert_fits(counts, joint, draft_joint)
 
 
 @pytest.mark.parametrize("gamma", [1, 4])
-def test_cascade_rule_samples_its_target(engine, jury_model, tokenizer, gamma):
-    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
+def test_cascade_rule_samples_its_target(small_engine, small_model, gamma):
+    prompt = small_engine.tokenizer.encode(PROMPT, add_special_tokens=False)
     lenience = 0.1
-    names = jury_model.head_names
+    names = small_model.head_names
     joint, deferred = joint_distribution(
-        jury_model, prompt, lambda logits: cascade_diff_target(logits, names, lenience)
+        small_model, prompt, lambda logits: cascade_diff_target(logits, names, lenience)
     )
     # The case is informative only if some positions defer to the draft and some do not.
     assert any(deferred) and not all(deferred)
+    # The mistake of ignoring the deferral: the plain PoE target.
+    poe_joint, _ = joint_distribution(
+        small_model, prompt, lambda logits: (exact_target(logits, names, 1.0), False)
+    )
     counts = empirical(
-        engine,
+        small_engine,
         {
             "rule": "cascade_diff",
             "lenience": lenience,
@@ -141,4 +203,4 @@ def test_cascade_rule_samples_its_target(engine, jury_model, tokenizer, gamma):
             "temperature": 1.0,
         },
     )
-    assert_fits(counts, joint)
+    assert_fits(counts, joint, poe_joint)
