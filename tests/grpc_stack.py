@@ -24,15 +24,15 @@ class BackgroundLoop:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
 
     def run(self, coroutine: Coroutine[Any, Any, Any], timeout_s: float = 30.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
+        self.thread.join()
         self.loop.close()
 
 

@@ -4,8 +4,10 @@ metrics and request validation."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
+import torch
 
 from orchestrator.backend import ModelInfo
 from orchestrator.cli import main
@@ -302,3 +304,111 @@ def test_lost_caches_are_rebuilt_from_the_committed_tokens(jury_model, tokenizer
             backend.jury.release(session)
     assert tokens == expected.token_ids
     assert [c for c in backend.calls if c[0] == "prefill"][1][1] == 0  # rebuilt from 0
+
+
+def test_statistics_stop_at_an_end_of_sequence_cut(jury_model, tokenizer):
+    """A round cut by a stop condition counts only the draft tokens up to the cut: the
+    tokens after it were never emitted."""
+    request = greedy("hi", max_new_tokens=40, rule="drafter_only", gamma=4)
+    full = Engine(LocalBackend(jury_model, limits=SessionLimits(1, 128)), tokenizer).generate(
+        request
+    )
+    # An end-of-sequence token in the middle of a round (not its last token).
+    index = next(
+        i for i, t in enumerate(full.token_ids) if i % 4 != 3 and full.token_ids.index(t) == i
+    )
+    backend = LocalBackend(jury_model, limits=SessionLimits(1, 128))
+    backend.info = ModelInfo(**{**vars(backend.info), "eos_token_ids": (full.token_ids[index],)})
+    ended = Engine(backend, tokenizer).generate(
+        GenerationRequest(**{**vars(request), "ignore_eos": False})
+    )
+    assert ended.finish_reason == "eos" and len(ended.token_ids) == index + 1
+    stats = ended.stats
+    assert stats["emitted"] == stats["drafted"] == stats["accepted"] == index + 1
+    assert sum(ended.rounds) == index + 1
+    assert stats["mean_accepted_length"] == (index + 1) / stats["rounds"]
+
+
+def test_statistics_stop_at_a_stop_sequence_cut(engine):
+    stopped = 0
+    for seed in range(6):
+        output = engine.generate(
+            GenerationRequest(
+                prompt="hi", max_new_tokens=60, seed=seed, gamma=6, ignore_eos=True, stop=["a"]
+            )
+        )
+        stats = output.stats
+        assert stats["emitted"] == len(output.token_ids) == sum(output.rounds)
+        assert stats["mean_accepted_length"] == len(output.token_ids) / stats["rounds"]
+        stopped += output.finish_reason == "stop"
+    assert stopped >= 3
+
+
+class TiedTargetBackend(LocalBackend):
+    """The in-process backend with the jury's log-product replaced by one whose top two
+    tokens tie exactly: the greedy tie rule decides the token."""
+
+    TIED = (7, 3)
+
+    def score(self, call):
+        result = super().score(call)
+        log_product = torch.full_like(result.log_product, -20.0)
+        log_product[:, list(self.TIED)] = 0.0
+        return replace(result, log_product=log_product)
+
+
+def test_greedy_paths_break_ties_the_same_way(jury_model, tokenizer):
+    """Speculative and non-speculative greedy both take `poe.greedy_tokens` of the same
+    float32 target, so a tie goes to the lowest token id on both paths."""
+    engine = Engine(TiedTargetBackend(jury_model, limits=SessionLimits(1, 128)), tokenizer)
+    non_speculative = engine.generate(
+        greedy("hi", max_new_tokens=6, rule="verifier_only", draft_head=None)
+    )
+    speculative = engine.generate(greedy("hi", max_new_tokens=6, gamma=3))
+    assert non_speculative.token_ids == speculative.token_ids == [3] * 6
+
+
+class CountingTokenizer:
+    """The tokenizer, counting the token ids it is asked to decode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids, **options):
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, **options)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+@pytest.mark.parametrize("stop", [[], ["zzz", "q!"]])
+def test_text_is_decoded_incrementally(jury_model, tokenizer, stop):
+    """Decoding work grows linearly with the output, with or without stop sequences
+    (re-decoding the whole text every round is quadratic: about 2,700 ids here)."""
+    counting = CountingTokenizer(tokenizer)
+    engine = Engine(LocalBackend(jury_model, limits=SessionLimits(1, 128)), counting)
+    prompt_cost = counting.decoded
+    output = engine.generate(greedy("hi", max_new_tokens=120, gamma=2, stop=stop))
+    assert len(output.token_ids) == 120
+    assert counting.decoded - prompt_cost <= 16 * 120
+    assert output.text == tokenizer.decode(output.token_ids, skip_special_tokens=True)
+
+
+def test_stream_never_sends_text_a_stop_sequence_later_cuts(engine, tokenizer):
+    """A stop sequence that spans two rounds: its first part is held back, not sent and
+    then cut."""
+    request = greedy("hi", max_new_tokens=60, gamma=3)
+    full = engine.generate(request)
+    boundaries = [sum(full.rounds[: k + 1]) for k in range(len(full.rounds) - 1)]
+    for boundary in boundaries:
+        at = len(tokenizer.decode(full.token_ids[:boundary], skip_special_tokens=True))
+        stop = full.text[at - 2 : at + 1]
+        if len(stop) == 3 and full.text.find(stop) == at - 2:
+            break
+    else:
+        pytest.skip("no stop sequence spans a round boundary in this output")
+    messages = list(engine.stream(GenerationRequest(**{**vars(request), "stop": [stop]})))
+    sent = "".join(message.text for message in messages)
+    assert messages[-1].finish_reason == "stop"
+    assert sent == full.text[: at - 2]

@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from orchestrator.grpc_backend import GrpcBackend, LayoutError
 from orchestrator.request import GenerationRequest
 from protos.hydrajury.v1 import generation_pb2
+from serving import internal_wire as wire
 from tests.grpc_stack import Stack
 
 ALL_HEADS = ["head0", "head1", "head2", "head3"]
@@ -113,6 +114,23 @@ def test_bad_requests_are_invalid_argument(stack, request_pb, message):
         stack.generation().Generate(request_pb, timeout=10)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in raised.value.details()
+
+
+def test_an_internal_service_refusing_a_call_is_internal_for_the_client(stack, monkeypatch):
+    """The orchestrator checks requests before calling the services, so a service's
+    INVALID_ARGUMENT is the orchestrator's bug: INTERNAL, never "your argument"."""
+    original = wire.score_call_to_pb
+
+    def corrupted(call):
+        message = original(call)
+        message.beta = 0.0
+        return message
+
+    monkeypatch.setattr(wire, "score_call_to_pb", corrupted)
+    with pytest.raises(grpc.RpcError) as raised:
+        stack.generation().Generate(to_pb("hi", max_new_tokens=4, seed=1), timeout=30)
+    assert raised.value.code() == grpc.StatusCode.INTERNAL
+    assert "refused a call: beta: must be in (0, 100]" in raised.value.details()
 
 
 def test_too_many_sessions_is_resource_exhausted(jury_checkpoint):

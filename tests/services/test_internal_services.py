@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import sys
+import threading
 import time
 
 import grpc
@@ -20,8 +22,9 @@ from orchestrator.launcher import start_child
 from poe import SamplingParams
 from protos.codec import tensor_from_pb, tensor_to_pb
 from protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc, tensor_pb2
+from serving import internal_wire as wire
 from serving.internal_wire import sampling_to_pb
-from serving.worker_service import service_main
+from serving.worker_service import ServiceOptions, serve_worker, service_main
 from tests import calls
 from trunk_service.server import TRUNK_SERVICE
 from workers.jury import JuryWorker
@@ -553,3 +556,55 @@ def test_services_run_from_the_command_line_and_stop_on_sigterm(jury_checkpoint)
         for child in children.values():
             if child.process.poll() is None:
                 child.process.kill()
+
+
+# --- Errors that are bugs, and the event loop ------------------------------------------
+
+
+def test_a_bug_is_internal_and_logged_never_the_callers_fault(trunk, caplog):
+    def broken(call):
+        raise IndexError("index 9 is out of bounds for dimension 0 with size 4")
+
+    trunk.servicer.worker.draft = broken
+    trunk.stub.Prefill(prefill_request())
+    with caplog.at_level("ERROR", logger="hydra_jury"):
+        assert_error(
+            trunk.stub.Draft, draft_request(), Code.INTERNAL, r"internal error \(IndexError\)"
+        )
+    assert any(record.exc_info for record in caplog.records), "no traceback was logged"
+
+
+def test_info_does_not_reread_the_checkpoint(tmp_path, jury_checkpoint, background_loop):
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(jury_checkpoint, checkpoint)
+    running = background_loop.run(serve_worker(TRUNK_SERVICE, ServiceOptions(checkpoint)))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = internal_pb2_grpc.TrunkStub(channel)
+            before = stub.Info(internal_pb2.InfoRequest(), timeout=10).model.fingerprint
+            (checkpoint / "hydra.json").unlink()
+            assert stub.Info(internal_pb2.InfoRequest(), timeout=10).model.fingerprint == before
+    finally:
+        background_loop.run(running.stop())
+
+
+def test_tensors_are_encoded_and_decoded_off_the_event_loop(
+    trunk, jury, background_loop, monkeypatch
+):
+    threads = []
+
+    def recording(function):
+        def wrapper(*args):
+            threads.append(threading.current_thread())
+            return function(*args)
+
+        return wrapper
+
+    for name in ("draft_result_to_pb", "score_call_from_pb", "score_result_to_pb"):
+        monkeypatch.setattr(wire, name, recording(getattr(wire, name)))
+    trunk.stub.Prefill(prefill_request())
+    trunk.stub.Draft(draft_request())
+    jury.stub.Prefill(jury_prefill_request(positions=2))
+    jury.stub.Score(score_request(start=2))
+    assert len(threads) == 3
+    assert background_loop.thread not in threads
