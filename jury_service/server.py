@@ -18,7 +18,7 @@ from hydra_model import HydraModel
 from protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from serving import internal_wire as wire
 from serving.servicer import WorkerServicer
-from serving.worker_service import ServiceOptions, WorkerServiceSpec, serve_worker
+from serving.worker_service import WorkerServiceSpec
 from workers.jury import JuryWorker
 from workers.sessions import SessionLimits
 
@@ -73,8 +73,3 @@ JURY_SERVICE = WorkerServiceSpec(
     build_servicer=_build_servicer,
     add_servicer=internal_pb2_grpc.add_JuryServicer_to_server,
 )
-
-
-async def serve_jury(options: ServiceOptions):
-    """Starts a jury shard (see `serving.worker_service.serve_worker`)."""
-    return await serve_worker(JURY_SERVICE, options)

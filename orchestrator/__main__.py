@@ -8,6 +8,7 @@ import logging
 import sys
 
 from orchestrator.config import OrchestratorConfig
+from serving.errors import EXPECTED_FAILURES, failure_line
 
 
 def build_parser(prog: str = "python -m orchestrator") -> argparse.ArgumentParser:
@@ -73,8 +74,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m orchestrator") ->
     try:
         config = OrchestratorConfig.load(args.config, overrides)
         asyncio.run(_serve(config))
-    except (ValueError, OSError, RuntimeError) as error:
-        print(f"orchestrator: error: {error}", file=sys.stderr)
+    except EXPECTED_FAILURES as error:
+        print(failure_line("orchestrator", error), file=sys.stderr)
         return 2
     return 0
 

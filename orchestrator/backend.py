@@ -19,7 +19,6 @@ class ModelInfo:
     head_names: tuple[str, ...]  # every `llm` head, in checkpoint order
     drafter_heads: tuple[str, ...]  # heads the trunk can draft with
     vocab_size: int
-    hidden_size: int
     context_length: int  # positions a session may reach (model and worker limits)
     eos_token_ids: tuple[int, ...]
 

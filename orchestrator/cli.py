@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from hydra_model.checkpoint import DTYPES
+from serving.errors import EXPECTED_FAILURES, failure_line
 
 
 def _add_build(commands: argparse._SubParsersAction) -> None:
@@ -293,11 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (ValueError, KeyError, OSError, RuntimeError) as error:
-        # Every expected failure (bad checkpoint, bad option, bad source) is a clear line,
-        # not a traceback.
-        message = error.args[0] if isinstance(error, KeyError) and error.args else error
-        print(f"hydra-jury {args.command}: error: {message}", file=sys.stderr)
+    except EXPECTED_FAILURES as error:
+        print(failure_line(f"hydra-jury {args.command}", error), file=sys.stderr)
         return 2
 
 

@@ -145,7 +145,6 @@ class GrpcBackend(DecodingBackend):
             head_names=tuple(model.heads),
             drafter_heads=tuple(self.trunk.info.drafter_heads),
             vocab_size=model.vocab_size,
-            hidden_size=model.hidden_size,
             context_length=min(model.context_length, *limits),
             eos_token_ids=tuple(model.eos_token_ids),
         )

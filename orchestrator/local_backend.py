@@ -33,7 +33,6 @@ class LocalBackend(DecodingBackend):
             head_names=tuple(model.head_names),
             drafter_heads=tuple(self.trunk.drafters),
             vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
             context_length=self.trunk.max_session_tokens,
             eos_token_ids=config.eos_token_ids,
         )

@@ -16,7 +16,6 @@ from poe.metrics import (
     stability_margin,
     stability_radius,
     suppression_score,
-    validity_radii,
     validity_radius,
 )
 from poe.randomness import PURPOSES, categorical, choice, random_seed, uniforms
@@ -67,6 +66,5 @@ __all__ = [
     "target_logprobs",
     "uniforms",
     "validate_rule",
-    "validity_radii",
     "validity_radius",
 ]

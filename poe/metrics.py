@@ -78,21 +78,6 @@ def validity_radius(votes: Sequence[int], token: int) -> int:
     return moved
 
 
-def validity_radii(votes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """votes: [B, H] long, tokens: [B] long → [B] long, `validity_radius` per row.
-
-    A loop over rows: there is at most one rejection per round, so B is tiny.
-    """
-    check_long("votes", votes, dims=2)
-    check_long("tokens", tokens, dims=1)
-    check_rows("tokens", tokens, votes.shape[0])
-    radii = [
-        validity_radius(row, token)
-        for row, token in zip(votes.tolist(), tokens.tolist(), strict=True)
-    ]
-    return torch.tensor(radii, dtype=torch.long, device=votes.device)
-
-
 def suppression_score(target_probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """target_probs: [B, V], tokens: [B] long → [B] float32 P(token)."""
     check_float("target_probs", target_probs, dims=2)

@@ -66,11 +66,6 @@ class Rule(StrEnum):
         """Cascades decide on the temperature-1 unfiltered distributions."""
         return self in _CASCADES
 
-    @property
-    def is_baseline(self) -> bool:
-        """drafter_only and verifier_only: not speculative decoding."""
-        return self in (Rule.DRAFTER_ONLY, Rule.VERIFIER_ONLY)
-
 
 _CASCADES = frozenset(
     {

@@ -90,6 +90,17 @@ def error_from_status(code: grpc.StatusCode, where: str, detail: str) -> Excepti
     return error_type(f"{where}: {detail}" if detail else where)
 
 
+# What a command reports as one line instead of a traceback: a bad checkpoint, option,
+# source or address, a service that cannot be reached.
+EXPECTED_FAILURES = (ValueError, KeyError, OSError, RuntimeError)
+
+
+def failure_line(prog: str, error: BaseException) -> str:
+    """ "PROG: error: MESSAGE" for an expected failure of a command."""
+    message = error.args[0] if isinstance(error, KeyError) and error.args else error
+    return f"{prog}: error: {message}"
+
+
 def detail_for(error: BaseException) -> str:
     """The readable detail sent with a status: the message for typed errors, a generic
     line for INTERNAL (the traceback goes to the log, not to the client)."""

@@ -113,21 +113,23 @@ def draft_result_to_pb(result: DraftResult) -> internal_pb2.DraftResponse:
     )
 
 
+def _distributions(response, name: str, rows: int, vocab_size: int) -> torch.Tensor:
+    """The float32 [rows, vocab_size] field `name` of a response."""
+    message = getattr(response, name)
+    return tensor_from_pb(message, name=name, dtypes=["float32"], shape=[rows, vocab_size])
+
+
 def draft_result_from_pb(
     response: internal_pb2.DraftResponse, call: DraftCall, vocab_size: int
 ) -> DraftResult:
     """The result of `call`; the hidden states stay a message, forwarded to the jury."""
     rows = len(response.tokens)
-
-    def distribution(name: str) -> torch.Tensor:
-        message = getattr(response, name)
-        return tensor_from_pb(message, name=name, dtypes=["float32"], shape=[rows, vocab_size])
-
     drafting = call.draft_head is not None
+    decision = drafting and call.with_decision
     return DraftResult(
         torch.tensor(list(response.tokens), dtype=torch.long),
-        distribution("logprobs") if drafting else None,
-        distribution("decision_logprobs") if drafting and call.with_decision else None,
+        _distributions(response, "logprobs", rows, vocab_size) if drafting else None,
+        _distributions(response, "decision_logprobs", rows, vocab_size) if decision else None,
         forwarded_hidden(response.hidden),
         trunk_steps=response.trunk_steps,
         head_evaluations=response.head_evaluations,
@@ -191,17 +193,13 @@ def score_result_from_pb(
 ) -> ScoreResult:
     """One shard's partial result for `call`."""
     rows = call.hidden.rows
-
-    def distribution(name: str) -> torch.Tensor:
-        message = getattr(response, name)
-        return tensor_from_pb(message, name=name, dtypes=["float32"], shape=[rows, vocab_size])
-
     votes = tensor_from_pb(
         response.votes, name="votes", dtypes=["int64"], shape=[rows, len(response.voters)]
     )
+    decision = call.with_decision
     return ScoreResult(
-        distribution("log_product"),
-        distribution("decision_log_product") if call.with_decision else None,
+        _distributions(response, "log_product", rows, vocab_size),
+        _distributions(response, "decision_log_product", rows, vocab_size) if decision else None,
         votes,
         tuple(response.voters),
         head_evaluations=response.head_evaluations,

@@ -22,6 +22,7 @@ import torch
 
 from hydra_model import HydraModel
 from hydra_model.checkpoint import DTYPES, read_manifest
+from serving.errors import EXPECTED_FAILURES, failure_line
 from serving.server import GrpcServer
 from serving.servicer import WorkerServicer
 from workers.errors import InvalidArgument
@@ -202,9 +203,8 @@ def service_main(spec: WorkerServiceSpec, argv: list[str] | None = None, prog: s
                 device=args.device,
             )
             running = await serve_worker(spec, options)
-        except (ValueError, KeyError, OSError, RuntimeError) as error:
-            message = error.args[0] if isinstance(error, KeyError) and error.args else error
-            print(f"{spec.name}: error: {message}", file=sys.stderr, flush=True)
+        except EXPECTED_FAILURES as error:
+            print(failure_line(spec.name, error), file=sys.stderr, flush=True)
             return 2
         host = args.listen.rsplit(":", 1)[0]
         detail = running.servicer.listening_detail()

@@ -12,11 +12,11 @@ from typing import Any
 
 import grpc
 
-from jury_service.server import serve_jury
+from jury_service.server import JURY_SERVICE
 from orchestrator.server import serve_orchestrator
 from protos.hydrajury.v1 import generation_pb2_grpc, internal_pb2, internal_pb2_grpc
-from serving.worker_service import ServiceOptions
-from trunk_service.server import serve_trunk
+from serving.worker_service import ServiceOptions, serve_worker
+from trunk_service.server import TRUNK_SERVICE
 
 
 class BackgroundLoop:
@@ -49,11 +49,13 @@ class Stack:
 
     def start_services(self) -> Stack:
         limits = {"max_sessions": self.max_sessions, "max_session_tokens": self.max_session_tokens}
-        trunk = self.loop.run(serve_trunk(ServiceOptions(self.checkpoint, **limits)))
+        trunk = self.loop.run(
+            serve_worker(TRUNK_SERVICE, ServiceOptions(self.checkpoint, **limits))
+        )
         self.servers["trunk"], self.addresses["trunk"] = trunk, f"127.0.0.1:{trunk.port}"
         for index, heads in enumerate(self.shards):
             options = ServiceOptions(self.checkpoint, heads=heads, **limits)
-            shard = self.loop.run(serve_jury(options))
+            shard = self.loop.run(serve_worker(JURY_SERVICE, options))
             self.servers[f"jury{index}"] = shard
             self.addresses[f"jury{index}"] = f"127.0.0.1:{shard.port}"
         return self

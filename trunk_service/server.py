@@ -14,7 +14,7 @@ from hydra_model import HydraModel
 from protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from serving import internal_wire as wire
 from serving.servicer import WorkerServicer
-from serving.worker_service import ServiceOptions, WorkerServiceSpec, serve_worker
+from serving.worker_service import WorkerServiceSpec
 from workers.sessions import SessionLimits
 from workers.trunk import TrunkWorker
 
@@ -67,8 +67,3 @@ TRUNK_SERVICE = WorkerServiceSpec(
     build_servicer=_build_servicer,
     add_servicer=internal_pb2_grpc.add_TrunkServicer_to_server,
 )
-
-
-async def serve_trunk(options: ServiceOptions):
-    """Starts the trunk service (see `serving.worker_service.serve_worker`)."""
-    return await serve_worker(TRUNK_SERVICE, options)

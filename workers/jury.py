@@ -22,9 +22,9 @@ from workers.sessions import SessionLimits, SessionTable, check_capacity, check_
 
 @dataclass
 class JuryCounters:
+    """Work done, for tests and benchmarks: forward calls of the hosted stack."""
+
     calls: int = 0
-    positions: int = 0
-    head_evaluations: int = 0  # positions × hosted heads
 
 
 class JuryWorker:
@@ -61,8 +61,6 @@ class JuryWorker:
         cache.truncate(start)
         logits = self.model.heads.forward(states, cache, start)  # [H, T, V]
         self.counters.calls += 1
-        self.counters.positions += len(states)
-        self.counters.head_evaluations += len(states) * self.model.heads.size
         return logits
 
     def prefill(self, call: JuryPrefillCall) -> None:

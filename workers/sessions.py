@@ -65,9 +65,6 @@ class SessionTable(Generic[State]):
     def __len__(self) -> int:
         return len(self._entries)
 
-    def ids(self) -> list[str]:
-        return list(self._entries)
-
     def get(self, session: str, *, start: int) -> State:
         """The session's state for a call starting at `start`; a call at 0 may open it."""
         entry = self._entries.get(session)

@@ -23,12 +23,11 @@ from workers.sessions import SessionLimits, SessionTable, check_capacity, check_
 
 @dataclass
 class TrunkCounters:
-    """Work done, for tests and benchmarks: positions through the trunk (prefill and
-    draft) and through a draft head."""
+    """Work done, for tests and benchmarks: trunk calls and the positions they ran
+    (prefill and draft), and draft-head calls (drafting and catching up)."""
 
     trunk_calls: int = 0
     trunk_positions: int = 0
-    draft_head_positions: int = 0
     draft_head_calls: int = 0
 
 
@@ -146,7 +145,6 @@ class TrunkWorker:
             position = call.start + step
             hidden = self._trunk_step(state, torch.tensor([token], device=device), position)
             logits = head.forward(hidden, state.draft_cache, position)[0]  # [1, V]
-            self.counters.draft_head_positions += 1
             self.counters.draft_head_calls += 1
             step_logprobs = draft_logprobs(logits, sampling.temperature)  # [1, V]
             if sampling.greedy:
@@ -181,6 +179,5 @@ class TrunkWorker:
         state.draft_cache.truncate(held)
         if held < start:
             head.forward(state.hidden[held:start], state.draft_cache, held)
-            self.counters.draft_head_positions += start - held
             self.counters.draft_head_calls += 1
         return head

@@ -297,11 +297,11 @@ def test_lost_caches_are_rebuilt_from_the_committed_tokens(jury_model, tokenizer
     expected = engine.generate(request)
     backend.calls.clear()
     tokens = []
-    for index, message in enumerate(engine.stream(request)):
+    generation = engine.start(request)
+    for index, message in enumerate(generation):
         tokens += [t.token_id for t in message.tokens]
         if index == 2:
-            (session,) = backend.jury.sessions.ids()
-            backend.jury.release(session)
+            assert backend.jury.release(generation.session)
     assert tokens == expected.token_ids
     assert [c for c in backend.calls if c[0] == "prefill"][1][1] == 0  # rebuilt from 0
 

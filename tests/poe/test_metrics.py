@@ -9,7 +9,6 @@ from poe.metrics import (
     stability_margin,
     stability_radius,
     suppression_score,
-    validity_radii,
     validity_radius,
 )
 
@@ -53,11 +52,6 @@ def test_stability_radius():
 )
 def test_validity_radius(votes, token, radius):
     assert validity_radius(votes, token) == radius
-
-
-def test_validity_radii_per_row():
-    votes = torch.tensor([[1] * 8, [1, 1, 1, 1, 2, 2, 2, 2], [0, 0, 1, 1, 1, 2, 2, 2]])
-    assert validity_radii(votes, torch.tensor([0, 0, 0])).tolist() == [5, 4, 2]
 
 
 def test_suppression_score():
