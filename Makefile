@@ -7,7 +7,7 @@ MODEL_DIR ?= var/models/smollm2-hydra
 PROTO_SRC := $(wildcard protos/hydrajury/v1/*.proto)
 PROTO_OUT := $(PROTO_SRC:.proto=_pb2.py)
 
-.PHONY: setup protos test lint model run bench bench-model clean
+.PHONY: setup protos test test-fast lint model run bench bench-model clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ lint: setup
 
 test: setup protos lint
 	$(PY) -m pytest -q
+
+# The edit-test loop: everything but the tests marked slow (about a minute).
+test-fast: setup protos lint
+	$(PY) -m pytest -q -m "not slow"
 
 model: setup
 	$(PY) -m hydra_model.build.demo --out $(MODEL_DIR)

@@ -30,6 +30,8 @@ from orchestrator.request import GenerationRequest
 from tests.models import build_jury_checkpoint
 from workers.sessions import SessionLimits
 
+pytestmark = pytest.mark.slow  # 20,000 generations: about a minute on 2 cores
+
 RUNS = 5000
 PROMPT = "hi"
 DRAFT_HEAD = "head3"
