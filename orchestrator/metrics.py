@@ -18,6 +18,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from orchestrator.output import RoundOutput
+from poe import reached_positions
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -77,8 +78,7 @@ class OrchestratorMetrics:
         self.accepted.inc(accepted)
         if accepted < drafted:
             self.rejections.inc()
-        reached = accepted + 1 if accepted < drafted else accepted
-        for position in range(reached):
+        for position in range(reached_positions(drafted, accepted)):
             self.position_reached.labels(str(position)).inc()
         for position in range(accepted):
             self.position_accepted.labels(str(position)).inc()

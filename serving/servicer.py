@@ -9,7 +9,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, Self, TypeVar
 
 from hydra_model import HydraModel
 from protos.codec import dtype_name
@@ -19,8 +19,12 @@ from serving.server import new_epoch
 from workers.errors import InvalidArgument
 
 log = logging.getLogger("hydra_jury.service")
+class _Movable(Protocol):
+    def on_host(self) -> Self: ...
+
+
 Call = TypeVar("Call")
-Result = TypeVar("Result")
+Result = TypeVar("Result", bound=_Movable | None)  # a worker result, hidden states or None
 Response = TypeVar("Response")
 
 
@@ -77,7 +81,7 @@ class WorkerServicer:
         def timed() -> tuple[Result, int]:
             began = time.perf_counter_ns()
             result = function(call)
-            if hasattr(result, "on_host"):
+            if result is not None:  # a result, or hidden states: tensors to the host
                 result = result.on_host()
             return result, time.perf_counter_ns() - began
 

@@ -9,6 +9,9 @@ import torch
 
 from tests.models import build_hydra, build_jury_checkpoint, save_hf_model
 
+# Fixtures that start real trunk and jury services (start_trunk, start_jury, trunk, jury).
+pytest_plugins = ["tests.worker_services"]
+
 # Tiny models: one thread avoids the cost of spreading microsecond ops over cores.
 torch.set_num_threads(1)
 

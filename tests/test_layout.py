@@ -80,3 +80,20 @@ def test_no_module_shadows_the_standard_library():
         if path.stem in sys.stdlib_module_names
     ]
     assert not shadowing, shadowing
+
+
+def test_every_package_is_installed(tmp_path):
+    """The installed project (not the checkout on sys.path) provides every package, so
+    `hydra-jury` and `python bench/...` work from anywhere."""
+    import subprocess
+    import sys
+
+    packages = ", ".join(sorted({*ALLOWED, "hydra_model.build"}))
+    result = subprocess.run(
+        [sys.executable, "-c", f"import {packages}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr

@@ -62,6 +62,10 @@ class HiddenStates:
             )
         return self.payload
 
+    def on_host(self) -> HiddenStates:
+        """The hidden states copied to the host (for encoding)."""
+        return HiddenStates(self.rows, self.tensor().cpu())
+
 
 @dataclass(frozen=True)
 class PrefillCall:

@@ -1,25 +1,86 @@
-"""In-process trunk and jury services over the jury checkpoint, for the service tests.
+"""Worker services for tests: fixtures that start real trunk and jury services on
+127.0.0.1 (port 0) over the jury checkpoint, and request builders. Registered as a
+plugin by `tests/conftest.py`.
 
 pytest-asyncio is not a dependency, so the servers run on one background event loop (a
 thread of its own) and the tests call them through ordinary synchronous channels. Each
-test that asks for a service gets a fresh one on 127.0.0.1, port 0 (the tiny model loads
-in milliseconds), stopped when the test ends.
+test that asks for a service gets a fresh one (the tiny model loads in milliseconds),
+stopped when the test ends.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import pytest
+import torch
 
 from jury_service.server import JURY_SERVICE
-from protos.hydrajury.v1 import internal_pb2_grpc
+from poe import SamplingParams
+from protos.codec import tensor_from_pb, tensor_to_pb
+from protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc, tensor_pb2
+from serving.internal_wire import sampling_to_pb
 from serving.worker_service import ServiceOptions, serve_worker
 from tests.grpc_stack import BackgroundLoop
 from trunk_service.server import TRUNK_SERVICE
+
+Code = grpc.StatusCode
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
+PROMPT = [5, 6, 7, 9, 10]
+PROMPT_LENGTH = len(PROMPT)
+HIDDEN_SIZE = 64
+
+
+def prefill_request(session="s", start=0, tokens=PROMPT) -> internal_pb2.TrunkPrefillRequest:
+    return internal_pb2.TrunkPrefillRequest(session=session, start=start, tokens=tokens)
+
+
+def draft_request(
+    session="s", start=PROMPT_LENGTH, pending=11, gamma=4, draft_head="head0", **fields
+) -> internal_pb2.DraftRequest:
+    fields.setdefault("sampling", sampling_to_pb(GREEDY))
+    return internal_pb2.DraftRequest(
+        session=session,
+        start=start,
+        pending_token=pending,
+        gamma=gamma,
+        draft_head=draft_head,
+        **fields,
+    )
+
+
+def jury_prefill_request(session="s", start=0, positions=3) -> internal_pb2.JuryPrefillRequest:
+    return internal_pb2.JuryPrefillRequest(
+        session=session, start=start, hidden=tensor_to_pb(torch.zeros(positions, HIDDEN_SIZE))
+    )
+
+
+def score_request(session="s", start=0, hidden=None, **fields) -> internal_pb2.ScoreRequest:
+    fields = {"jury": ["head0", "head1"], "temperature": 1.0, "beta": 1.0, **fields}
+    if hidden is None:
+        hidden = tensor_to_pb(torch.zeros(2, HIDDEN_SIZE))
+    return internal_pb2.ScoreRequest(session=session, start=start, hidden=hidden, **fields)
+
+
+def decoded(message: tensor_pb2.Tensor) -> torch.Tensor:
+    return tensor_from_pb(
+        message, name="t", dtypes=[message.dtype], shape=[None] * len(message.shape)
+    )
+
+
+def assert_error(method, request, code: grpc.StatusCode, message: str) -> None:
+    """`method(request)` fails with `code` and details matching `message`."""
+    with pytest.raises(grpc.RpcError) as caught:
+        method(request, timeout=10)
+    error = caught.value
+    assert error.code() == code, error.details()
+    assert re.search(message, error.details()), error.details()
+
 
 SERVICE_LIMITS = {"max_sessions": 2, "max_session_tokens": 32}
 
