@@ -19,6 +19,8 @@ from serving.server import new_epoch
 from workers.errors import InvalidArgument
 
 log = logging.getLogger("hydra_jury.service")
+
+
 class _Movable(Protocol):
     def on_host(self) -> Self: ...
 
