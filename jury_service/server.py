@@ -12,8 +12,6 @@ services of different dtypes converts, knowingly, before sending.
 
 from __future__ import annotations
 
-import time
-
 from hydra_model import HydraModel
 from protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from serving import internal_wire as wire
@@ -43,18 +41,18 @@ class JuryServicer(WorkerServicer, internal_pb2_grpc.JuryServicer):
         )
 
     async def Prefill(self, request, context) -> internal_pb2.JuryPrefillResponse:
-        began = time.perf_counter_ns()
-        call = await self.decode(
-            wire.jury_prefill_call_from_pb, request, self.dtype, self.hidden_size
-        )
         return await self.call_model(
-            self.worker.prefill, call, lambda _: internal_pb2.JuryPrefillResponse(), began
+            lambda: wire.jury_prefill_call_from_pb(request, self.dtype, self.hidden_size),
+            self.worker.prefill,
+            lambda _: internal_pb2.JuryPrefillResponse(),
         )
 
     async def Score(self, request, context) -> internal_pb2.ScoreResponse:
-        began = time.perf_counter_ns()
-        call = await self.decode(wire.score_call_from_pb, request, self.dtype, self.hidden_size)
-        return await self.call_model(self.worker.score, call, wire.score_result_to_pb, began)
+        return await self.call_model(
+            lambda: wire.score_call_from_pb(request, self.dtype, self.hidden_size),
+            self.worker.score,
+            wire.score_result_to_pb,
+        )
 
 
 def _build_servicer(model: HydraModel, heads: list[str], limits: SessionLimits) -> JuryServicer:

@@ -64,31 +64,30 @@ class WorkerServicer:
         """What follows "listening on HOST:PORT" in the start-up line."""
         return ""
 
-    async def decode(self, from_pb: Callable[..., Call], *args: Any) -> Call:
-        """A call built from its request, off the event loop (tensors are decoded)."""
-        return await asyncio.to_thread(from_pb, *args)
-
     async def call_model(
         self,
+        decode: Callable[[], Call],
         function: Callable[[Call], Result],
-        call: Call,
-        to_pb: Callable[[Result], Response],
-        began_ns: int,
+        encode: Callable[[Result], Response],
     ) -> Response:
-        """Runs `function(call)` on the model thread and encodes its result off the event
-        loop; the response carries the epoch and the timings: `forward_ns` is the worker
-        call, including the copy of its outputs to the host (so on a GPU it waits for
-        the device), `total_ns` the whole handler."""
+        """Builds the call (`decode`, from the request), runs `function(call)` and
+        encodes its result (`encode`), all in one trip to the model thread: tensors are
+        never converted on the event loop, and a call costs one thread hop. The response
+        carries the epoch and the timings: `forward_ns` is the worker call, including the
+        copy of its outputs to the host (so on a GPU it waits for the device),
+        `total_ns` the whole handler."""
+        began_ns = time.perf_counter_ns()
 
-        def timed() -> tuple[Result, int]:
+        def run() -> tuple[Response, int]:
+            call = decode()
             began = time.perf_counter_ns()
             result = function(call)
             if result is not None:  # a result, or hidden states: tensors to the host
                 result = result.on_host()
-            return result, time.perf_counter_ns() - began
+            forward_ns = time.perf_counter_ns() - began
+            return encode(result), forward_ns
 
-        result, forward_ns = await self.thread.run(timed)
-        response = await asyncio.to_thread(to_pb, result)
+        response, forward_ns = await self.thread.run(run)
         response.epoch = self.epoch
         response.timings.forward_ns = forward_ns
         response.timings.total_ns = time.perf_counter_ns() - began_ns

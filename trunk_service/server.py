@@ -8,8 +8,6 @@ the call (`workers.calls`) or the worker, so a bad request never opens a session
 
 from __future__ import annotations
 
-import time
-
 from hydra_model import HydraModel
 from protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from serving import internal_wire as wire
@@ -36,19 +34,16 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
         )
 
     async def Prefill(self, request, context) -> internal_pb2.TrunkPrefillResponse:
-        began = time.perf_counter_ns()
-        call = await self.decode(wire.prefill_call_from_pb, request)
         return await self.call_model(
+            lambda: wire.prefill_call_from_pb(request),
             self.worker.prefill,
-            call,
             lambda hidden: internal_pb2.TrunkPrefillResponse(hidden=wire.hidden_to_pb(hidden)),
-            began,
         )
 
     async def Draft(self, request, context) -> internal_pb2.DraftResponse:
-        began = time.perf_counter_ns()
-        call = await self.decode(wire.draft_call_from_pb, request)
-        return await self.call_model(self.worker.draft, call, wire.draft_result_to_pb, began)
+        return await self.call_model(
+            lambda: wire.draft_call_from_pb(request), self.worker.draft, wire.draft_result_to_pb
+        )
 
 
 def _build_servicer(model: HydraModel, heads: list[str], limits: SessionLimits) -> TrunkServicer:

@@ -107,7 +107,6 @@ def test_cache_pool_is_bounded_and_reuses_slots(hydra_checkpoints):
     )
     assert pool.nbytes == 16 * 2 * per_position
     first, second = pool.acquire(), pool.acquire()
-    assert pool.free_slots == 0
     with pytest.raises(CacheError, match="all 2 cache slots are in use"):
         pool.acquire()
     pool.release(first)
