@@ -183,6 +183,12 @@ class GrpcBackend(DecodingBackend):
     def _call_all(self, services: list[_Service], method: str, requests: list) -> list:
         """The same RPC on several services at once; responses in service order."""
         timeout = self._timeout()
+        if len(services) == 1:  # a plain blocking call: no future to hand over
+            (service,), (request,) = services, requests
+            try:
+                return [getattr(service.stub, method)(request, timeout=timeout)]
+            except grpc.RpcError as error:
+                raise _translate(service, method, error) from None
         futures = [
             getattr(s.stub, method).future(r, timeout=timeout)
             for s, r in zip(services, requests, strict=True)
