@@ -82,6 +82,13 @@ def assert_error(method, request, code: grpc.StatusCode, message: str) -> None:
     assert re.search(message, error.details()), error.details()
 
 
+def assert_refused(service: Service, method: str, request, code, message: str) -> None:
+    """`service` refuses `request` with `code` and a detail matching `message`, and the
+    refused request leaves no session behind."""
+    assert_error(getattr(service.stub, method), request, code, message)
+    assert service.stub.Info(internal_pb2.InfoRequest()).limits.active_sessions == 0
+
+
 SERVICE_LIMITS = {"max_sessions": 2, "max_session_tokens": 32}
 
 

@@ -15,6 +15,7 @@ from tests.worker_services import (
     HIDDEN_SIZE,
     PROMPT,
     assert_error,
+    assert_refused,
     decoded,
     jury_prefill_request,
     prefill_request,
@@ -156,10 +157,7 @@ BAD_REQUESTS = {
 
 @pytest.mark.parametrize("case", BAD_REQUESTS, ids=list(BAD_REQUESTS))
 def test_bad_requests_get_their_status_code_and_a_readable_message(jury, case):
-    method, request, code, message = BAD_REQUESTS[case]
-    assert_error(getattr(jury.stub, method), request, code, message)
-    # A rejected request holds nothing.
-    assert jury.stub.Info(internal_pb2.InfoRequest()).limits.active_sessions == 0
+    assert_refused(jury, *BAD_REQUESTS[case])
 
 
 def test_jury_positions_and_capacity(jury):

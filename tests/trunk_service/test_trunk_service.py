@@ -14,6 +14,7 @@ from tests.worker_services import (
     PROMPT,
     SAMPLED,
     assert_error,
+    assert_refused,
     decoded,
     draft_request,
     prefill_request,
@@ -154,10 +155,7 @@ BAD_REQUESTS = {
 
 @pytest.mark.parametrize("case", BAD_REQUESTS, ids=list(BAD_REQUESTS))
 def test_bad_requests_get_their_status_code_and_a_readable_message(trunk, case):
-    method, request, code, message = BAD_REQUESTS[case]
-    assert_error(getattr(trunk.stub, method), request, code, message)
-    # A rejected request holds nothing.
-    assert trunk.stub.Info(internal_pb2.InfoRequest()).limits.active_sessions == 0
+    assert_refused(trunk, *BAD_REQUESTS[case])
 
 
 def test_trunk_positions_and_capacity(trunk):
