@@ -31,9 +31,9 @@ def build_parser(prog: str = "python -m orchestrator") -> argparse.ArgumentParse
 
 
 async def _serve(config: OrchestratorConfig) -> None:
-    from orchestrator.server import serve_orchestrator
+    from orchestrator.server import serve_orchestrator, serve_until_signal
 
-    server, port, servicer, metrics_port = await serve_orchestrator(
+    running = await serve_orchestrator(
         checkpoint=config.checkpoint,
         trunk=config.trunk,
         jury=config.jury,
@@ -43,15 +43,7 @@ async def _serve(config: OrchestratorConfig) -> None:
         max_concurrency=config.max_concurrency,
         connect_timeout_s=config.connect_timeout_s,
     )
-    host = config.listen.rsplit(":", 1)[0]
-    metrics = f", metrics on port {metrics_port}" if metrics_port is not None else ""
-    print(f"orchestrator listening on {host}:{port}{metrics}", file=sys.stderr, flush=True)
-
-    async def close() -> None:
-        servicer.shutdown()
-        servicer.backend.close()
-
-    await server.serve_until_signal(config.grace_s, on_stop=close)
+    await serve_until_signal(running, "orchestrator", config.listen, config.grace_s)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m orchestrator") -> int:

@@ -8,14 +8,21 @@ stateful call names the position its caches must start from (the position rule,
 
 from __future__ import annotations
 
+import threading
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+from serving.errors import DeadlineExceeded
 from workers.calls import DraftCall, DraftResult, PrefillCall, ScoreCall, ScoreResult
 
 
 @dataclass(frozen=True)
 class ModelInfo:
+    fingerprint: str  # sha256 of the checkpoint's hydra.json
+    architecture: str
     head_names: tuple[str, ...]  # every `llm` head, in checkpoint order
     drafter_heads: tuple[str, ...]  # heads the trunk can draft with
     vocab_size: int
@@ -25,6 +32,32 @@ class ModelInfo:
 
 class DecodingBackend(ABC):
     info: ModelInfo
+    trunk_address: str  # where the trunk runs ("in-process" for the local backend)
+    jury_addresses: tuple[str, ...]  # the jury shards (none in-process)
+
+    def __init__(self) -> None:
+        self._scope = threading.local()
+
+    @contextmanager
+    def call_scope(self, deadline: float | None) -> Iterator[None]:
+        """Calls made by this thread inside the scope stop at `deadline` (a
+        `time.monotonic()` value; None: no deadline)."""
+        self._scope.deadline = deadline
+        try:
+            yield
+        finally:
+            self._scope.deadline = None
+
+    def time_left(self) -> float | None:
+        """Seconds to the deadline of this thread's scope (None: no deadline); raises
+        `DeadlineExceeded` once it has passed."""
+        deadline = getattr(self._scope, "deadline", None)
+        if deadline is None:
+            return None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("the request's deadline passed during generation")
+        return left
 
     @abstractmethod
     def prefill(self, call: PrefillCall) -> None:
@@ -43,3 +76,11 @@ class DecodingBackend(ABC):
     @abstractmethod
     def release(self, session: str) -> None:
         """Frees the session's caches everywhere (best effort)."""
+
+    @abstractmethod
+    def close_session(self, session: str) -> bool:
+        """Frees the session's caches everywhere; whether anything held them."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Releases what the backend holds (connections, threads)."""

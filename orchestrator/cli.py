@@ -243,6 +243,68 @@ def _add_services(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_run_up)
 
 
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "serve",
+        help="serve the public Generation API from one process (the whole model here)",
+        description="Serve hydrajury.v1.Generation (the same API as the orchestrator of the "
+        "split stack) over the in-process backend: trunk, every head and the loop in this "
+        "process. The default for one machine; `up` runs the split stack.",
+    )
+    parser.add_argument("--checkpoint", required=True, metavar="DIR", help="Hydra checkpoint")
+    parser.add_argument(
+        "--listen",
+        default="127.0.0.1:50050",
+        metavar="HOST:PORT",
+        help="address to serve on (port 0 picks a free one; default 127.0.0.1:50050)",
+    )
+    parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics HTTP port")
+    parser.add_argument("--metrics-address", default="127.0.0.1")
+    parser.add_argument("--max-concurrency", type=int, default=32, help="requests at once")
+    parser.add_argument("--max-sessions", type=int, default=16, help="sessions held at once")
+    parser.add_argument(
+        "--max-session-tokens", type=int, default=4096, help="positions one session may reach"
+    )
+    parser.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--threads", type=int, help="CPU threads for model compute")
+    parser.add_argument("--grace-s", type=float, default=5.0, help="graceful shutdown time")
+    parser.set_defaults(handler=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    import torch
+
+    from orchestrator.server import serve_embedded, serve_until_signal
+    from workers.sessions import SessionLimits
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)  # the model thread takes this count
+    limits = SessionLimits(args.max_sessions, args.max_session_tokens)
+
+    async def serve() -> None:
+        running = await serve_embedded(
+            checkpoint=args.checkpoint,
+            address=args.listen,
+            limits=limits,
+            dtype=args.dtype,
+            device=args.device,
+            metrics_port=args.metrics_port,
+            metrics_address=args.metrics_address,
+            max_concurrency=args.max_concurrency,
+        )
+        await serve_until_signal(running, "hydra-jury server", args.listen, args.grace_s)
+
+    asyncio.run(serve())
+    return 0
+
+
 def _run_up(args: argparse.Namespace) -> int:
     from orchestrator.launcher import LocalStack
 
@@ -283,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_build(commands)
     _add_inspect(commands)
     _add_generate(commands)
+    _add_serve(commands)
     _add_services(commands)
     return parser
 

@@ -15,10 +15,9 @@ UNAVAILABLE → `ServiceUnavailable`, an internal INVALID_ARGUMENT → `Internal
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -31,7 +30,6 @@ from protos.codec import CodecError
 from protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from serving import internal_wire as wire
 from serving.errors import (
-    DeadlineExceeded,
     InternalServiceError,
     ServiceUnavailable,
     error_from_status,
@@ -78,7 +76,7 @@ class GrpcBackend(DecodingBackend):
     ) -> None:
         if not jury_addresses:
             raise LayoutError("at least one jury shard address is needed")
-        self._scope = threading.local()
+        super().__init__()
         self.stats = TransportStats()
         self.trunk = self._connect(
             f"trunk service at {trunk_address}",
@@ -97,6 +95,8 @@ class GrpcBackend(DecodingBackend):
         except LayoutError:
             self.close()
             raise
+        self.trunk_address = trunk_address
+        self.jury_addresses = tuple(jury_addresses)
 
     def _connect(self, name: str, address: str, stub_class, timeout_s: float) -> _Service:
         channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -142,16 +142,14 @@ class GrpcBackend(DecodingBackend):
             *(s.info.limits.max_session_tokens for s in self.shards),
         ]
         return ModelInfo(
+            fingerprint=model.fingerprint,
+            architecture=model.architecture,
             head_names=tuple(model.heads),
             drafter_heads=tuple(self.trunk.info.drafter_heads),
             vocab_size=model.vocab_size,
             context_length=min(model.context_length, *limits),
             eos_token_ids=tuple(model.eos_token_ids),
         )
-
-    @property
-    def fingerprint(self) -> str:
-        return self.trunk.info.model.fingerprint
 
     @property
     def services(self) -> list[_Service]:
@@ -161,28 +159,9 @@ class GrpcBackend(DecodingBackend):
         for service in self.services:
             service.channel.close()
 
-    @contextmanager
-    def call_scope(self, deadline: float | None) -> Iterator[None]:
-        """Internal calls made by this thread inside the scope stop at `deadline`
-        (a `time.monotonic()` value; None: no deadline)."""
-        self._scope.deadline = deadline
-        try:
-            yield
-        finally:
-            self._scope.deadline = None
-
-    def _timeout(self) -> float | None:
-        deadline = getattr(self._scope, "deadline", None)
-        if deadline is None:
-            return None
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise DeadlineExceeded("the request's deadline passed during generation")
-        return left
-
     def _call_all(self, services: list[_Service], method: str, requests: list) -> list:
         """The same RPC on several services at once; responses in service order."""
-        timeout = self._timeout()
+        timeout = self.time_left()
         if len(services) == 1:  # a plain blocking call: no future to hand over
             (service,), (request,) = services, requests
             try:

@@ -1,10 +1,21 @@
 """The in-process transport of the decoding loop: the trunk and jury workers in this
-process, sharing one loaded model's weights."""
+process, sharing one loaded model's weights.
+
+Standalone (the CLI's `generate --local`, tests, benchmarks) the loop calls the workers
+on its own thread. In a server, where several requests run the loop on threads of their
+own, pass a `ModelThread`: every worker call then runs there, one at a time, so the
+workers need no locks and all compute shares one OpenMP thread team.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from hydra_model import HydraModel
 from orchestrator.backend import DecodingBackend, ModelInfo
+from serving.errors import InternalServiceError
+from serving.model_thread import ModelThread
 from workers.calls import (
     DraftCall,
     DraftResult,
@@ -13,23 +24,34 @@ from workers.calls import (
     ScoreCall,
     ScoreResult,
 )
+from workers.errors import InvalidArgument
 from workers.jury import JuryWorker
 from workers.sessions import SessionLimits
 from workers.trunk import TrunkWorker
 
+T = TypeVar("T")
+
 
 class LocalBackend(DecodingBackend):
+    trunk_address = "in-process"
+    jury_addresses = ()
+
     def __init__(
         self,
         model: HydraModel,
         *,
         drafter_heads: list[str] | None = None,
         limits: SessionLimits | None = None,
+        thread: ModelThread | None = None,
     ) -> None:
+        super().__init__()
         self.trunk = TrunkWorker(model, drafter_heads=drafter_heads, limits=limits)
         self.jury = JuryWorker(model, limits=limits)
+        self._thread = thread
         config = model.config
         self.info = ModelInfo(
+            fingerprint=model.fingerprint,
+            architecture=config.model_type,
             head_names=tuple(model.head_names),
             drafter_heads=tuple(self.trunk.drafters),
             vocab_size=config.vocab_size,
@@ -37,18 +59,44 @@ class LocalBackend(DecodingBackend):
             eos_token_ids=config.eos_token_ids,
         )
 
+    def _run(self, function: Callable[..., T], *args) -> T:
+        self.time_left()  # raises once the request's deadline has passed
+        try:
+            if self._thread is None:
+                return function(*args)
+            return self._thread.call(function, *args)
+        except InvalidArgument as error:
+            # The loop checked the request before calling: a worker refusing a call is
+            # the loop's bug, never the client's argument (as over gRPC).
+            raise InternalServiceError(f"the in-process workers refused a call: {error}") from None
+
     def prefill(self, call: PrefillCall) -> None:
+        self._run(self._prefill, call)
+
+    def _prefill(self, call: PrefillCall) -> None:
         hidden = self.trunk.prefill(call)
         self.jury.prefill(JuryPrefillCall(call.session, call.start, hidden))
 
     # The loop's maths runs on the host, on [γ, V] tensors, as it does over gRPC; the
     # hidden states stay on the model's device for the jury.
     def draft(self, call: DraftCall) -> DraftResult:
-        return self.trunk.draft(call).on_host()
+        return self._run(lambda: self.trunk.draft(call).on_host())
 
     def score(self, call: ScoreCall) -> ScoreResult:
-        return self.jury.score(call).on_host()
+        return self._run(lambda: self.jury.score(call).on_host())
 
     def release(self, session: str) -> None:
-        self.trunk.release(session)
-        self.jury.release(session)
+        self.close_session(session)
+
+    def close_session(self, session: str) -> bool:
+        # Without the deadline: a cancelled or failed request must still free its caches.
+        if self._thread is None:
+            return self._release_everywhere(session)
+        return self._thread.call(self._release_everywhere, session)
+
+    def _release_everywhere(self, session: str) -> bool:
+        return self.trunk.release(session) | self.jury.release(session)  # both, always
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown()

@@ -1,5 +1,6 @@
-"""The public `hydrajury.v1.Generation` service: a thin servicer over the engine running
-on the gRPC backend.
+"""The public `hydrajury.v1.Generation` service: a thin servicer over the engine, on
+either backend — the gRPC backend (`serve_orchestrator`: the split stack) or the
+in-process backend (`serve_embedded`: the whole model in this process, for one machine).
 
 The engine loop is synchronous; each request runs it in a worker thread (its internal
 calls block on the network, not on compute), so requests proceed concurrently. Streams
@@ -12,22 +13,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
+import torch
 
+from hydra_model import HydraModel
+from hydra_model.checkpoint import checkpoint_fingerprint, read_manifest
+from orchestrator.backend import DecodingBackend
 from orchestrator.convert import output_to_pb, request_from_pb, round_to_pb
 from orchestrator.engine import Engine, Generation
-from orchestrator.grpc_backend import GrpcBackend
+from orchestrator.grpc_backend import GrpcBackend, LayoutError
+from orchestrator.local_backend import LocalBackend
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.request import RequestError
 from poe import RULES
 from protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
 from serving.errors import SessionNotFound
+from serving.model_thread import ModelThread
 from serving.server import GrpcServer
 from workers.calls import MAX_GAMMA
+from workers.sessions import SessionLimits
 
 log = logging.getLogger("hydra_jury.orchestrator")
 SERVICE_NAME = "hydrajury.v1.Generation"
@@ -41,7 +51,7 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(
         self,
-        backend: GrpcBackend,
+        backend: DecodingBackend,
         tokenizer,
         metrics: OrchestratorMetrics,
         *,
@@ -55,21 +65,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
     def shutdown(self) -> None:
+        """Stops the generation threads, then the backend (after the server stopped)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.backend.close()
 
     async def Info(self, request, context):
         info = self.backend.info
         self.metrics.requests.labels("Info").inc()
         return generation_pb2.GenerationInfoResponse(
-            model_fingerprint=self.backend.fingerprint,
-            architecture=self.backend.trunk.info.model.architecture,
+            model_fingerprint=info.fingerprint,
+            architecture=info.architecture,
             heads=info.head_names,
             drafter_heads=info.drafter_heads,
             rules=RULES,
             max_gamma=MAX_GAMMA,
             context_length=info.context_length,
-            trunk=self.backend.trunk.address,
-            jury_shards=[shard.address for shard in self.backend.shards],
+            trunk=self.backend.trunk_address,
+            jury_shards=self.backend.jury_addresses,
         )
 
     async def CloseSession(self, request, context):
@@ -151,6 +163,61 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.metrics.active_sessions.dec()
 
 
+@dataclass
+class RunningGeneration:
+    server: GrpcServer
+    port: int
+    servicer: GenerationServicer
+    metrics_port: int | None  # None: no metrics served
+
+    async def stop(self, grace_s: float = 0.0) -> None:
+        await self.server.stop(grace_s)
+        await asyncio.to_thread(self.servicer.shutdown)
+
+
+async def serve_until_signal(
+    running: RunningGeneration, name: str, listen: str, grace_s: float
+) -> None:
+    """Prints "NAME listening on HOST:PORT" (the line launchers wait for), serves until
+    SIGTERM or SIGINT, then stops gracefully."""
+    host = listen.rsplit(":", 1)[0]
+    metrics = "" if running.metrics_port is None else f", metrics on port {running.metrics_port}"
+    print(f"{name} listening on {host}:{running.port}{metrics}", file=sys.stderr, flush=True)
+
+    async def close() -> None:
+        await asyncio.to_thread(running.servicer.shutdown)
+
+    await running.server.serve_until_signal(grace_s, on_stop=close)
+
+
+async def start_generation_server(
+    backend: DecodingBackend,
+    tokenizer,
+    *,
+    address: str,
+    metrics_port: int | None,
+    metrics_address: str,
+    max_concurrency: int,
+) -> RunningGeneration:
+    """The Generation service over `backend`, started on `address` (port 0: any free)."""
+    metrics = OrchestratorMetrics()
+    servicer = GenerationServicer(backend, tokenizer, metrics, max_concurrency=max_concurrency)
+    server = GrpcServer(
+        lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        on_error=lambda method, code: metrics.errors.labels(code.name).inc(),
+    )
+    try:
+        port = await server.start(address)
+    except BaseException:
+        await asyncio.to_thread(servicer.shutdown)
+        raise
+    bound_metrics = (
+        metrics.serve(metrics_port, metrics_address) if metrics_port is not None else None
+    )
+    return RunningGeneration(server, port, servicer, bound_metrics)
+
+
 async def serve_orchestrator(
     *,
     checkpoint: str,
@@ -161,34 +228,54 @@ async def serve_orchestrator(
     metrics_address: str = "127.0.0.1",
     max_concurrency: int = 32,
     connect_timeout_s: float = 30.0,
-):
-    """Connects to the services (checking their layout), starts the Generation server.
-    Returns (server, port, servicer, metrics_port or None)."""
-    from hydra_model.checkpoint import checkpoint_fingerprint, read_manifest
-    from orchestrator.grpc_backend import LayoutError
-
+) -> RunningGeneration:
+    """The split stack's orchestrator: connects to the services (checking their layout)
+    and starts the Generation server."""
     read_manifest(checkpoint)  # a clear error for a wrong --checkpoint, before connecting
-    loop = asyncio.get_running_loop()
-    backend = await loop.run_in_executor(None, lambda: GrpcBackend(trunk, jury, connect_timeout_s))
+    backend = await asyncio.to_thread(GrpcBackend, trunk, jury, connect_timeout_s)
     manifest_fingerprint = checkpoint_fingerprint(checkpoint)
-    if manifest_fingerprint != backend.fingerprint:
+    if manifest_fingerprint != backend.info.fingerprint:
         backend.close()
         raise LayoutError(
             f"{checkpoint} is not the checkpoint the services serve (fingerprint "
-            f"{manifest_fingerprint[:12]} against {backend.fingerprint[:12]})"
+            f"{manifest_fingerprint[:12]} against {backend.info.fingerprint[:12]})"
         )
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    metrics = OrchestratorMetrics()
-    servicer = GenerationServicer(backend, tokenizer, metrics, max_concurrency=max_concurrency)
-    server = GrpcServer(
-        lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
-        [SERVICE_NAME],
-        on_error=lambda method, code: metrics.errors.labels(code.name).inc(),
+    return await start_generation_server(
+        backend,
+        tokenizer,
+        address=address,
+        metrics_port=metrics_port,
+        metrics_address=metrics_address,
+        max_concurrency=max_concurrency,
     )
-    port = await server.start(address)
-    bound_metrics = (
-        metrics.serve(metrics_port, metrics_address) if metrics_port is not None else None
+
+
+async def serve_embedded(
+    *,
+    checkpoint: str,
+    address: str = "127.0.0.1:0",
+    limits: SessionLimits | None = None,
+    dtype: str | None = None,
+    device: str = "cpu",
+    metrics_port: int | None = None,
+    metrics_address: str = "127.0.0.1",
+    max_concurrency: int = 32,
+) -> RunningGeneration:
+    """The single-process server: the whole model loaded here, the same Generation
+    service over the in-process backend. All compute runs on one model thread."""
+    model = await asyncio.to_thread(HydraModel.load, checkpoint, dtype=dtype, device=device)
+    thread = ModelThread("model")
+    # OpenMP's thread count is per thread: the model thread takes this thread's.
+    await thread.run(torch.set_num_threads, torch.get_num_threads())
+    backend = LocalBackend(model, limits=limits, thread=thread)
+    return await start_generation_server(
+        backend,
+        model.load_tokenizer(),
+        address=address,
+        metrics_port=metrics_port,
+        metrics_address=metrics_address,
+        max_concurrency=max_concurrency,
     )
-    return server, port, servicer, bound_metrics

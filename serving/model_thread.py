@@ -17,8 +17,13 @@ class ModelThread:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     async def run(self, function: Callable[..., T], *args: Any) -> T:
+        """`function(*args)` on the model thread, awaited from the event loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, partial(function, *args))
+
+    def call(self, function: Callable[..., T], *args: Any) -> T:
+        """`function(*args)` on the model thread, waited for by a plain thread."""
+        return self._executor.submit(function, *args).result()
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,6 +1,7 @@
-"""A whole gRPC stack on loopback for tests: trunk service, jury shards and orchestrator,
-each a real grpc.aio server on an ephemeral port, driven by one event loop in a
-background thread. Tests talk to them through ordinary synchronous channels."""
+"""A whole gRPC stack on loopback for tests: trunk service, jury shards and orchestrator
+(the split stack), or the single-process server (`start_embedded`), each a real grpc.aio
+server on an ephemeral port, driven by one event loop in a background thread. Tests talk
+to them through ordinary synchronous channels."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from typing import Any
 import grpc
 
 from jury_service.server import JURY_SERVICE
-from orchestrator.server import serve_orchestrator
+from orchestrator.server import serve_embedded, serve_orchestrator
 from protos.hydrajury.v1 import generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from serving.worker_service import ServiceOptions, serve_worker
 from trunk_service.server import TRUNK_SERVICE
+from workers.sessions import SessionLimits
 
 
 class BackgroundLoop:
@@ -65,7 +67,7 @@ class Stack:
         return [self.addresses[f"jury{i}"] for i in range(len(self.shards))]
 
     def start_orchestrator(self, **options) -> Stack:
-        server, port, servicer, metrics_port = self.loop.run(
+        running = self.loop.run(
             serve_orchestrator(
                 checkpoint=self.checkpoint,
                 trunk=self.addresses["trunk"],
@@ -74,10 +76,32 @@ class Stack:
                 **options,
             )
         )
-        self.servers["orchestrator"] = server
-        self.addresses["orchestrator"] = f"127.0.0.1:{port}"
-        self.servicer, self.metrics_port = servicer, metrics_port
+        self.servers["orchestrator"] = running
+        self.addresses["orchestrator"] = f"127.0.0.1:{running.port}"
+        self.servicer, self.metrics_port = running.servicer, running.metrics_port
         return self
+
+    def start_embedded(self, **options) -> Stack:
+        """The single-process server in place of services and orchestrator."""
+        limits = SessionLimits(self.max_sessions, self.max_session_tokens)
+        running = self.loop.run(
+            serve_embedded(checkpoint=self.checkpoint, limits=limits, **options)
+        )
+        self.servers["orchestrator"] = running
+        self.addresses["orchestrator"] = f"127.0.0.1:{running.port}"
+        self.servicer, self.metrics_port = running.servicer, running.metrics_port
+        return self
+
+    @property
+    def embedded(self) -> bool:
+        return "orchestrator" in self.servers and "trunk" not in self.servers
+
+    @property
+    def holders(self) -> list[str]:
+        """Everything that holds session caches, for `active_sessions`."""
+        if self.embedded:
+            return ["trunk", "jury"]
+        return ["trunk", *(f"jury{i}" for i in range(len(self.shards)))]
 
     def channel(self, name: str) -> grpc.Channel:
         channel = grpc.insecure_channel(self.addresses[name])
@@ -88,6 +112,8 @@ class Stack:
         return generation_pb2_grpc.GenerationStub(self.channel("orchestrator"))
 
     def active_sessions(self, name: str) -> int:
+        if self.embedded:  # the workers of the in-process backend
+            return len(getattr(self.servicer.backend, name).sessions)
         stub_class = internal_pb2_grpc.TrunkStub if name == "trunk" else internal_pb2_grpc.JuryStub
         info = stub_class(self.channel(name)).Info(internal_pb2.InfoRequest(), timeout=5)
         return info.limits.active_sessions
@@ -99,9 +125,6 @@ class Stack:
     def close(self) -> None:
         for channel in self.channels:
             channel.close()
-        if "orchestrator" in self.servers:
-            self.servicer.shutdown()
-            self.servicer.backend.close()
-        for name in list(self.servers):
+        for name in reversed(list(self.servers)):  # the orchestrator first
             self.stop_server(name)
         self.loop.close()

@@ -4,9 +4,11 @@ refusals and graceful shutdown."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 
+import grpc
 import pytest
 
 from orchestrator.__main__ import main as orchestrator_main
@@ -15,6 +17,7 @@ from orchestrator.config import ConfigFileError, OrchestratorConfig
 from orchestrator.convert import request_from_pb, request_to_pb
 from orchestrator.launcher import LocalStack, start_child
 from orchestrator.request import GenerationRequest
+from protos.hydrajury.v1 import generation_pb2_grpc
 from tests.grpc_stack import Stack
 
 
@@ -131,3 +134,26 @@ def test_a_silent_hung_child_does_not_block_the_launcher():
     assert silent.process.poll() is not None  # killed
     crashed = start_child("crashed", [sys.executable, "-c", "raise SystemExit(3)"], 30.0)
     assert "did not start (exit code 3)" in crashed.failure
+
+
+def test_the_single_process_server_runs_from_the_command_line(jury_checkpoint, engine):
+    command = [
+        *(sys.executable, "-m", "orchestrator.cli", "serve"),
+        *("--checkpoint", str(jury_checkpoint), "--listen", "127.0.0.1:0"),
+        *("--max-session-tokens", "128", "--threads", "1"),
+    ]
+    server = start_child("server", command, 60.0)
+    try:
+        assert server.address, server.failure
+        with grpc.insecure_channel(server.address) as channel:
+            response = generation_pb2_grpc.GenerationStub(channel).Generate(
+                request_to_pb(GenerationRequest(prompt="hi", max_new_tokens=10, seed=4)),
+                timeout=30,
+            )
+        expected = engine.generate(GenerationRequest(prompt="hi", max_new_tokens=10, seed=4))
+        assert list(response.token_ids) == expected.token_ids
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=15) == 0
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()

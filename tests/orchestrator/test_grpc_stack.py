@@ -16,6 +16,7 @@ from orchestrator.request import GenerationRequest
 from protos.hydrajury.v1 import generation_pb2
 from serving import internal_wire as wire
 from tests.grpc_stack import Stack
+from workers.errors import InvalidArgument
 
 ALL_HEADS = ["head0", "head1", "head2", "head3"]
 CASES = [
@@ -29,12 +30,17 @@ CASES = [
 
 @pytest.fixture(
     scope="module",
-    params=[[ALL_HEADS], [["head0", "head1"], ["head2", "head3"]]],
-    ids=["one-shard", "two-shards"],
+    params=[[ALL_HEADS], [["head0", "head1"], ["head2", "head3"]], "embedded"],
+    ids=["one-shard", "two-shards", "single-process"],
 )
 def stack(request, jury_checkpoint):
-    stack = Stack(str(jury_checkpoint), request.param).start_services()
-    stack.start_orchestrator(metrics_port=0)
+    """The Generation API: the split stack with one or two jury shards, or the
+    single-process server; every test of this module runs on each."""
+    if request.param == "embedded":
+        stack = Stack(str(jury_checkpoint), []).start_embedded(metrics_port=0)
+    else:
+        stack = Stack(str(jury_checkpoint), request.param).start_services()
+        stack.start_orchestrator(metrics_port=0)
     yield stack
     stack.close()
 
@@ -92,8 +98,7 @@ def test_cancelling_a_stream_releases_the_session_everywhere(stack):
     next(stream)
     assert stack.active_sessions("trunk") == 1
     stream.cancel()
-    names = ["trunk", *(f"jury{i}" for i in range(len(stack.shards)))]
-    assert wait_for(lambda: all(stack.active_sessions(n) == 0 for n in names))
+    assert wait_for(lambda: all(stack.active_sessions(n) == 0 for n in stack.holders))
 
 
 @pytest.mark.parametrize(
@@ -116,17 +121,25 @@ def test_bad_requests_are_invalid_argument(stack, request_pb, message):
     assert message in raised.value.details()
 
 
-def test_an_internal_service_refusing_a_call_is_internal_for_the_client(stack, monkeypatch):
-    """The orchestrator checks requests before calling the services, so a service's
-    INVALID_ARGUMENT is the orchestrator's bug: INTERNAL, never "your argument"."""
-    original = wire.score_call_to_pb
+def test_a_refused_internal_call_is_internal_for_the_client(stack, monkeypatch):
+    """The loop checks requests before calling the workers, so a worker's refusal (an
+    internal service's INVALID_ARGUMENT) is the loop's bug: INTERNAL, never "your
+    argument"."""
+    if stack.embedded:
 
-    def corrupted(call):
-        message = original(call)
-        message.beta = 0.0
-        return message
+        def refuse(call):
+            raise InvalidArgument("beta: must be in (0, 100], got 0.0")
 
-    monkeypatch.setattr(wire, "score_call_to_pb", corrupted)
+        monkeypatch.setattr(stack.servicer.backend.jury, "score", refuse)
+    else:
+        original = wire.score_call_to_pb
+
+        def corrupted(call):
+            message = original(call)
+            message.beta = 0.0
+            return message
+
+        monkeypatch.setattr(wire, "score_call_to_pb", corrupted)
     with pytest.raises(grpc.RpcError) as raised:
         stack.generation().Generate(to_pb("hi", max_new_tokens=4, seed=1), timeout=30)
     assert raised.value.code() == grpc.StatusCode.INTERNAL
@@ -254,5 +267,4 @@ def test_deadline_propagates(stack):
             to_pb("hi", max_new_tokens=100, gamma=1, seed=1, ignore_eos=True), timeout=0.05
         )
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    names = ["trunk", *(f"jury{i}" for i in range(len(stack.shards)))]
-    assert wait_for(lambda: all(stack.active_sessions(n) == 0 for n in names))
+    assert wait_for(lambda: all(stack.active_sessions(n) == 0 for n in stack.holders))
