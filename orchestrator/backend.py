@@ -11,12 +11,15 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from serving.errors import DeadlineExceeded
 from workers.calls import DraftCall, DraftResult, PrefillCall, ScoreCall, ScoreResult
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,12 @@ class DecodingBackend(ABC):
         if left <= 0:
             raise DeadlineExceeded("the request's deadline passed during generation")
         return left
+
+    def run_round(self, function: Callable[..., T], *args: Any) -> T:
+        """Runs one step of the loop (its model calls and its maths). Here by default; a
+        backend whose compute has a thread of its own runs it there, so that the loop's
+        tensor maths and the model share one set of CPU threads."""
+        return function(*args)
 
     @abstractmethod
     def prefill(self, call: PrefillCall) -> None:

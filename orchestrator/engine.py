@@ -127,19 +127,22 @@ class Engine:
             while run.finish_reason is None:
                 began = time.perf_counter()
                 timings: dict[str, float] = {}
-                try:
-                    verdict = self._round(run, timings)
-                except PositionError:
-                    # A service lost this session's caches (it restarted): rebuild them
-                    # from the committed tokens, once, and run the round again.
-                    self._prefill(run)
-                    verdict = self._round(run, timings)
-                output = self._commit(run, verdict)
+                output = self.backend.run_round(self._round_and_commit, run, timings)
                 spent = time.perf_counter() - began
                 output.timings = {**timings, "accept_s": spent - sum(timings.values())}
                 yield output
         finally:
             self.backend.release(run.session)
+
+    def _round_and_commit(self, run: _Run, timings: dict[str, float]) -> RoundOutput:
+        try:
+            verdict = self._round(run, timings)
+        except PositionError:
+            # A service lost this session's caches (it restarted): rebuild them from the
+            # committed tokens, once, and run the round again.
+            self._prefill(run)
+            verdict = self._round(run, timings)
+        return self._commit(run, verdict)
 
     def _prefill(self, run: _Run) -> None:
         """Every committed token but the pending one, into every component."""

@@ -59,6 +59,11 @@ class LocalBackend(DecodingBackend):
             eos_token_ids=config.eos_token_ids,
         )
 
+    def run_round(self, function: Callable[..., T], *args) -> T:
+        if self._thread is None:
+            return function(*args)
+        return self._thread.call(function, *args)
+
     def _run(self, function: Callable[..., T], *args) -> T:
         self.time_left()  # raises once the request's deadline has passed
         try:

@@ -4,6 +4,7 @@ The place where a batch scheduler will later own the step loop."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -14,7 +15,13 @@ T = TypeVar("T")
 
 class ModelThread:
     def __init__(self, name: str) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=name, initializer=self._started
+        )
+        self._ident: int | None = None
+
+    def _started(self) -> None:
+        self._ident = threading.get_ident()
 
     async def run(self, function: Callable[..., T], *args: Any) -> T:
         """`function(*args)` on the model thread, awaited from the event loop."""
@@ -22,7 +29,10 @@ class ModelThread:
         return await loop.run_in_executor(self._executor, partial(function, *args))
 
     def call(self, function: Callable[..., T], *args: Any) -> T:
-        """`function(*args)` on the model thread, waited for by a plain thread."""
+        """`function(*args)` on the model thread, waited for by a plain thread (or run
+        at once when called from the model thread itself)."""
+        if threading.get_ident() == self._ident:
+            return function(*args)
         return self._executor.submit(function, *args).result()
 
     def shutdown(self) -> None:

@@ -1,0 +1,189 @@
+"""One host, four ways to serve the same requests, measured alternately.
+
+    python bench/bench_one_host.py --checkpoint var/models/smollm2-hydra [--runs 5]
+
+- in-process, OpenMP spinning (`OMP_WAIT_POLICY=ACTIVE`) and passive (`PASSIVE`): the
+  engine over the in-process backend, in a process started for each measurement (the
+  wait policy is read when OpenMP starts, and an idle process with spinning threads
+  would steal a core from the other measurements);
+- the single-process server (`hydra-jury serve`) through gRPC;
+- the split stack (`hydra-jury up`: trunk, two jury shards, orchestrator) through gRPC.
+
+For speculative PoE (γ=4) and non-speculative PoE, every run sends the same request to
+each in turn (so all see the same machine state) and checks they return the same
+tokens. Reports the median tokens/s over the runs with the spread (min–max), and the two
+goals: the single-process server ≥ 0.95× the best in-process run, the split stack ≥
+0.85× the single-process server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from orchestrator.convert import request_to_pb
+from orchestrator.launcher import LocalStack, start_child
+from orchestrator.request import GenerationRequest
+from protos.hydrajury.v1 import generation_pb2_grpc
+
+PROMPT = "Write a short story about a robot who learns to paint."
+MODES = {
+    "speculative PoE γ=4": {"rule": "exact", "gamma": 4},
+    "non-speculative PoE": {"rule": "verifier_only"},
+}
+
+
+def request(mode: str, new_tokens: int) -> GenerationRequest:
+    return GenerationRequest(
+        messages=[{"role": "user", "content": PROMPT}],
+        max_new_tokens=new_tokens,
+        ignore_eos=True,
+        temperature=0.8,
+        seed=0,
+        **MODES[mode],
+    )
+
+
+def worker(checkpoint: str, mode: str, new_tokens: int) -> None:
+    """The in-process side: a warm-up, then one measured generation, as JSON."""
+    from hydra_model import HydraModel
+    from orchestrator.engine import Engine
+    from orchestrator.local_backend import LocalBackend
+    from workers.sessions import SessionLimits
+
+    model = HydraModel.load(checkpoint)
+    engine = Engine(LocalBackend(model, limits=SessionLimits(1, 1024)), model.load_tokenizer())
+    engine.generate(request(mode, 8))
+    began = time.perf_counter()
+    output = engine.generate(request(mode, new_tokens))
+    seconds = time.perf_counter() - began
+    print(json.dumps({"seconds": seconds, "tokens": output.token_ids}), flush=True)
+
+
+class InProcess:
+    def __init__(self, checkpoint: str, wait_policy: str) -> None:
+        self.name = f"in-process, OMP_WAIT_POLICY={wait_policy}"
+        self.checkpoint = checkpoint
+        self.env = {**os.environ, "OMP_WAIT_POLICY": wait_policy}
+
+    def generate(self, mode: str, new_tokens: int) -> tuple[float, list[int]]:
+        command = [
+            *(sys.executable, __file__, "--worker", "--checkpoint", self.checkpoint),
+            *("--mode", mode, "--new-tokens", str(new_tokens)),
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, env=self.env, check=True)
+        answer = json.loads(done.stdout.strip().splitlines()[-1])
+        return answer["seconds"], answer["tokens"]
+
+
+class ThroughGrpc:
+    def __init__(self, name: str, address: str) -> None:
+        self.name = name
+        self.channel = grpc.insecure_channel(address)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    def generate(self, mode: str, new_tokens: int) -> tuple[float, list[int]]:
+        message = request_to_pb(request(mode, new_tokens))
+        began = time.perf_counter()
+        response = self.stub.Generate(message, timeout=600)
+        return time.perf_counter() - began, list(response.token_ids)
+
+
+@dataclass
+class Results:
+    rates: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+
+    def add(self, config: str, mode: str, rate: float) -> None:
+        self.rates.setdefault((config, mode), []).append(rate)
+
+    def median(self, config: str, mode: str) -> float:
+        return statistics.median(self.rates[config, mode])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", default="var/models/smollm2-hydra")
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.checkpoint, args.mode, args.new_tokens)
+    checkpoint = str(Path(args.checkpoint))
+    configs: list = [InProcess(checkpoint, "ACTIVE"), InProcess(checkpoint, "PASSIVE")]
+    server = start_child(
+        "server",
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "serve",
+            "--checkpoint",
+            checkpoint,
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        300,
+    )
+    stack = LocalStack(checkpoint, shards=2, port=0)
+    try:
+        if not server.address:
+            raise RuntimeError(server.failure)
+        configs.append(ThroughGrpc("single-process server (gRPC)", server.address))
+        configs.append(ThroughGrpc("split stack (gRPC)", stack.start()))
+        results = Results()
+        for mode in MODES:
+            for config in configs[2:]:
+                config.generate(mode, 8)  # warm-up (the in-process runs warm up their own)
+        for _ in range(args.runs):
+            for mode in MODES:
+                tokens = None
+                for config in configs:
+                    seconds, generated = config.generate(mode, args.new_tokens)
+                    assert tokens is None or generated == tokens, f"{config.name}: other tokens"
+                    tokens = generated
+                    results.add(config.name, mode, len(generated) / seconds)
+        report(results, configs, args)
+    finally:
+        server.process.terminate()
+        server.process.wait(timeout=30)
+        stack.stop()
+
+
+def report(results: Results, configs: list, args: argparse.Namespace) -> None:
+    cores = os.cpu_count()
+    print(
+        f"one host ({cores} cores), {args.checkpoint}, {args.new_tokens} new tokens, "
+        f"temperature 0.8, seed 0; median of {args.runs} alternating runs (min–max)"
+    )
+    print("| mode | " + " | ".join(c.name for c in configs) + " |")
+    print("|---" * (len(configs) + 1) + "|")
+    for mode in MODES:
+        cells = []
+        for config in configs:
+            rates = results.rates[config.name, mode]
+            cells.append(f"{statistics.median(rates):.1f} ({min(rates):.1f}–{max(rates):.1f})")
+        print(f"| {mode} | " + " | ".join(cells) + " |")
+    single, split = configs[2].name, configs[3].name
+    for mode in MODES:
+        best = max(results.median(c.name, mode) for c in configs[:2])
+        server_ratio = results.median(single, mode) / best
+        split_ratio = results.median(split, mode) / results.median(single, mode)
+        print(
+            f"{mode}: single-process server / best in-process = {server_ratio:.2f} "
+            f"(goal 0.95); split stack / single-process server = {split_ratio:.2f} (goal 0.85)"
+        )
+
+
+if __name__ == "__main__":
+    main()
