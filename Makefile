@@ -7,7 +7,7 @@ MODEL_DIR ?= var/models/smollm2-hydra
 PROTO_SRC := $(wildcard protos/hydrajury/v1/*.proto)
 PROTO_OUT := $(PROTO_SRC:.proto=_pb2.py)
 
-.PHONY: setup protos test test-fast lint model run bench bench-model clean
+.PHONY: setup protos test test-fast lint model run serve bench bench-model bench-one-host clean
 
 setup: $(STAMP)
 
@@ -43,10 +43,17 @@ model: setup
 run: model protos
 	$(PY) -m orchestrator.cli up --checkpoint $(MODEL_DIR)
 
+# The single-process server: the same API from one process, for one machine.
+serve: model protos
+	$(PY) -m orchestrator.cli serve --checkpoint $(MODEL_DIR)
+
 bench-model: model
 	$(PY) bench/bench_model.py --checkpoint $(MODEL_DIR)
 
-bench: bench-model
+bench-one-host: model protos
+	$(PY) bench/bench_one_host.py --checkpoint $(MODEL_DIR)
+
+bench: bench-model bench-one-host
 	$(PY) bench/bench_engine.py --checkpoint $(MODEL_DIR)
 	$(PY) bench/bench_grpc.py --checkpoint $(MODEL_DIR)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from hydra_model import HydraModel
 from protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from serving import internal_wire as wire
+from serving.model_thread import ModelThread
 from serving.servicer import WorkerServicer
 from serving.worker_service import WorkerServiceSpec
 from workers.jury import JuryWorker
@@ -26,8 +27,8 @@ class JuryServicer(WorkerServicer, internal_pb2_grpc.JuryServicer):
 
     worker: JuryWorker
 
-    def __init__(self, worker: JuryWorker) -> None:
-        super().__init__(worker, "jury-model")
+    def __init__(self, worker: JuryWorker, thread: ModelThread) -> None:
+        super().__init__(worker, thread)
 
     def listening_detail(self) -> str:
         return f" (heads {','.join(self.worker.hosted)})"
@@ -55,8 +56,10 @@ class JuryServicer(WorkerServicer, internal_pb2_grpc.JuryServicer):
         )
 
 
-def _build_servicer(model: HydraModel, heads: list[str], limits: SessionLimits) -> JuryServicer:
-    return JuryServicer(JuryWorker(model, limits=limits))
+def _build_servicer(
+    model: HydraModel, heads: list[str], limits: SessionLimits, thread: ModelThread
+) -> JuryServicer:
+    return JuryServicer(JuryWorker(model, limits=limits), thread)
 
 
 JURY_SERVICE = WorkerServiceSpec(

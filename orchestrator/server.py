@@ -18,9 +18,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
-import torch
 
 from hydra_model import HydraModel
 from hydra_model.checkpoint import checkpoint_fingerprint, read_manifest
@@ -266,11 +266,15 @@ async def serve_embedded(
 ) -> RunningGeneration:
     """The single-process server: the whole model loaded here, the same Generation
     service over the in-process backend. All compute runs on one model thread."""
-    model = await asyncio.to_thread(HydraModel.load, checkpoint, dtype=dtype, device=device)
+    # The model is loaded and its caches built on the model thread (see serving.model_thread).
     thread = ModelThread("model")
-    # OpenMP's thread count is per thread: the model thread takes this thread's.
-    await thread.run(torch.set_num_threads, torch.get_num_threads())
-    backend = LocalBackend(model, limits=limits, thread=thread)
+    try:
+        await thread.start()
+        model = await thread.run(partial(HydraModel.load, checkpoint, dtype=dtype, device=device))
+        backend = await thread.run(partial(LocalBackend, model, limits=limits, thread=thread))
+    except BaseException:
+        await asyncio.to_thread(thread.shutdown)
+        raise
     return await start_generation_server(
         backend,
         model.load_tokenizer(),

@@ -50,9 +50,9 @@ class WorkerServicer:
     """The base of the trunk and jury servicers. A worker has `model`, `sessions`,
     `max_session_tokens` and `release(session)`."""
 
-    def __init__(self, worker: Any, thread_name: str) -> None:
+    def __init__(self, worker: Any, thread: ModelThread) -> None:
         self.worker = worker
-        self.thread = ModelThread(thread_name)
+        self.thread = thread
         self.epoch = new_epoch()
         # Built once: `Info` never re-reads the checkpoint.
         self.model_description = model_description_to_pb(worker.model, worker.max_session_tokens)

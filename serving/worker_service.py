@@ -14,6 +14,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 from hydra_model import HydraModel
 from hydra_model.checkpoint import DTYPES, read_manifest
 from serving.errors import EXPECTED_FAILURES, failure_line
+from serving.model_thread import ModelThread
 from serving.server import GrpcServer
 from serving.servicer import WorkerServicer
 from workers.errors import InvalidArgument
@@ -58,8 +60,8 @@ class WorkerServiceSpec:
     heads_option: str  # the flag naming its heads
     heads_help: str
     load_trunk: bool
-    # (model with the chosen heads, the heads, limits) → the servicer
-    build_servicer: Callable[[HydraModel, list[str], SessionLimits], WorkerServicer]
+    # (model with the chosen heads, the heads, limits, model thread) → the servicer
+    build_servicer: Callable[[HydraModel, list[str], SessionLimits, ModelThread], WorkerServicer]
     add_servicer: Callable[[Any, grpc.aio.Server], None]
 
 
@@ -95,22 +97,28 @@ async def serve_worker(spec: WorkerServiceSpec, options: ServiceOptions) -> Runn
     `options.listen`. Stop it with `RunningService.stop`."""
     limits = options.limits
     heads = llm_heads_in_order(options.checkpoint, options.heads, spec.heads_option)
-    model = await asyncio.to_thread(
-        HydraModel.load,
-        options.checkpoint,
-        dtype=options.dtype,
-        device=options.device,
-        heads=heads,
-        load_trunk=spec.load_trunk,
-    )
-    servicer = spec.build_servicer(model, heads, limits)
+    # The model is loaded and its caches built on the model thread (see serving.model_thread).
+    thread = ModelThread(spec.name.split()[0] + "-model")
+    try:
+        await thread.start()
+        model = await thread.run(
+            partial(
+                HydraModel.load,
+                options.checkpoint,
+                dtype=options.dtype,
+                device=options.device,
+                heads=heads,
+                load_trunk=spec.load_trunk,
+            )
+        )
+        servicer = await thread.run(spec.build_servicer, model, heads, limits, thread)
+    except BaseException:
+        await asyncio.to_thread(thread.shutdown)
+        raise
     server = GrpcServer(
         lambda grpc_server: spec.add_servicer(servicer, grpc_server), [spec.service_name]
     )
     try:
-        # OpenMP's thread count is per thread: the model thread takes this thread's, so
-        # `torch.set_num_threads` before starting a service applies to its compute too.
-        await servicer.thread.run(torch.set_num_threads, torch.get_num_threads())
         port = await server.start(options.listen)
     except BaseException:
         await servicer.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from hydra_model import HydraModel
 from protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from serving import internal_wire as wire
+from serving.model_thread import ModelThread
 from serving.servicer import WorkerServicer
 from serving.worker_service import WorkerServiceSpec
 from workers.sessions import SessionLimits
@@ -22,8 +23,8 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
 
     worker: TrunkWorker
 
-    def __init__(self, worker: TrunkWorker) -> None:
-        super().__init__(worker, "trunk-model")
+    def __init__(self, worker: TrunkWorker, thread: ModelThread) -> None:
+        super().__init__(worker, thread)
 
     async def Info(self, request, context) -> internal_pb2.TrunkInfoResponse:
         return internal_pb2.TrunkInfoResponse(
@@ -46,8 +47,10 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
         )
 
 
-def _build_servicer(model: HydraModel, heads: list[str], limits: SessionLimits) -> TrunkServicer:
-    return TrunkServicer(TrunkWorker(model, drafter_heads=heads, limits=limits))
+def _build_servicer(
+    model: HydraModel, heads: list[str], limits: SessionLimits, thread: ModelThread
+) -> TrunkServicer:
+    return TrunkServicer(TrunkWorker(model, drafter_heads=heads, limits=limits), thread)
 
 
 TRUNK_SERVICE = WorkerServiceSpec(
