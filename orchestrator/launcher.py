@@ -7,6 +7,7 @@ child dies."""
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import re
 import signal
@@ -134,8 +135,16 @@ class LocalStack:
             command += ["--metrics-port", str(self.metrics_port)]
         return self._spawn("orchestrator", command, timeout_s)
 
+    def environment(self) -> dict[str, str]:
+        """The children's environment: this one, with a passive OpenMP wait policy unless
+        one is set. The processes of the stack share the host and take turns (draft,
+        score, accept): threads that spin while their process waits take the cores the
+        working one needs (README, Benchmarks: on 2 cores the split stack ran at 10.2
+        tokens/s with libgomp's default spinning, 15.8 with a passive policy)."""
+        return {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
+
     def _spawn(self, name: str, command: list[str], timeout_s: float) -> str:
-        child = start_child(name, command, timeout_s)
+        child = start_child(name, command, timeout_s, self.environment())
         self.children.append(child)
         if not child.address:
             self.stop()
