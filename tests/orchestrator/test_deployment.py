@@ -157,3 +157,11 @@ def test_the_single_process_server_runs_from_the_command_line(jury_checkpoint, e
     finally:
         if server.process.poll() is None:
             server.process.kill()
+
+
+def test_the_stack_waits_passively_unless_told_otherwise(monkeypatch, jury_checkpoint):
+    stack = LocalStack(str(jury_checkpoint))
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert stack.environment()["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert stack.environment()["OMP_WAIT_POLICY"] == "ACTIVE"
