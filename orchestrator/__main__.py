@@ -31,7 +31,7 @@ def build_parser(prog: str = "python -m orchestrator") -> argparse.ArgumentParse
 
 
 async def _serve(config: OrchestratorConfig) -> None:
-    from orchestrator.server import serve_orchestrator, serve_until_signal
+    from orchestrator.server import serve_orchestrator
 
     running = await serve_orchestrator(
         checkpoint=config.checkpoint,
@@ -43,7 +43,7 @@ async def _serve(config: OrchestratorConfig) -> None:
         max_concurrency=config.max_concurrency,
         connect_timeout_s=config.connect_timeout_s,
     )
-    await serve_until_signal(running, "orchestrator", config.listen, config.grace_s)
+    await running.serve_until_signal("orchestrator", config.listen, config.grace_s)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m orchestrator") -> int:

@@ -276,16 +276,12 @@ def _run_serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    import torch
-
-    from orchestrator.server import serve_embedded, serve_until_signal
+    from orchestrator.server import serve_embedded
+    from serving.model_thread import set_compute_threads
     from workers.sessions import SessionLimits
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {args.threads}")
-        torch.set_num_threads(args.threads)  # the model thread takes this count
+    set_compute_threads(args.threads)
     limits = SessionLimits(args.max_sessions, args.max_session_tokens)
 
     async def serve() -> None:
@@ -299,7 +295,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             metrics_address=args.metrics_address,
             max_concurrency=args.max_concurrency,
         )
-        await serve_until_signal(running, "hydra-jury server", args.listen, args.grace_s)
+        await running.serve_until_signal("hydra-jury server", args.listen, args.grace_s)
 
     asyncio.run(serve())
     return 0

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
 
 import grpc
@@ -35,7 +33,7 @@ from poe import RULES
 from protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
 from serving.errors import SessionNotFound
 from serving.model_thread import ModelThread
-from serving.server import GrpcServer
+from serving.server import GrpcServer, RunningServer
 from workers.calls import MAX_GAMMA
 from workers.sessions import SessionLimits
 
@@ -64,10 +62,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_workers=max_concurrency, thread_name_prefix="generation"
         )
 
-    def shutdown(self) -> None:
+    async def close(self) -> None:
         """Stops the generation threads, then the backend (after the server stopped)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self.backend.close()
+        await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
+        await asyncio.to_thread(self.backend.close)
 
     async def Info(self, request, context):
         info = self.backend.info
@@ -163,33 +161,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.metrics.active_sessions.dec()
 
 
-@dataclass
-class RunningGeneration:
-    server: GrpcServer
-    port: int
-    servicer: GenerationServicer
-    metrics_port: int | None  # None: no metrics served
-
-    async def stop(self, grace_s: float = 0.0) -> None:
-        await self.server.stop(grace_s)
-        await asyncio.to_thread(self.servicer.shutdown)
-
-
-async def serve_until_signal(
-    running: RunningGeneration, name: str, listen: str, grace_s: float
-) -> None:
-    """Prints "NAME listening on HOST:PORT" (the line launchers wait for), serves until
-    SIGTERM or SIGINT, then stops gracefully."""
-    host = listen.rsplit(":", 1)[0]
-    metrics = "" if running.metrics_port is None else f", metrics on port {running.metrics_port}"
-    print(f"{name} listening on {host}:{running.port}{metrics}", file=sys.stderr, flush=True)
-
-    async def close() -> None:
-        await asyncio.to_thread(running.servicer.shutdown)
-
-    await running.server.serve_until_signal(grace_s, on_stop=close)
-
-
 async def start_generation_server(
     backend: DecodingBackend,
     tokenizer,
@@ -198,7 +169,7 @@ async def start_generation_server(
     metrics_port: int | None,
     metrics_address: str,
     max_concurrency: int,
-) -> RunningGeneration:
+) -> RunningServer:
     """The Generation service over `backend`, started on `address` (port 0: any free)."""
     metrics = OrchestratorMetrics()
     servicer = GenerationServicer(backend, tokenizer, metrics, max_concurrency=max_concurrency)
@@ -210,12 +181,12 @@ async def start_generation_server(
     try:
         port = await server.start(address)
     except BaseException:
-        await asyncio.to_thread(servicer.shutdown)
+        await servicer.close()
         raise
     bound_metrics = (
         metrics.serve(metrics_port, metrics_address) if metrics_port is not None else None
     )
-    return RunningGeneration(server, port, servicer, bound_metrics)
+    return RunningServer(server, port, servicer, bound_metrics)
 
 
 async def serve_orchestrator(
@@ -228,7 +199,7 @@ async def serve_orchestrator(
     metrics_address: str = "127.0.0.1",
     max_concurrency: int = 32,
     connect_timeout_s: float = 30.0,
-) -> RunningGeneration:
+) -> RunningServer:
     """The split stack's orchestrator: connects to the services (checking their layout)
     and starts the Generation server."""
     read_manifest(checkpoint)  # a clear error for a wrong --checkpoint, before connecting
@@ -263,7 +234,7 @@ async def serve_embedded(
     metrics_port: int | None = None,
     metrics_address: str = "127.0.0.1",
     max_concurrency: int = 32,
-) -> RunningGeneration:
+) -> RunningServer:
     """The single-process server: the whole model loaded here, the same Generation
     service over the in-process backend. All compute runs on one model thread."""
     # The model is loaded and its caches built on the model thread (see serving.model_thread).

@@ -23,6 +23,16 @@ import torch
 T = TypeVar("T")
 
 
+def set_compute_threads(count: int | None) -> None:
+    """A `--threads` option: the CPU threads model threads started from here will use
+    (None: torch's default)."""
+    if count is None:
+        return
+    if count < 1:
+        raise ValueError(f"--threads must be at least 1, got {count}")
+    torch.set_num_threads(count)
+
+
 class ModelThread:
     def __init__(self, name: str) -> None:
         self._executor = ThreadPoolExecutor(

@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -145,3 +148,34 @@ class GrpcServer:
         await self.stop(grace_s)
         if on_stop is not None:
             await on_stop()
+
+
+class Closable(Protocol):
+    async def close(self) -> None: ...
+
+
+@dataclass
+class RunningServer:
+    """A started server, the servicer behind it (closed after the server stops) and
+    where it listens."""
+
+    server: GrpcServer
+    port: int
+    servicer: Closable
+    metrics_port: int | None = None  # None: no metrics served
+
+    async def stop(self, grace_s: float = 0.0) -> None:
+        await self.server.stop(grace_s)
+        await self.servicer.close()
+
+    async def serve_until_signal(
+        self, name: str, listen: str, grace_s: float, detail: str = ""
+    ) -> None:
+        """Prints "NAME listening on HOST:PORT[DETAIL]" to stderr (the line launchers
+        wait for), serves until SIGTERM or SIGINT, then stops gracefully."""
+        host = listen.rsplit(":", 1)[0]
+        if self.metrics_port is not None:
+            detail += f", metrics on port {self.metrics_port}"
+        print(f"{name} listening on {host}:{self.port}{detail}", file=sys.stderr, flush=True)
+        await self.server.serve_until_signal(grace_s, on_stop=self.servicer.close)
+        log.info("%s stopped", name)

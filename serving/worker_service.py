@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import torch
 
 from hydra_model import HydraModel
 from hydra_model.checkpoint import DTYPES, read_manifest
 from serving.errors import EXPECTED_FAILURES, failure_line
-from serving.model_thread import ModelThread
-from serving.server import GrpcServer
+from serving.model_thread import ModelThread, set_compute_threads
+from serving.server import GrpcServer, RunningServer
 from serving.servicer import WorkerServicer
 from workers.errors import InvalidArgument
 from workers.sessions import SessionLimits
@@ -65,17 +64,6 @@ class WorkerServiceSpec:
     add_servicer: Callable[[Any, grpc.aio.Server], None]
 
 
-@dataclass
-class RunningService:
-    server: GrpcServer
-    port: int
-    servicer: WorkerServicer
-
-    async def stop(self, grace_s: float = 0.0) -> None:
-        await self.server.stop(grace_s)
-        await self.servicer.close()
-
-
 def llm_heads_in_order(checkpoint: str | Path, names: Sequence[str] | None, option: str):
     """`names` (None: every `llm` head) checked against the checkpoint and put in its
     order, so the order of a command-line list never changes what a service does."""
@@ -92,9 +80,9 @@ def llm_heads_in_order(checkpoint: str | Path, names: Sequence[str] | None, opti
     return [name for name in llm if name in names]
 
 
-async def serve_worker(spec: WorkerServiceSpec, options: ServiceOptions) -> RunningService:
+async def serve_worker(spec: WorkerServiceSpec, options: ServiceOptions) -> RunningServer:
     """Loads the service's heads (and the trunk if it needs one) and starts it on
-    `options.listen`. Stop it with `RunningService.stop`."""
+    `options.listen`. Stop it with `RunningServer.stop`."""
     limits = options.limits
     heads = llm_heads_in_order(options.checkpoint, options.heads, spec.heads_option)
     # The model is loaded and its caches built on the model thread (see serving.model_thread).
@@ -133,7 +121,7 @@ async def serve_worker(spec: WorkerServiceSpec, options: ServiceOptions) -> Runn
         servicer.worker.max_session_tokens,
         port,
     )
-    return RunningService(server, port, servicer)
+    return RunningServer(server, port, servicer)
 
 
 def head_list(text: str) -> list[str]:
@@ -196,10 +184,7 @@ def service_main(spec: WorkerServiceSpec, argv: list[str] | None = None, prog: s
 
     async def serve() -> int:
         try:
-            if args.threads is not None:
-                if args.threads < 1:
-                    raise InvalidArgument(f"--threads must be at least 1, got {args.threads}")
-                torch.set_num_threads(args.threads)  # the model thread takes this count
+            set_compute_threads(args.threads)
             options = ServiceOptions(
                 checkpoint=args.checkpoint,
                 listen=args.listen,
@@ -214,13 +199,8 @@ def service_main(spec: WorkerServiceSpec, argv: list[str] | None = None, prog: s
         except EXPECTED_FAILURES as error:
             print(failure_line(spec.name, error), file=sys.stderr, flush=True)
             return 2
-        host = args.listen.rsplit(":", 1)[0]
         detail = running.servicer.listening_detail()
-        print(
-            f"{spec.name} listening on {host}:{running.port}{detail}", file=sys.stderr, flush=True
-        )
-        await running.server.serve_until_signal(args.grace_s, on_stop=running.servicer.close)
-        log.info("%s stopped", spec.name)
+        await running.serve_until_signal(spec.name, args.listen, args.grace_s, detail)
         return 0
 
     return asyncio.run(serve())

@@ -96,7 +96,7 @@ SERVICE_LIMITS = {"max_sessions": 2, "max_session_tokens": 32}
 class Service:
     """A started service: its port, servicer (for white-box checks) and a client stub."""
 
-    running: Any  # serving.worker_service.RunningService
+    running: Any  # serving.server.RunningServer
     port: int
     servicer: Any
     channel: grpc.Channel
