@@ -132,6 +132,9 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument(
+        "--epsilon", type=float, default=0.0, help="drop tokens below this probability"
+    )
     parser.add_argument("--seed", type=int, help="default: random")
     parser.add_argument("--draft-head", help="default: drawn from the drafters by the seed")
     parser.add_argument("--jury", help="comma-separated heads (default: all but the drafter)")
@@ -167,6 +170,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         min_p=args.min_p,
+        epsilon=args.epsilon,
         seed=args.seed,
         draft_head=args.draft_head,
         jury=args.jury.split(",") if args.jury else None,

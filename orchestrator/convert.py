@@ -7,7 +7,7 @@ from orchestrator.request import GenerationRequest, RequestError
 from protos.hydrajury.v1 import generation_pb2
 
 _OPTIONAL_FIELDS = ("max_new_tokens", "gamma", "beta", "temperature", "top_p", "seed")
-_PLAIN_FIELDS = ("ignore_eos", "lenience", "top_k", "min_p")
+_PLAIN_FIELDS = ("ignore_eos", "lenience", "top_k", "min_p", "epsilon")
 
 
 def request_from_pb(message: generation_pb2.GenerateRequest) -> GenerationRequest:

@@ -38,6 +38,7 @@ class GenerationRequest:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    epsilon: float = 0.0
     seed: int | None = None  # random when absent
     draft_head: str | None = None  # drawn from the drafters by the seed when absent
     jury: list[str] | None = None  # default: every llm head but the drafter
@@ -45,7 +46,11 @@ class GenerationRequest:
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            epsilon=self.epsilon,
         )
 
 

@@ -65,6 +65,7 @@ def sampling_to_pb(sampling: SamplingParams) -> tensor_pb2.SamplingParams:
         top_k=sampling.top_k,
         top_p=sampling.top_p,
         min_p=sampling.min_p,
+        epsilon=sampling.epsilon,
     )
 
 
@@ -85,7 +86,9 @@ def draft_call_from_pb(request: internal_pb2.DraftRequest) -> DraftCall:
     draft_head = request.draft_head or None
     if request.HasField("sampling"):
         message = request.sampling
-        sampling = SamplingParams(message.temperature, message.top_k, message.top_p, message.min_p)
+        sampling = SamplingParams(
+            message.temperature, message.top_k, message.top_p, message.min_p, message.epsilon
+        )
     elif draft_head is None:
         sampling = SamplingParams()  # unused: nothing is drafted
     else:

@@ -35,6 +35,7 @@ def test_request_messages_round_trip():
             top_k=3,
             top_p=0.5,
             min_p=0.1,
+            epsilon=0.02,
             seed=5,
             draft_head="head1",
             jury=["head0"],

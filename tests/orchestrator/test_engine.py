@@ -224,6 +224,7 @@ def test_every_rule_runs(engine, rule):
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -1}, "top_k must be >= 0"),
         ({"min_p": 1.0}, r"min_p must be in \[0, 1\)"),
+        ({"epsilon": 1.5}, r"epsilon must be in \[0, 1\)"),
         ({"rule": "majority"}, "unknown rule 'majority'"),
         ({"rule": "lenient", "lenience": 1.0}, "lenience"),
         ({"rule": "cascade_chow", "lenience": -0.1}, "lenience"),

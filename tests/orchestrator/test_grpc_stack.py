@@ -21,7 +21,7 @@ from workers.errors import InvalidArgument
 ALL_HEADS = ["head0", "head1", "head2", "head3"]
 CASES = [
     {"rule": "exact", "temperature": 0.0, "gamma": 3},
-    {"rule": "exact", "temperature": 0.9, "gamma": 4, "top_k": 10},
+    {"rule": "exact", "temperature": 0.9, "gamma": 4, "top_k": 10, "epsilon": 0.02},
     {"rule": "cascade_token_v2", "lenience": 0.2, "temperature": 1.0, "gamma": 2},
     {"rule": "lenient", "lenience": 0.3, "temperature": 0.7, "gamma": 5},
     {"rule": "verifier_only", "temperature": 0.8},

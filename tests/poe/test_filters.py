@@ -52,6 +52,15 @@ def test_top_p_is_measured_after_top_k():
     assert_probs(filtered_probs(PROBS, top_k=3, top_p=0.82), [0.625, 0.375, 0.0, 0.0])
 
 
+def test_epsilon_drops_tokens_below_an_absolute_floor():
+    assert_probs(filtered_probs(PROBS, epsilon=0.1), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0])
+    assert_probs(filtered_probs(PROBS, epsilon=0.2), [0.625, 0.375, 0.0, 0.0])
+    # Measured on what top-k left: 0.3 / 0.8 = 0.375 < 0.4.
+    assert_probs(filtered_probs(PROBS, top_k=2, epsilon=0.4), [1.0, 0.0, 0.0, 0.0])
+    # The most probable token is kept whatever the floor.
+    assert_probs(filtered_probs(PROBS, epsilon=0.9), [1.0, 0.0, 0.0, 0.0])
+
+
 def test_dropped_entries_are_minus_infinity_and_rows_normalised(make_logits):
     logprobs = make_logits(6, 30, seed=5, scale=2.0).log_softmax(-1)
     result = filter_logprobs(logprobs, SamplingParams(top_k=10, top_p=0.8, min_p=0.05))
@@ -88,6 +97,8 @@ def test_greedy_property():
         ({"top_p": 1.5}, "top_p"),
         ({"min_p": -0.1}, "min_p"),
         ({"min_p": 1.0}, "min_p"),
+        ({"epsilon": -0.1}, "epsilon"),
+        ({"epsilon": 1.0}, r"epsilon must be in \[0, 1\)"),
     ],
 )
 def test_validate_names_the_bad_option(options, message):

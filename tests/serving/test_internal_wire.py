@@ -12,7 +12,7 @@ from tests import calls
 from workers.calls import DraftResult, HiddenStates, ScoreResult
 from workers.errors import InvalidArgument
 
-SAMPLING = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05)
+SAMPLING = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, epsilon=0.01)
 
 
 def test_trunk_calls_round_trip():
