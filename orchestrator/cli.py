@@ -135,6 +135,17 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--epsilon", type=float, default=0.0, help="drop tokens below this probability"
     )
+    parser.add_argument(
+        "--contrastive-amateur",
+        metavar="HEAD",
+        help="contrastive decoding (with --rule verifier_only): this head is the amateur",
+    )
+    parser.add_argument(
+        "--contrastive-alpha",
+        type=float,
+        default=0.0,
+        help="contrastive decoding's plausibility cutoff, in (0, 1]",
+    )
     parser.add_argument("--seed", type=int, help="default: random")
     parser.add_argument("--draft-head", help="default: drawn from the drafters by the seed")
     parser.add_argument("--jury", help="comma-separated heads (default: all but the drafter)")
@@ -171,6 +182,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         min_p=args.min_p,
         epsilon=args.epsilon,
+        contrastive_alpha=args.contrastive_alpha,
+        contrastive_amateur=args.contrastive_amateur,
         seed=args.seed,
         draft_head=args.draft_head,
         jury=args.jury.split(",") if args.jury else None,

@@ -7,7 +7,7 @@ from orchestrator.request import GenerationRequest, RequestError
 from protos.hydrajury.v1 import generation_pb2
 
 _OPTIONAL_FIELDS = ("max_new_tokens", "gamma", "beta", "temperature", "top_p", "seed")
-_PLAIN_FIELDS = ("ignore_eos", "lenience", "top_k", "min_p", "epsilon")
+_PLAIN_FIELDS = ("ignore_eos", "lenience", "top_k", "min_p", "epsilon", "contrastive_alpha")
 
 
 def request_from_pb(message: generation_pb2.GenerateRequest) -> GenerationRequest:
@@ -23,6 +23,7 @@ def request_from_pb(message: generation_pb2.GenerateRequest) -> GenerationReques
     values["rule"] = options.rule or "exact"
     values["draft_head"] = options.draft_head or None
     values["jury"] = list(options.jury) or None
+    values["contrastive_amateur"] = options.contrastive_amateur or None
     if which == "prompt":
         values["prompt"] = message.prompt
     else:
@@ -41,6 +42,7 @@ def request_to_pb(
         rule=request.rule,
         draft_head=request.draft_head or "",
         jury=request.jury or [],
+        contrastive_amateur=request.contrastive_amateur or "",
         **{name: getattr(request, name) for name in _PLAIN_FIELDS},
     )
     for name in _OPTIONAL_FIELDS:

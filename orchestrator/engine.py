@@ -37,6 +37,7 @@ from poe import (
     Rule,
     acceptance_probs,
     categorical,
+    contrastive_logprobs,
     entropy,
     filter_logprobs,
     greedy_tokens,
@@ -196,6 +197,7 @@ class Engine:
             prepared.request.temperature,
             prepared.request.beta,
             with_decision=draft.decision_logprobs is not None,
+            amateur=prepared.amateur,
         )
         began = time.perf_counter()
         score = self.backend.score(call)
@@ -211,13 +213,18 @@ class Engine:
 
     @staticmethod
     def _sample_target(run: _Run, target_logprobs: torch.Tensor, score: ScoreResult) -> _Verdict:
-        """verifier_only: one token from the target, nothing drafted."""
+        """verifier_only: one token from the target (or, contrastive, from the contrastive
+        distribution of the target and the amateur), nothing drafted."""
         prepared = run.prepared
         target_probs = target_logprobs.exp()  # [1, V]
+        chosen_from = target_logprobs
+        if prepared.amateur is not None:
+            alpha = prepared.request.contrastive_alpha
+            chosen_from = contrastive_logprobs(target_logprobs, score.amateur_logprobs, alpha)
         if prepared.sampling.greedy:
-            token = int(greedy_tokens(target_probs)[0])
+            token = int(greedy_tokens(chosen_from.exp())[0])
         else:
-            filtered = filter_logprobs(target_logprobs, prepared.sampling).exp()
+            filtered = filter_logprobs(chosen_from, prepared.sampling).exp()
             position = torch.tensor([run.start + 1])
             token = int(categorical(filtered, prepared.seed, position, "sample")[0])
         return _Verdict([token], [TokenKind.SAMPLE], 0, 0, target_probs, score.votes, score.voters)

@@ -214,12 +214,14 @@ class GrpcBackend(DecodingBackend):
         voters = [voter for part in parts for voter in part.voters]
         # Votes in checkpoint order, whatever shard each juror sits on.
         order = sorted(range(len(voters)), key=lambda i: self.info.head_names.index(voters[i]))
+        amateur = [part.amateur_logprobs for part in parts if part.amateur_logprobs is not None]
         return ScoreResult(
             combine_partials([part.log_product for part in parts]),
             decision,
             torch.cat([part.votes for part in parts], dim=1)[:, order],
             tuple(voters[i] for i in order),
             head_evaluations=sum(part.head_evaluations for part in parts),
+            amateur_logprobs=amateur[0] if amateur else None,
         )
 
     def release(self, session: str) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.backend import ModelInfo
 from poe import RULES, Rule, SamplingParams, choice, random_seed, validate_rule
+from poe.contrastive import validate_alpha
 from poe.randomness import MAX_SEED
 from workers.calls import MAX_BETA, MAX_GAMMA
 from workers.errors import InvalidArgument
@@ -42,6 +43,9 @@ class GenerationRequest:
     seed: int | None = None  # random when absent
     draft_head: str | None = None  # drawn from the drafters by the seed when absent
     jury: list[str] | None = None  # default: every llm head but the drafter
+    # Contrastive decoding (non-speculative): the jury as expert, this head as amateur.
+    contrastive_alpha: float = 0.0  # plausibility cutoff α in (0, 1]; 0 = off
+    contrastive_amateur: str | None = None
 
     @property
     def sampling(self) -> SamplingParams:
@@ -63,6 +67,7 @@ class PreparedRequest:
     draft_head: str | None  # None for verifier_only
     jury: list[str]  # empty for drafter_only
     sampling: SamplingParams
+    amateur: str | None = None  # contrastive decoding's amateur head
 
 
 def prompt_tokens(request: GenerationRequest, tokenizer) -> list[int]:
@@ -102,8 +107,9 @@ def prepare_request(request: GenerationRequest, info: ModelInfo, tokenizer) -> P
         )
     seed = random_seed() if request.seed is None else request.seed
     draft_head = _draft_head(request, rule, info, seed)
-    jury = _jury(request, rule, info, draft_head)
-    return PreparedRequest(request, rule, tokens, seed, draft_head, jury, request.sampling)
+    amateur = _amateur(request, rule, info)
+    jury = _jury(request, rule, info, draft_head, amateur)
+    return PreparedRequest(request, rule, tokens, seed, draft_head, jury, request.sampling, amateur)
 
 
 def _check_numbers(request: GenerationRequest, info: ModelInfo) -> Rule:
@@ -148,13 +154,44 @@ def _draft_head(request: GenerationRequest, rule: Rule, info: ModelInfo, seed: i
     return request.draft_head
 
 
+def _amateur(request: GenerationRequest, rule: Rule, info: ModelInfo) -> str | None:
+    """Contrastive decoding's amateur head, or None when it is off."""
+    amateur, alpha = request.contrastive_amateur, request.contrastive_alpha
+    if amateur is None and not alpha:
+        return None
+    if amateur is None or not alpha:
+        raise RequestError(
+            "contrastive decoding needs both contrastive_alpha and contrastive_amateur"
+        )
+    try:
+        validate_alpha(alpha)
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+    if amateur not in info.head_names:
+        raise RequestError(
+            f"unknown contrastive_amateur {amateur!r}; heads: {', '.join(info.head_names)}"
+        )
+    if rule != Rule.VERIFIER_ONLY:
+        raise RequestError(
+            f"contrastive decoding is not speculative: it conflicts with rule {str(rule)!r}; "
+            "use rule verifier_only"
+        )
+    return amateur
+
+
 def _jury(
-    request: GenerationRequest, rule: Rule, info: ModelInfo, draft_head: str | None
+    request: GenerationRequest,
+    rule: Rule,
+    info: ModelInfo,
+    draft_head: str | None,
+    amateur: str | None,
 ) -> list[str]:
     if rule == Rule.DRAFTER_ONLY:
         return []
+    if amateur is not None and request.jury is not None and amateur in request.jury:
+        raise RequestError(f"the contrastive_amateur {amateur!r} cannot also sit in the jury")
     if request.jury is None:
-        jury = [h for h in info.head_names if h != draft_head]
+        jury = [h for h in info.head_names if h not in (draft_head, amateur)]
     else:
         unknown = [h for h in request.jury if h not in info.head_names]
         if unknown:

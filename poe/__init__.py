@@ -6,8 +6,10 @@ Modules
 - rules: acceptance rules (exact, lenient, speculative cascades, baselines).
 - metrics: per-token metrics (entropy, stability, validity, suppression) and request counters.
 - randomness: counter-based draws keyed by (seed, position, purpose).
+- contrastive: contrastive decoding scores (the jury as expert, one head as amateur).
 """
 
+from poe.contrastive import contrastive_logprobs
 from poe.filters import SamplingParams, filter_logprobs
 from poe.metrics import (
     RequestStats,
@@ -48,6 +50,7 @@ __all__ = [
     "categorical",
     "choice",
     "combine_partials",
+    "contrastive_logprobs",
     "draft_logprobs",
     "effective_temperature",
     "entropy",

@@ -164,6 +164,7 @@ def score_call_to_pb(call: ScoreCall) -> internal_pb2.ScoreRequest:
         temperature=call.temperature,
         beta=call.beta,
         with_decision=call.with_decision,
+        amateur=call.amateur or "",
     )
 
 
@@ -178,6 +179,7 @@ def score_call_from_pb(
         request.temperature,
         request.beta,
         request.with_decision,
+        request.amateur or None,
     )
 
 
@@ -188,6 +190,7 @@ def score_result_to_pb(result: ScoreResult) -> internal_pb2.ScoreResponse:
         votes=tensor_to_pb(result.votes.long()),
         voters=result.voters,
         head_evaluations=result.head_evaluations,
+        amateur_logprobs=optional_tensor_to_pb(result.amateur_logprobs),
     )
 
 
@@ -206,4 +209,7 @@ def score_result_from_pb(
         votes,
         tuple(response.voters),
         head_evaluations=response.head_evaluations,
+        amateur_logprobs=_distributions(response, "amateur_logprobs", rows, vocab_size)
+        if response.HasField("amateur_logprobs")
+        else None,
     )

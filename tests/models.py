@@ -145,3 +145,12 @@ def build_jury_checkpoint(root: Path, trunk_layers: int, **overrides) -> Path:
         fine_tune_top_layers(base, root / f"tune{index}", trunk_layers, seed=20 + index)
         tunes.append(str(root / f"tune{index}"))
     return build_hydra(base, root / "hydra", trunk_layers=trunk_layers, heads=4, head_from=tunes)
+
+
+def next_token_logits(model, tokens: list[int]) -> torch.Tensor:
+    """[H, V] float64 logits of every head of a loaded `HydraModel` for the token after
+    `tokens`: a full forward pass with fresh caches, independent of the workers."""
+    capacity = len(tokens)
+    hidden = model.trunk.forward(torch.tensor(tokens), model.trunk_cache(capacity), 0)
+    logits = model.heads.forward(hidden, model.head_cache(model.heads.size, capacity), 0)
+    return logits[:, -1].double()

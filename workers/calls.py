@@ -136,6 +136,7 @@ class ScoreCall:
     temperature: float  # 0 = greedy (computed at 1)
     beta: float
     with_decision: bool = False  # also return the temperature-1 log-product
+    amateur: str | None = None  # also return this head's log-probabilities (contrastive)
 
     def __post_init__(self) -> None:
         _check_session(self.session, self.start)
@@ -149,6 +150,8 @@ class ScoreCall:
             raise InvalidArgument(f"beta: must be in (0, {MAX_BETA:g}], got {self.beta}")
         if len(set(self.jury)) != len(self.jury):
             raise InvalidArgument(f"jury: a head is named twice in {list(self.jury)}")
+        if self.amateur is not None and self.amateur in self.jury:
+            raise InvalidArgument(f"amateur: {self.amateur!r} is also a juror")
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,8 @@ class ScoreResult:
     votes: torch.Tensor  # [γ, J] long, argmax of each juror below
     voters: tuple[str, ...]  # the jurors, in checkpoint order
     head_evaluations: int = 0  # positions × heads the call ran
+    # [γ, V] log_softmax(z_amateur / T) when the call named an amateur this worker hosts
+    amateur_logprobs: torch.Tensor | None = None
 
     def on_host(self) -> ScoreResult:
         return _tensors_on_host(self)

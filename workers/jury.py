@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from hydra_model import HydraModel, KVCache
-from poe import partial_log_product
+from poe import draft_logprobs, partial_log_product
 from workers.calls import HiddenStates, JuryPrefillCall, ScoreCall, ScoreResult
 from workers.errors import InvalidArgument
 from workers.sessions import SessionLimits, SessionTable, check_capacity, check_start
@@ -68,7 +68,8 @@ class JuryWorker:
         self._forward(call.session, call.start, call.hidden)
 
     def score(self, call: ScoreCall) -> ScoreResult:
-        unknown = [name for name in call.jury if name not in self.all_heads]
+        named = [*call.jury, *([call.amateur] if call.amateur else [])]
+        unknown = [name for name in named if name not in self.all_heads]
         if unknown:
             raise InvalidArgument(
                 f"jury: unknown heads {unknown}; the checkpoint has {self.all_heads}"
@@ -84,10 +85,15 @@ class JuryWorker:
                 if call.temperature in (0.0, 1.0)
                 else partial_log_product(juror_logits, 1.0, call.beta)
             )
+        amateur = None
+        if call.amateur in self.hosted:
+            amateur_logits = logits[self.hosted.index(call.amateur)]  # [γ, V]
+            amateur = draft_logprobs(amateur_logits, call.temperature)
         return ScoreResult(
             log_product,
             decision,
             juror_logits.argmax(-1).T,  # [γ, J]
             tuple(self.hosted[i] for i in members),
             head_evaluations=len(logits[0]) * self.model.heads.size,
+            amateur_logprobs=amateur,
         )

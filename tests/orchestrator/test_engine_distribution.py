@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from hydra_model import HydraModel
 from orchestrator.engine import Engine
 from orchestrator.local_backend import LocalBackend
 from orchestrator.request import GenerationRequest
-from tests.models import build_jury_checkpoint
+from tests.models import build_jury_checkpoint, next_token_logits
+from tests.statistics import assert_fits
 from workers.sessions import SessionLimits
 
 pytestmark = pytest.mark.slow  # 20,000 generations: about a minute on 2 cores
@@ -60,14 +60,6 @@ def small_model(tmp_path_factory) -> HydraModel:
 def small_engine(small_model) -> Engine:
     backend = LocalBackend(small_model, limits=SessionLimits(1, 32))
     return Engine(backend, small_model.load_tokenizer())
-
-
-def next_token_logits(model: HydraModel, tokens: list[int]) -> torch.Tensor:
-    """[H, V] logits of every head for the token after `tokens` (no cache reuse)."""
-    capacity = len(tokens)
-    hidden = model.trunk.forward(torch.tensor(tokens), model.trunk_cache(capacity), 0)
-    logits = model.heads.forward(hidden, model.head_cache(model.heads.size, capacity), 0)
-    return logits[:, -1].double()
 
 
 def exact_target(logits: torch.Tensor, names: list[str], temperature: float) -> torch.Tensor:
@@ -127,27 +119,6 @@ def empirical(engine, request_options: dict) -> torch.Tensor:
         x1, x2 = first_two_tokens(engine, request)
         counts[x1, x2] += 1
     return counts
-
-
-def chi_square_pvalue(counts: torch.Tensor, joint: torch.Tensor) -> float:
-    expected = joint.flatten() * RUNS
-    observed = counts.flatten()
-    if observed[expected == 0].sum() > 0:
-        return 0.0  # sampled a pair of probability zero
-    large = expected >= 5
-    observed_bins = torch.cat([observed[large], observed[~large].sum()[None]])
-    expected_bins = torch.cat([expected[large], expected[~large].sum()[None]])
-    expected_bins *= observed_bins.sum() / expected_bins.sum()  # float rounding only
-    return float(chisquare(observed_bins.numpy(), expected_bins.numpy()).pvalue)
-
-
-def assert_fits(counts: torch.Tensor, joint: torch.Tensor, wrong_joint: torch.Tensor) -> None:
-    """The counts fit `joint` (p > 1e-4) and, as a control that the test can fail, do not
-    fit the plausible mistake `wrong_joint` (p < 1e-10)."""
-    pvalue = chi_square_pvalue(counts, joint)
-    assert pvalue > 1e-4, f"chi-square p = {pvalue:.2e}"
-    control = chi_square_pvalue(counts, wrong_joint)
-    assert control < 1e-10, f"the control fits too (p = {control:.2e}): the test is too weak"
 
 
 @pytest.mark.parametrize("gamma", [1, 4])

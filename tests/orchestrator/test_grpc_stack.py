@@ -19,12 +19,16 @@ from tests.grpc_stack import Stack
 from workers.errors import InvalidArgument
 
 ALL_HEADS = ["head0", "head1", "head2", "head3"]
+CONTRASTIVE = {"contrastive_alpha": 0.1, "contrastive_amateur": "head3"}
 CASES = [
     {"rule": "exact", "temperature": 0.0, "gamma": 3},
     {"rule": "exact", "temperature": 0.9, "gamma": 4, "top_k": 10, "epsilon": 0.02},
     {"rule": "cascade_token_v2", "lenience": 0.2, "temperature": 1.0, "gamma": 2},
     {"rule": "lenient", "lenience": 0.3, "temperature": 0.7, "gamma": 5},
     {"rule": "verifier_only", "temperature": 0.8},
+    # contrastive decoding: the amateur on one shard, some jurors on the other
+    {"rule": "verifier_only", "temperature": 0.0, **CONTRASTIVE},
+    {"rule": "verifier_only", "temperature": 0.7, **CONTRASTIVE},
 ]
 
 
