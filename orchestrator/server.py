@@ -16,7 +16,6 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 
 import grpc
 
@@ -32,7 +31,7 @@ from orchestrator.request import RequestError
 from poe import RULES
 from protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
 from serving.errors import SessionNotFound
-from serving.model_thread import ModelThread
+from serving.model_thread import ModelThread, start_model_thread
 from serving.server import GrpcServer, RunningServer
 from workers.calls import MAX_GAMMA
 from workers.sessions import SessionLimits
@@ -237,15 +236,13 @@ async def serve_embedded(
 ) -> RunningServer:
     """The single-process server: the whole model loaded here, the same Generation
     service over the in-process backend. All compute runs on one model thread."""
-    # The model is loaded and its caches built on the model thread (see serving.model_thread).
-    thread = ModelThread("model")
-    try:
-        await thread.start()
-        model = await thread.run(partial(HydraModel.load, checkpoint, dtype=dtype, device=device))
-        backend = await thread.run(partial(LocalBackend, model, limits=limits, thread=thread))
-    except BaseException:
-        await asyncio.to_thread(thread.shutdown)
-        raise
+
+    def build(thread: ModelThread) -> tuple[HydraModel, LocalBackend]:
+        model = HydraModel.load(checkpoint, dtype=dtype, device=device)
+        return model, LocalBackend(model, limits=limits, thread=thread)
+
+    # Loaded and built on the model thread: one OpenMP team (see serving.model_thread).
+    model, backend = await start_model_thread("model", build)
     return await start_generation_server(
         backend,
         model.load_tokenizer(),

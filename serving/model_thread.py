@@ -23,6 +23,19 @@ import torch
 T = TypeVar("T")
 
 
+async def start_model_thread(name: str, build: Callable[[ModelThread], T]) -> T:
+    """Starts a model thread with this thread's torch thread count and runs
+    `build(thread)` on it (load the model, build the caches and the servicer there);
+    shuts the thread down again if that fails."""
+    thread = ModelThread(name)
+    try:
+        await thread.run(torch.set_num_threads, torch.get_num_threads())
+        return await thread.run(build, thread)
+    except BaseException:
+        await asyncio.to_thread(thread.shutdown)
+        raise
+
+
 def set_compute_threads(count: int | None) -> None:
     """A `--threads` option: the CPU threads model threads started from here will use
     (None: torch's default)."""
@@ -54,10 +67,6 @@ class ModelThread:
         if threading.get_ident() == self._ident:
             return function(*args)
         return self._executor.submit(function, *args).result()
-
-    async def start(self) -> None:
-        """Gives the thread this thread's torch thread count (OpenMP's is per thread)."""
-        await self.run(torch.set_num_threads, torch.get_num_threads())
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

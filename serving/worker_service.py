@@ -14,7 +14,6 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import grpc
 from hydra_model import HydraModel
 from hydra_model.checkpoint import DTYPES, read_manifest
 from serving.errors import EXPECTED_FAILURES, failure_line
-from serving.model_thread import ModelThread, set_compute_threads
+from serving.model_thread import ModelThread, set_compute_threads, start_model_thread
 from serving.server import GrpcServer, RunningServer
 from serving.servicer import WorkerServicer
 from workers.errors import InvalidArgument
@@ -85,24 +84,19 @@ async def serve_worker(spec: WorkerServiceSpec, options: ServiceOptions) -> Runn
     `options.listen`. Stop it with `RunningServer.stop`."""
     limits = options.limits
     heads = llm_heads_in_order(options.checkpoint, options.heads, spec.heads_option)
-    # The model is loaded and its caches built on the model thread (see serving.model_thread).
-    thread = ModelThread(spec.name.split()[0] + "-model")
-    try:
-        await thread.start()
-        model = await thread.run(
-            partial(
-                HydraModel.load,
-                options.checkpoint,
-                dtype=options.dtype,
-                device=options.device,
-                heads=heads,
-                load_trunk=spec.load_trunk,
-            )
+
+    def build(thread: ModelThread) -> WorkerServicer:
+        model = HydraModel.load(
+            options.checkpoint,
+            dtype=options.dtype,
+            device=options.device,
+            heads=heads,
+            load_trunk=spec.load_trunk,
         )
-        servicer = await thread.run(spec.build_servicer, model, heads, limits, thread)
-    except BaseException:
-        await asyncio.to_thread(thread.shutdown)
-        raise
+        return spec.build_servicer(model, heads, limits, thread)
+
+    # Loaded and built on the model thread: one OpenMP team (see serving.model_thread).
+    servicer = await start_model_thread(spec.name.split()[0] + "-model", build)
     server = GrpcServer(
         lambda grpc_server: spec.add_servicer(servicer, grpc_server), [spec.service_name]
     )
