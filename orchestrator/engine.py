@@ -222,7 +222,8 @@ class Engine:
             alpha = prepared.request.contrastive_alpha
             chosen_from = contrastive_logprobs(target_logprobs, score.amateur_logprobs, alpha)
         if prepared.sampling.greedy:
-            token = int(greedy_tokens(chosen_from.exp())[0])
+            chosen_probs = target_probs if prepared.amateur is None else chosen_from.exp()
+            token = int(greedy_tokens(chosen_probs)[0])
         else:
             filtered = filter_logprobs(chosen_from, prepared.sampling).exp()
             position = torch.tensor([run.start + 1])

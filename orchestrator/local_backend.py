@@ -60,6 +60,7 @@ class LocalBackend(DecodingBackend):
         )
 
     def run_round(self, function: Callable[..., T], *args) -> T:
+        """On the model thread when there is one (a call from it runs at once)."""
         if self._thread is None:
             return function(*args)
         return self._thread.call(function, *args)
@@ -67,9 +68,7 @@ class LocalBackend(DecodingBackend):
     def _run(self, function: Callable[..., T], *args) -> T:
         self.time_left()  # raises once the request's deadline has passed
         try:
-            if self._thread is None:
-                return function(*args)
-            return self._thread.call(function, *args)
+            return self.run_round(function, *args)
         except InvalidArgument as error:
             # The loop checked the request before calling: a worker refusing a call is
             # the loop's bug, never the client's argument (as over gRPC).
@@ -95,9 +94,7 @@ class LocalBackend(DecodingBackend):
 
     def close_session(self, session: str) -> bool:
         # Without the deadline: a cancelled or failed request must still free its caches.
-        if self._thread is None:
-            return self._release_everywhere(session)
-        return self._thread.call(self._release_everywhere, session)
+        return self.run_round(self._release_everywhere, session)
 
     def _release_everywhere(self, session: str) -> bool:
         return self.trunk.release(session) | self.jury.release(session)  # both, always

@@ -34,6 +34,15 @@ MAX_GAMMA = 16  # draft tokens per round: the services' and the orchestrator's l
 MAX_BETA = 100.0  # largest verifier inverse temperature
 
 
+def check_sampling(sampling: SamplingParams, vocab_size: int | None = None) -> None:
+    """`SamplingParams.validate` as an `InvalidArgument` naming the field (the vocabulary
+    bound on top_k is checked once the worker knows the model)."""
+    try:
+        sampling.validate(vocab_size)
+    except ValueError as error:
+        raise InvalidArgument(f"sampling: {error}") from None
+
+
 def _check_session(session: str, start: int) -> None:
     if not session:
         raise InvalidArgument("session: a non-empty session id is required")
@@ -119,10 +128,7 @@ class DraftCall:
             )
         if not 0 <= self.seed < MAX_SEED:
             raise InvalidArgument(f"seed: must be below 2**63 and >= 0, got {self.seed}")
-        try:
-            self.sampling.validate()
-        except ValueError as error:
-            raise InvalidArgument(f"sampling: {error}") from None
+        check_sampling(self.sampling)
 
 
 @dataclass(frozen=True)

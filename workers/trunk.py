@@ -16,7 +16,7 @@ import torch
 
 from hydra_model import HeadStack, HydraModel, KVCache
 from poe import categorical, draft_logprobs, filter_logprobs
-from workers.calls import DraftCall, DraftResult, HiddenStates, PrefillCall
+from workers.calls import DraftCall, DraftResult, HiddenStates, PrefillCall, check_sampling
 from workers.errors import InvalidArgument
 from workers.sessions import SessionLimits, SessionTable, check_capacity, check_start
 
@@ -111,11 +111,7 @@ class TrunkWorker:
     def _check_draft(self, call: DraftCall) -> None:
         vocab_size = self.model.config.vocab_size
         check_token_ids("pending_token", torch.tensor([call.pending]), vocab_size)
-        if call.sampling.top_k > vocab_size:
-            raise InvalidArgument(
-                f"sampling: top_k must be at most the vocabulary size {vocab_size}, "
-                f"got {call.sampling.top_k}"
-            )
+        check_sampling(call.sampling, vocab_size)
         if call.draft_head is not None and call.draft_head not in self.drafters:
             raise InvalidArgument(
                 f"draft_head: {call.draft_head!r} is not a drafter of this service; "
