@@ -27,16 +27,33 @@ def build_parser(prog: str = "python -m orchestrator") -> argparse.ArgumentParse
     parser.add_argument("--max-concurrency", type=int, help="requests in progress at once")
     parser.add_argument("--connect-timeout-s", type=float)
     parser.add_argument("--grace-s", type=float, help="graceful shutdown time")
+    parser.add_argument(
+        "--redis-url",
+        help="where sessions live: redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS "
+        "(default $HYDRA_JURY_REDIS_URL)",
+    )
+    parser.add_argument("--redis-key-prefix", help='prefix of every key (default "hydra-jury:")')
+    parser.add_argument("--session-ttl-s", type=float, help="idle sessions expire (default 3600)")
+    parser.add_argument(
+        "--session-lease-s",
+        type=float,
+        help="an orchestrator that stops committing loses its sessions after this (default 30)",
+    )
     return parser
 
 
 async def _serve(config: OrchestratorConfig) -> None:
     from orchestrator.server import serve_orchestrator
+    from orchestrator.sessions.redis_store import RedisStore
 
+    store = RedisStore(
+        config.redis_url, prefix=config.redis_key_prefix, settings=config.store_settings()
+    )
     running = await serve_orchestrator(
         checkpoint=config.checkpoint,
         trunk=config.trunk,
         jury=config.jury,
+        store=store,
         address=config.listen,
         metrics_port=config.metrics_port,
         metrics_address=config.metrics_address,
@@ -61,6 +78,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m orchestrator") ->
             "max_concurrency",
             "connect_timeout_s",
             "grace_s",
+            "redis_url",
+            "redis_key_prefix",
+            "session_ttl_s",
+            "session_lease_s",
         )
     }
     try:

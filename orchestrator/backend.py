@@ -41,6 +41,12 @@ class DecodingBackend(ABC):
     def __init__(self) -> None:
         self._scope = threading.local()
 
+    @property
+    @abstractmethod
+    def replicas(self) -> dict[str, str]:
+        """Which processes hold the caches: component -> "address@epoch". A session's
+        record keeps it; when it differs the session's caches are not there any more."""
+
     @contextmanager
     def call_scope(self, deadline: float | None) -> Iterator[None]:
         """Calls made by this thread inside the scope stop at `deadline` (a

@@ -8,15 +8,24 @@ metrics_port: 9100                     # omit to serve no metrics
 max_concurrency: 32
 connect_timeout_s: 30
 grace_s: 5
+redis_url: redis://127.0.0.1:6379/0    # or $HYDRA_JURY_REDIS_URL; rediss:// for TLS
+redis_key_prefix: "hydra-jury:"
+session_ttl_s: 3600                    # an idle session is deleted after this long
+session_lease_s: 30                    # a silent owner loses its session after this long
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from orchestrator.sessions.store import StoreSettings
+
+REDIS_URL_VARIABLE = "HYDRA_JURY_REDIS_URL"  # below the config file and the flags
 
 
 class ConfigFileError(ValueError):
@@ -34,10 +43,16 @@ class OrchestratorConfig:
     max_concurrency: int = 32
     connect_timeout_s: float = 30.0
     grace_s: float = 5.0
+    redis_url: str = ""
+    redis_key_prefix: str = "hydra-jury:"
+    session_ttl_s: float = 3600.0
+    session_lease_s: float = 30.0
 
     @classmethod
     def load(cls, path: str | Path | None, overrides: dict[str, Any]) -> OrchestratorConfig:
         values: dict[str, Any] = {}
+        if os.environ.get(REDIS_URL_VARIABLE):
+            values["redis_url"] = os.environ[REDIS_URL_VARIABLE]
         if path is not None:
             try:
                 loaded = yaml.safe_load(Path(path).read_text()) or {}
@@ -68,3 +83,15 @@ class OrchestratorConfig:
             raise ConfigFileError(f"a jury shard address is listed twice: {self.jury}")
         if self.max_concurrency < 1:
             raise ConfigFileError("max_concurrency must be at least 1")
+        if not self.redis_url:
+            raise ConfigFileError(
+                f"redis_url is not set (--redis-url, `redis_url:` or ${REDIS_URL_VARIABLE}): "
+                "the orchestrator keeps its sessions in Redis"
+            )
+        try:
+            self.store_settings()
+        except ValueError as error:
+            raise ConfigFileError(str(error)) from None
+
+    def store_settings(self) -> StoreSettings:
+        return StoreSettings(ttl_s=self.session_ttl_s, lease_s=self.session_lease_s)

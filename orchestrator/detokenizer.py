@@ -21,11 +21,19 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer) -> None:
+    def __init__(
+        self, tokenizer, tokens: Sequence[int] = (), offsets: tuple[int, int] = (0, 0)
+    ) -> None:
+        """A fresh detokenizer, or (with the `tokens` pushed so far and `offsets`) one
+        resumed where another stopped."""
         self._tokenizer = tokenizer
-        self._tokens: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
+        self._tokens: list[int] = list(tokens)
+        self._prefix_offset, self._read_offset = offsets
+
+    @property
+    def offsets(self) -> tuple[int, int]:
+        """The prefix and read offsets: with the tokens, the whole state."""
+        return self._prefix_offset, self._read_offset
 
     def _decode(self, tokens: Sequence[int]) -> str:
         return self._tokenizer.decode(tokens, skip_special_tokens=True)

@@ -24,13 +24,20 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from orchestrator.backend import DecodingBackend
 from orchestrator.detokenizer import IncrementalDetokenizer
-from orchestrator.output import FinishReason, GenerationOutput, RoundOutput, TokenKind, TokenRecord
+from orchestrator.output import (
+    FinishReason,
+    GenerationOutput,
+    Progress,
+    RoundOutput,
+    TokenKind,
+    TokenRecord,
+)
 from orchestrator.request import GenerationRequest, PreparedRequest, prepare_request
 from poe import (
     RequestStats,
@@ -71,9 +78,11 @@ class _Verdict:
 @dataclass
 class _Run:
     prepared: PreparedRequest
-    session: str
+    session: str  # the id of the caches on the services
     committed: list[int]
     detokenizer: IncrementalDetokenizer
+    reused: int = 0  # positions the caches already hold, from a session's earlier turns
+    keep_caches: bool = False  # a session's caches outlive the request
     generated: list[int] = field(default_factory=list)
     records: list[TokenRecord] = field(default_factory=list)
     round_sizes: list[int] = field(default_factory=list)
@@ -81,11 +90,27 @@ class _Run:
     text: str = ""  # the text of the generated tokens (up to a stop sequence)
     sent: int = 0  # characters of `text` handed out in round deltas
     finish_reason: FinishReason | None = None
+    prefilled: int = 0
+    resumed_rounds: int = 0
 
     @property
     def start(self) -> int:
         """The processed length: where the next round's caches start."""
         return len(self.committed) - 1
+
+    def progress(self) -> Progress:
+        return Progress(
+            list(self.generated),
+            list(self.round_sizes),
+            asdict(self.stats),
+            self.text,
+            self.sent,
+            self.detokenizer.offsets,
+            self.finish_reason,
+            self.prefilled,
+            self.reused,
+            self.resumed_rounds,
+        )
 
 
 class Engine:
@@ -93,21 +118,56 @@ class Engine:
         self.backend = backend
         self.tokenizer = tokenizer
 
-    def prepare(self, request: GenerationRequest) -> PreparedRequest:
+    def prepare(
+        self, request: GenerationRequest, context: list[int] | None = None
+    ) -> PreparedRequest:
         """Checks every option and resolves defaults; raises `RequestError` before any
-        compute."""
-        return prepare_request(request, self.backend.info, self.tokenizer)
+        compute. `context`: the tokens to continue, in place of the request's input."""
+        return prepare_request(request, self.backend.info, self.tokenizer, context)
 
     def start(self, request: GenerationRequest, session: str | None = None) -> Generation:
         """Checks the request (raising `RequestError` before any compute) and returns the
         generation, to be iterated round by round. `session` names its caches on the
-        services (default: a fresh id)."""
+        services (default: a fresh id); they are released when it ends."""
         prepared = self.prepare(request)
+        return self.begin(prepared, session or uuid.uuid4().hex, keep_caches=False)
+
+    def begin(
+        self,
+        prepared: PreparedRequest,
+        cache: str,
+        *,
+        reused: int = 0,
+        progress: Progress | None = None,
+        records: list[TokenRecord] | None = None,
+        keep_caches: bool = True,
+    ) -> Generation:
+        """A generation over `prepared` on the caches named `cache`, which hold the first
+        `reused` context tokens (a session's earlier turns). With `progress` (and the
+        `records` of its rounds) it resumes a generation committed elsewhere; random
+        draws are keyed by position, so it goes on exactly as the interrupted one would.
+        With `keep_caches` the caches stay on the services when it ends."""
+        progress = progress or Progress()
+        committed = list(prepared.prompt_tokens) + progress.generated
         run = _Run(
             prepared,
-            session or uuid.uuid4().hex,
-            list(prepared.prompt_tokens),
-            IncrementalDetokenizer(self.tokenizer),
+            cache,
+            committed,
+            IncrementalDetokenizer(
+                self.tokenizer, progress.generated, progress.detokenizer_offsets
+            ),
+            reused=min(reused, len(committed) - 1),
+            keep_caches=keep_caches,
+            generated=list(progress.generated),
+            records=list(records or []),
+            round_sizes=list(progress.round_sizes),
+            stats=RequestStats(**progress.stats),
+            text=progress.text,
+            sent=progress.sent,
+            finish_reason=progress.finish_reason,
+            # The pending token is processed by this request's first round.
+            prefilled=progress.prefilled_tokens + 1,
+            resumed_rounds=len(progress.round_sizes),
         )
         return Generation(self, run)
 
@@ -124,7 +184,11 @@ class Engine:
 
     def _rounds(self, run: _Run) -> Iterator[RoundOutput]:
         try:
-            self._prefill(run)
+            try:
+                self._prefill(run, run.reused)
+            except PositionError:
+                # A service no longer holds what the session's record says it does.
+                self._prefill(run, 0)
             while run.finish_reason is None:
                 began = time.perf_counter()
                 timings: dict[str, float] = {}
@@ -133,7 +197,8 @@ class Engine:
                 output.timings = {**timings, "accept_s": spent - sum(timings.values())}
                 yield output
         finally:
-            self.backend.release(run.session)
+            if not run.keep_caches:
+                self.backend.release(run.session)
 
     def _round_and_commit(self, run: _Run, timings: dict[str, float]) -> RoundOutput:
         try:
@@ -141,14 +206,18 @@ class Engine:
         except PositionError:
             # A service lost this session's caches (it restarted): rebuild them from the
             # committed tokens, once, and run the round again.
-            self._prefill(run)
+            self._prefill(run, 0)
             verdict = self._round(run, timings)
         return self._commit(run, verdict)
 
-    def _prefill(self, run: _Run) -> None:
-        """Every committed token but the pending one, into every component."""
-        if len(run.committed) > 1:
-            self.backend.prefill(PrefillCall(run.session, 0, torch.tensor(run.committed[:-1])))
+    def _prefill(self, run: _Run, start: int) -> None:
+        """The committed tokens from `start` on, but the pending one, into every component
+        (the position rule drops whatever the caches held from `start` on)."""
+        if start < run.start:
+            tokens = torch.tensor(run.committed[start:-1])
+            self.backend.prefill(PrefillCall(run.session, start, tokens))
+            run.prefilled += len(tokens)
+        run.reused = min(run.reused, start)
 
     # --- one round -------------------------------------------------------------------
 
@@ -376,7 +445,12 @@ class Engine:
             token_ids=run.generated,
             tokens=run.records,
             finish_reason=run.finish_reason or FinishReason.LENGTH,
-            stats=run.stats.to_dict(),
+            stats={
+                **run.stats.to_dict(),
+                "prefilled_tokens": run.prefilled,
+                "reused_tokens": run.reused,
+                "resumed_rounds": run.resumed_rounds,
+            },
             seed=prepared.seed,
             draft_head=prepared.draft_head,
             jury=prepared.jury,
@@ -397,6 +471,14 @@ class Generation:
     @property
     def session(self) -> str:
         return self._run.session
+
+    @property
+    def committed(self) -> list[int]:
+        """Context and generated tokens so far."""
+        return self._run.committed
+
+    def progress(self) -> Progress:
+        return self._run.progress()
 
     def __iter__(self) -> Iterator[RoundOutput]:
         return self._rounds

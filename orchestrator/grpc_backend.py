@@ -68,6 +68,7 @@ class _Service:
     channel: grpc.Channel
     stub: Any
     info: Any  # its Info response
+    epoch: str = ""  # the latest epoch it answered with
 
 
 class GrpcBackend(DecodingBackend):
@@ -106,7 +107,7 @@ class GrpcBackend(DecodingBackend):
         except grpc.RpcError as error:
             channel.close()
             raise ServiceUnavailable(f"{name} did not answer Info: {error.details()}") from None
-        return _Service(name, address, channel, stub, info)
+        return _Service(name, address, channel, stub, info, info.epoch)
 
     def _check_layout(self) -> ModelInfo:
         model = self.trunk.info.model
@@ -152,6 +153,13 @@ class GrpcBackend(DecodingBackend):
         )
 
     @property
+    def replicas(self) -> dict[str, str]:
+        names = ["trunk", *(f"jury{i}" for i in range(len(self.shards)))]
+        return {
+            name: f"{s.address}@{s.epoch}" for name, s in zip(names, self.services, strict=True)
+        }
+
+    @property
     def services(self) -> list[_Service]:
         return [self.trunk, *self.shards]
 
@@ -165,9 +173,11 @@ class GrpcBackend(DecodingBackend):
         if len(services) == 1:  # a plain blocking call: no future to hand over
             (service,), (request,) = services, requests
             try:
-                return [getattr(service.stub, method)(request, timeout=timeout)]
+                response = getattr(service.stub, method)(request, timeout=timeout)
             except grpc.RpcError as error:
                 raise _translate(service, method, error) from None
+            service.epoch = response.epoch
+            return [response]
         futures = [
             getattr(s.stub, method).future(r, timeout=timeout)
             for s, r in zip(services, requests, strict=True)
@@ -180,6 +190,7 @@ class GrpcBackend(DecodingBackend):
                 for other in futures:
                     other.cancel()
                 raise _translate(service, method, error) from None
+            service.epoch = responses[-1].epoch
         return responses
 
     def prefill(self, call: PrefillCall) -> None:

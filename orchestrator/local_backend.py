@@ -16,6 +16,7 @@ from hydra_model import HydraModel
 from orchestrator.backend import DecodingBackend, ModelInfo
 from serving.errors import InternalServiceError
 from serving.model_thread import ModelThread
+from serving.server import new_epoch
 from workers.calls import (
     DraftCall,
     DraftResult,
@@ -48,6 +49,7 @@ class LocalBackend(DecodingBackend):
         self.trunk = TrunkWorker(model, drafter_heads=drafter_heads, limits=limits)
         self.jury = JuryWorker(model, limits=limits)
         self._thread = thread
+        self._epoch = new_epoch()
         config = model.config
         self.info = ModelInfo(
             fingerprint=model.fingerprint,
@@ -58,6 +60,10 @@ class LocalBackend(DecodingBackend):
             context_length=self.trunk.max_session_tokens,
             eos_token_ids=config.eos_token_ids,
         )
+
+    @property
+    def replicas(self) -> dict[str, str]:
+        return {"workers": f"in-process@{self._epoch}"}
 
     def run_round(self, function: Callable[..., T], *args) -> T:
         """On the model thread when there is one (a call from it runs at once)."""

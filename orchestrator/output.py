@@ -54,6 +54,34 @@ class RoundOutput:
 
 
 @dataclass
+class Progress:
+    """What a generation has committed so far, without the per-token records: enough,
+    with the committed tokens and those records, to resume it in another process."""
+
+    generated: list[int] = field(default_factory=list)
+    round_sizes: list[int] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)  # `poe.RequestStats` counters
+    text: str = ""  # of the generated tokens, up to a stop sequence
+    sent: int = 0  # characters of `text` handed out in round deltas
+    detokenizer_offsets: tuple[int, int] = (0, 0)
+    finish_reason: FinishReason | None = None
+    prefilled_tokens: int = 0  # context tokens this request processed
+    reused_tokens: int = 0  # context tokens the session's caches already held
+    resumed_rounds: int = 0  # rounds committed before the last resume
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Progress:
+        progress = cls(**values)
+        progress.detokenizer_offsets = tuple(progress.detokenizer_offsets)
+        if progress.finish_reason is not None:
+            progress.finish_reason = FinishReason(progress.finish_reason)
+        return progress
+
+
+@dataclass
 class GenerationOutput:
     text: str
     token_ids: list[int]
@@ -65,7 +93,21 @@ class GenerationOutput:
     jury: list[str]
     prompt_tokens: int
     rounds: list[int] = field(default_factory=list)  # tokens committed by each round
-    session: str = ""  # the id of the caches this request used
+    session: str = ""  # the session (or, without one, the id of the caches it used)
+    request_id: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> GenerationOutput:
+        output = cls(**values)
+        output.tokens = [token_record_from_dict(t) for t in output.tokens]
+        output.finish_reason = FinishReason(output.finish_reason)
+        return output
+
+
+def token_record_from_dict(values: dict[str, Any]) -> TokenRecord:
+    record = TokenRecord(**values)
+    record.kind = TokenKind(record.kind)
+    return record

@@ -90,9 +90,13 @@ def prompt_tokens(request: GenerationRequest, tokenizer) -> list[int]:
     return list(tokenizer.encode(request.prompt, add_special_tokens=False))
 
 
-def prepare_request(request: GenerationRequest, info: ModelInfo, tokenizer) -> PreparedRequest:
+def prepare_request(
+    request: GenerationRequest, info: ModelInfo, tokenizer, context: list[int] | None = None
+) -> PreparedRequest:
+    """Checks and resolves `request`; its context is `context` when given (a session's
+    conversation so far, for a text session's next turn), else its input encoded."""
     rule = _check_numbers(request, info)
-    tokens = prompt_tokens(request, tokenizer)
+    tokens = prompt_tokens(request, tokenizer) if context is None else list(context)
     if not tokens:
         raise RequestError("the prompt encodes to no tokens")
     if len(tokens) > info.context_length:

@@ -1,21 +1,20 @@
-"""The public `hydrajury.v1.Generation` service: a thin servicer over the engine, on
-either backend — the gRPC backend (`serve_orchestrator`: the split stack) or the
-in-process backend (`serve_embedded`: the whole model in this process, for one machine).
+"""The public `hydrajury.v1.Generation` service: a thin servicer over the session runner
+(`orchestrator.sessions.runner`), on either backend — the gRPC backend
+(`serve_orchestrator`: the split stack) or the in-process backend (`serve_embedded`: the
+whole model in this process, for one machine). Sessions live in the given store (Redis).
 
-The engine loop is synchronous; each request runs it in a worker thread (its internal
-calls block on the network, not on compute), so requests proceed concurrently. Streams
-hand rounds to the event loop through a queue; a client that cancels sets a flag the
-worker checks between rounds, and closing the generation releases its caches on every
-service.
+The runner commits each round to the store before the servicer sends it; a client that
+cancels stops the generation between rounds and gives the session back (its caches stay
+for the next turn). A background task frees the caches of sessions whose TTL passed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -23,14 +22,15 @@ from hydra_model import HydraModel
 from hydra_model.checkpoint import checkpoint_fingerprint, read_manifest
 from orchestrator.backend import DecodingBackend
 from orchestrator.convert import output_to_pb, request_from_pb, round_to_pb
-from orchestrator.engine import Engine, Generation
+from orchestrator.engine import Engine
 from orchestrator.grpc_backend import GrpcBackend, LayoutError
 from orchestrator.local_backend import LocalBackend
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.request import RequestError
+from orchestrator.sessions.runner import SessionRunner
+from orchestrator.sessions.store import SessionStore
 from poe import RULES
 from protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
-from serving.errors import SessionNotFound
 from serving.model_thread import ModelThread, start_model_thread
 from serving.server import GrpcServer, RunningServer
 from workers.calls import MAX_GAMMA
@@ -45,25 +45,53 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
+def request_digest(request: generation_pb2.GenerateRequest) -> str:
+    """What a request id stands for: the request without its session and request ids."""
+    plain = generation_pb2.GenerateRequest()
+    plain.CopyFrom(request)
+    plain.session_id, plain.request_id = "", ""
+    return hashlib.sha256(plain.SerializeToString(deterministic=True)).hexdigest()
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(
         self,
         backend: DecodingBackend,
         tokenizer,
+        store: SessionStore,
         metrics: OrchestratorMetrics,
         *,
         max_concurrency: int = 32,
     ) -> None:
-        self.engine = Engine(backend, tokenizer)
         self.backend = backend
         self.metrics = metrics
-        self._pool = ThreadPoolExecutor(
-            max_workers=max_concurrency, thread_name_prefix="generation"
+        self.runner = SessionRunner(
+            Engine(backend, tokenizer), store, max_concurrency=max_concurrency
         )
+        self._sweeper: asyncio.Task | None = None
+
+    def start_sweeping(self) -> None:
+        """Frees the caches of expired sessions every quarter TTL (at most every 30 s)."""
+        interval = min(30.0, max(0.2, self.runner.store.settings.ttl_s / 4))
+
+        async def sweep_forever() -> None:
+            while True:
+                await asyncio.sleep(interval)
+                try:
+                    await self.runner.sweep()
+                except Exception as error:  # Redis down: try again next time
+                    log.warning("session sweep failed: %s", error)
+
+        self._sweeper = asyncio.get_running_loop().create_task(sweep_forever())
 
     async def close(self) -> None:
-        """Stops the generation threads, then the backend (after the server stopped)."""
-        await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
+        """Stops the sweeper, the generation threads, then the backend (after the server
+        stopped)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        await self.runner.close()
         await asyncio.to_thread(self.backend.close)
 
     async def Info(self, request, context):
@@ -81,70 +109,47 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             jury_shards=self.backend.jury_addresses,
         )
 
+    async def CreateSession(self, request, context):
+        self.metrics.requests.labels("CreateSession").inc()
+        session_id = await self.runner.create_session(request.session_id or None)
+        return generation_pb2.CreateSessionResponse(session_id=session_id)
+
     async def CloseSession(self, request, context):
         self.metrics.requests.labels("CloseSession").inc()
         if not request.session_id:
             raise RequestError("session_id is empty")
-        loop = asyncio.get_running_loop()
-        closed = await loop.run_in_executor(
-            self._pool, self.backend.close_session, request.session_id
-        )
-        if not closed:
-            raise SessionNotFound(f"no service holds session {request.session_id!r}")
+        await self.runner.close_session(request.session_id)
         return generation_pb2.CloseSessionResponse(closed=True)
 
     async def Generate(self, request, context):
         self.metrics.requests.labels("Generate").inc()
         final = None
-        async for _output, summary in self._rounds(request, context):
-            final = summary if summary is not None else final
+        async for committed in self._rounds(request, context):
+            final = committed.summary or final
         return output_to_pb(final)
 
     async def GenerateStream(self, request, context):
         self.metrics.requests.labels("GenerateStream").inc()
-        async for output, summary in self._rounds(request, context):
-            yield round_to_pb(output, summary)
+        async for committed in self._rounds(request, context):
+            message = round_to_pb(committed.round, committed.summary)
+            message.session_id, message.request_id = committed.session_id, request.request_id
+            yield message
 
     async def _rounds(self, request, context):
-        """(round, summary on the last round) as the worker thread commits them."""
-        loop = asyncio.get_running_loop()
-        generation_request = request_from_pb(request)
-        generation: Generation = await loop.run_in_executor(
-            self._pool, self.engine.start, generation_request, request.session_id or None
+        """The committed rounds, with the request's metrics observed."""
+        rounds = self.runner.generate(
+            request_from_pb(request),
+            session_id=request.session_id or None,
+            request_id=request.request_id or None,
+            digest=request_digest(request),
+            deadline=_deadline(context),
         )
-        queue: asyncio.Queue = asyncio.Queue()
-        stop = threading.Event()
-        deadline = _deadline(context)
         began = time.monotonic()
-
-        def put(item) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        def produce() -> None:
-            try:
-                with self.backend.call_scope(deadline):
-                    for output in generation:
-                        summary = generation.result() if output.finish_reason else None
-                        put(("round", output, summary))
-                        if stop.is_set():
-                            break
-            except Exception as error:
-                put(("error", error, None))
-            finally:
-                generation.close()  # releases the caches on every service
-                put(("end", None, None))
-
-        self.metrics.active_sessions.inc()
-        loop.run_in_executor(self._pool, produce)
         emitted, first_at = 0, None
+        self.metrics.active_sessions.inc()
         try:
-            while True:
-                kind, item, summary = await queue.get()
-                if kind == "error":
-                    raise item
-                if kind == "end":
-                    break
-                now = time.monotonic()
+            async for committed in rounds:
+                item, now = committed.round, time.monotonic()
                 if first_at is None and item.tokens:
                     first_at = now
                     self.metrics.ttft.observe(now - began)
@@ -153,16 +158,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     self.metrics.tpot.observe(per_token)
                 emitted += len(item.tokens)
                 self.metrics.observe_round(item)
-                yield item, summary
+                yield committed
         finally:
-            # Finished, failed or cancelled by the client: stop the worker between rounds.
-            stop.set()
+            await rounds.aclose()
             self.metrics.active_sessions.dec()
 
 
 async def start_generation_server(
     backend: DecodingBackend,
     tokenizer,
+    store: SessionStore,
     *,
     address: str,
     metrics_port: int | None,
@@ -171,17 +176,21 @@ async def start_generation_server(
 ) -> RunningServer:
     """The Generation service over `backend`, started on `address` (port 0: any free)."""
     metrics = OrchestratorMetrics()
-    servicer = GenerationServicer(backend, tokenizer, metrics, max_concurrency=max_concurrency)
+    servicer = GenerationServicer(
+        backend, tokenizer, store, metrics, max_concurrency=max_concurrency
+    )
     server = GrpcServer(
         lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
         [SERVICE_NAME],
         on_error=lambda method, code: metrics.errors.labels(code.name).inc(),
     )
     try:
+        await store.ping()  # a clear error now rather than on the first request
         port = await server.start(address)
     except BaseException:
         await servicer.close()
         raise
+    servicer.start_sweeping()
     bound_metrics = (
         metrics.serve(metrics_port, metrics_address) if metrics_port is not None else None
     )
@@ -193,6 +202,7 @@ async def serve_orchestrator(
     checkpoint: str,
     trunk: str,
     jury: list[str],
+    store: SessionStore,
     address: str = "127.0.0.1:0",
     metrics_port: int | None = None,
     metrics_address: str = "127.0.0.1",
@@ -216,6 +226,7 @@ async def serve_orchestrator(
     return await start_generation_server(
         backend,
         tokenizer,
+        store,
         address=address,
         metrics_port=metrics_port,
         metrics_address=metrics_address,
@@ -226,6 +237,7 @@ async def serve_orchestrator(
 async def serve_embedded(
     *,
     checkpoint: str,
+    store: SessionStore,
     address: str = "127.0.0.1:0",
     limits: SessionLimits | None = None,
     dtype: str | None = None,
@@ -246,6 +258,7 @@ async def serve_embedded(
     return await start_generation_server(
         backend,
         model.load_tokenizer(),
+        store,
         address=address,
         metrics_port=metrics_port,
         metrics_address=metrics_address,

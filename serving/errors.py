@@ -6,7 +6,9 @@ Server side (`status_for`): only typed errors are the client's business —
 | `InvalidArgument` (worker, request checks), `CodecError` (bad tensor) | INVALID_ARGUMENT |
 | `PositionError` (a cache position the service does not hold) | FAILED_PRECONDITION |
 | `CapacityError` (sessions, tokens per session) | RESOURCE_EXHAUSTED |
-| `SessionNotFound` | NOT_FOUND |
+| `SessionNotFound` (unknown or expired session) | NOT_FOUND |
+| `SessionExists` (a chosen session id that is taken) | ALREADY_EXISTS |
+| `SessionConflict` (busy with another generation, taken over, closed) | ABORTED |
 | `ServiceUnavailable` (a dependency is down) | UNAVAILABLE |
 | `DeadlineExceeded` | DEADLINE_EXCEEDED |
 | `CallCancelled` | CANCELLED |
@@ -33,7 +35,15 @@ class ServiceUnavailable(RuntimeError):
 
 
 class SessionNotFound(LookupError):
-    """No service holds the session a client named."""
+    """The session a client named does not exist (or expired)."""
+
+
+class SessionExists(ValueError):
+    """A client chose a session id that is already taken."""
+
+
+class SessionConflict(RuntimeError):
+    """Another writer has the session: it is generating, took it over, or closed it."""
 
 
 class DeadlineExceeded(RuntimeError):
@@ -55,6 +65,8 @@ _STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (PositionError, grpc.StatusCode.FAILED_PRECONDITION),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),
+    (SessionExists, grpc.StatusCode.ALREADY_EXISTS),
+    (SessionConflict, grpc.StatusCode.ABORTED),
     (ServiceUnavailable, grpc.StatusCode.UNAVAILABLE),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (CallCancelled, grpc.StatusCode.CANCELLED),

@@ -41,12 +41,15 @@ class ServiceOptions:
     max_sessions: int = 16
     max_session_tokens: int = 4096
     idle_timeout_s: float | None = None  # None or 0: never evicted
+    reclaim_after_s: float = 1.0  # a full service drops its LRU session idle this long
     dtype: str | None = None  # None: the checkpoint's
     device: str = "cpu"
 
     @property
     def limits(self) -> SessionLimits:
-        return SessionLimits(self.max_sessions, self.max_session_tokens, self.idle_timeout_s)
+        return SessionLimits(
+            self.max_sessions, self.max_session_tokens, self.idle_timeout_s, self.reclaim_after_s
+        )
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,13 @@ def build_parser(spec: WorkerServiceSpec, prog: str) -> argparse.ArgumentParser:
         default=600.0,
         help="evict sessions idle this long (0 = never)",
     )
+    parser.add_argument(
+        "--reclaim-after-s",
+        type=float,
+        default=1.0,
+        help="when full, drop the least recently used session if idle this long "
+        "(its orchestrator re-prefills it from the session record if it comes back)",
+    )
     parser.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument(
@@ -186,6 +196,7 @@ def service_main(spec: WorkerServiceSpec, argv: list[str] | None = None, prog: s
                 max_sessions=args.max_sessions,
                 max_session_tokens=args.max_session_tokens,
                 idle_timeout_s=args.idle_timeout_s,
+                reclaim_after_s=args.reclaim_after_s,
                 dtype=args.dtype,
                 device=args.device,
             )

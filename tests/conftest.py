@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from orchestrator.sessions.redis_server import LocalRedis
 from tests.models import build_hydra, build_jury_checkpoint, save_hf_model
 
 # Fixtures that start real trunk and jury services (start_trunk, start_jury, trunk, jury).
@@ -64,3 +65,11 @@ def jury_model(jury_checkpoint):
     from hydra_model import HydraModel
 
     return HydraModel.load(jury_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """A real redis-server on a free loopback port, for the whole run; each stack keeps
+    its sessions under a key prefix of its own."""
+    with LocalRedis() as server:
+        yield server.url

@@ -1,12 +1,14 @@
 """A whole gRPC stack on loopback for tests: trunk service, jury shards and orchestrator
 (the split stack), or the single-process server (`start_embedded`), each a real grpc.aio
-server on an ephemeral port, driven by one event loop in a background thread. Tests talk
-to them through ordinary synchronous channels."""
+server on an ephemeral port, driven by one event loop in a background thread, with its
+sessions in a real Redis (under a key prefix of its own). Tests talk to them through
+ordinary synchronous channels."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +17,8 @@ import grpc
 
 from jury_service.server import JURY_SERVICE
 from orchestrator.server import serve_embedded, serve_orchestrator
+from orchestrator.sessions.redis_store import RedisStore
+from orchestrator.sessions.store import StoreSettings
 from protos.hydrajury.v1 import generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from serving.worker_service import ServiceOptions, serve_worker
 from trunk_service.server import TRUNK_SERVICE
@@ -42,15 +46,23 @@ class BackgroundLoop:
 class Stack:
     checkpoint: str
     shards: list[list[str]]  # heads of each jury shard
+    redis_url: str = ""  # where the orchestrator keeps sessions (needed to start one)
     max_sessions: int = 4
     max_session_tokens: int = 128
+    reclaim_after_s: float = 0.0  # tests run one request at a time: reclaim at once
+    sessions: StoreSettings = field(default_factory=StoreSettings)
+    prefix: str = field(default_factory=lambda: f"test-{uuid.uuid4().hex[:8]}:")
     loop: BackgroundLoop = field(default_factory=BackgroundLoop)
     servers: dict[str, Any] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
     channels: list[grpc.Channel] = field(default_factory=list)
 
     def start_services(self) -> Stack:
-        limits = {"max_sessions": self.max_sessions, "max_session_tokens": self.max_session_tokens}
+        limits = {
+            "max_sessions": self.max_sessions,
+            "max_session_tokens": self.max_session_tokens,
+            "reclaim_after_s": self.reclaim_after_s,
+        }
         trunk = self.loop.run(
             serve_worker(TRUNK_SERVICE, ServiceOptions(self.checkpoint, **limits))
         )
@@ -66,26 +78,36 @@ class Stack:
     def jury_addresses(self) -> list[str]:
         return [self.addresses[f"jury{i}"] for i in range(len(self.shards))]
 
-    def start_orchestrator(self, **options) -> Stack:
+    def store(self) -> RedisStore:
+        """A client of the stack's sessions (each server gets its own)."""
+        return RedisStore(self.redis_url, prefix=self.prefix, settings=self.sessions)
+
+    def start_orchestrator(self, name: str = "orchestrator", **options) -> Stack:
+        """An orchestrator over the services; more than one (other names) share them and
+        the sessions."""
         running = self.loop.run(
             serve_orchestrator(
                 checkpoint=self.checkpoint,
                 trunk=self.addresses["trunk"],
                 jury=self.jury_addresses,
+                store=self.store(),
                 connect_timeout_s=10,
                 **options,
             )
         )
-        self.servers["orchestrator"] = running
-        self.addresses["orchestrator"] = f"127.0.0.1:{running.port}"
-        self.servicer, self.metrics_port = running.servicer, running.metrics_port
+        self.servers[name] = running
+        self.addresses[name] = f"127.0.0.1:{running.port}"
+        if name == "orchestrator":
+            self.servicer, self.metrics_port = running.servicer, running.metrics_port
         return self
 
     def start_embedded(self, **options) -> Stack:
         """The single-process server in place of services and orchestrator."""
-        limits = SessionLimits(self.max_sessions, self.max_session_tokens)
+        limits = SessionLimits(
+            self.max_sessions, self.max_session_tokens, reclaim_after_s=self.reclaim_after_s
+        )
         running = self.loop.run(
-            serve_embedded(checkpoint=self.checkpoint, limits=limits, **options)
+            serve_embedded(checkpoint=self.checkpoint, store=self.store(), limits=limits, **options)
         )
         self.servers["orchestrator"] = running
         self.addresses["orchestrator"] = f"127.0.0.1:{running.port}"
@@ -108,8 +130,8 @@ class Stack:
         self.channels.append(channel)
         return channel
 
-    def generation(self) -> generation_pb2_grpc.GenerationStub:
-        return generation_pb2_grpc.GenerationStub(self.channel("orchestrator"))
+    def generation(self, name: str = "orchestrator") -> generation_pb2_grpc.GenerationStub:
+        return generation_pb2_grpc.GenerationStub(self.channel(name))
 
     def active_sessions(self, name: str) -> int:
         if self.embedded:  # the workers of the in-process backend
@@ -125,6 +147,6 @@ class Stack:
     def close(self) -> None:
         for channel in self.channels:
             channel.close()
-        for name in reversed(list(self.servers)):  # the orchestrator first
+        for name in reversed(list(self.servers)):  # the orchestrators first
             self.stop_server(name)
         self.loop.close()

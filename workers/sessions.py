@@ -7,6 +7,12 @@ Terms
   start beyond what the worker holds is a `PositionError`: the caller re-prefills.
 - limits: how many sessions a worker holds at once, how many positions one may reach,
   and how long an idle one is kept.
+- reclaim: a full table makes room for a new session by dropping the least recently
+  used one, if that one has been idle at least `reclaim_after_s`. Sessions outlive
+  requests (a conversation's next turn reuses its caches), and the orchestrator's
+  session record can always rebuild dropped caches (a re-prefill), so an idle session's
+  caches are a cache, not a commitment; a session used within the last moments is
+  probably mid-generation, and the newcomer is refused (`CapacityError`) instead.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ class SessionLimits:
     max_sessions: int = 4
     max_session_tokens: int = 2048  # capped by the model's context length
     idle_timeout_s: float | None = None  # None (or 0 from a flag): never evicted
+    reclaim_after_s: float = 1.0  # a full table drops its LRU session if idle this long
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1:
@@ -38,6 +45,8 @@ class SessionLimits:
             raise InvalidArgument(
                 f"idle timeout must be >= 0 (0 = never), got {self.idle_timeout_s}"
             )
+        if self.reclaim_after_s < 0:
+            raise InvalidArgument(f"reclaim time must be >= 0, got {self.reclaim_after_s}")
         if self.idle_timeout_s == 0:
             object.__setattr__(self, "idle_timeout_s", None)
 
@@ -59,6 +68,7 @@ class SessionTable(Generic[State]):
     ) -> None:
         self.max_sessions = limits.max_sessions
         self.idle_timeout_s = limits.idle_timeout_s
+        self.reclaim_after_s = limits.reclaim_after_s
         self._create, self._destroy = create, destroy
         self._entries: dict[str, _Entry[State]] = {}
 
@@ -75,7 +85,7 @@ class SessionTable(Generic[State]):
                     f"no positions of it (re-prefill from 0)"
                 )
             self.evict_idle()
-            if len(self._entries) >= self.max_sessions:
+            if len(self._entries) >= self.max_sessions and not self._reclaim():
                 raise CapacityError(
                     f"all {self.max_sessions} sessions are in use; retry later "
                     f"or raise --max-sessions"
@@ -89,6 +99,14 @@ class SessionTable(Generic[State]):
         if entry is not None:
             self._destroy(entry.state)
         return entry is not None
+
+    def _reclaim(self) -> bool:
+        """Drops the least recently used session if it has been idle long enough."""
+        oldest = min(self._entries, key=lambda s: self._entries[s].last_used)
+        if time.monotonic() - self._entries[oldest].last_used < self.reclaim_after_s:
+            return False
+        self.release(oldest)
+        return True
 
     def evict_idle(self) -> list[str]:
         if self.idle_timeout_s is None:

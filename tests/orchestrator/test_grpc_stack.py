@@ -37,13 +37,13 @@ CASES = [
     params=[[ALL_HEADS], [["head0", "head1"], ["head2", "head3"]], "embedded"],
     ids=["one-shard", "two-shards", "single-process"],
 )
-def stack(request, jury_checkpoint):
+def stack(request, jury_checkpoint, redis_url):
     """The Generation API: the split stack with one or two jury shards, or the
     single-process server; every test of this module runs on each."""
     if request.param == "embedded":
-        stack = Stack(str(jury_checkpoint), []).start_embedded(metrics_port=0)
+        stack = Stack(str(jury_checkpoint), [], redis_url).start_embedded(metrics_port=0)
     else:
-        stack = Stack(str(jury_checkpoint), request.param).start_services()
+        stack = Stack(str(jury_checkpoint), request.param, redis_url).start_services()
         stack.start_orchestrator(metrics_port=0)
     yield stack
     stack.close()
@@ -95,14 +95,36 @@ def wait_for(condition, timeout: float = 10.0) -> bool:
     return condition()
 
 
-def test_cancelling_a_stream_releases_the_session_everywhere(stack):
-    stream = stack.generation().GenerateStream(
+def test_cancelling_a_stream_gives_the_session_back_and_keeps_its_caches(stack):
+    """A cancelled stream stops between rounds and releases its lease: the session takes
+    its next request at once, reusing the caches; CloseSession frees them everywhere."""
+    generation = stack.generation()
+    stream = generation.GenerateStream(
         to_pb("hi", max_new_tokens=100, seed=1, gamma=1, ignore_eos=True), timeout=30
     )
-    next(stream)
-    assert stack.active_sessions("trunk") == 1
+    session_id = next(stream).session_id
+    held = {n: stack.active_sessions(n) for n in stack.holders}
     stream.cancel()
-    assert wait_for(lambda: all(stack.active_sessions(n) == 0 for n in stack.holders))
+    request = to_pb(" again", max_new_tokens=2, seed=1, ignore_eos=True, temperature=0.0)
+    request.session_id = session_id
+    again = retry_busy(lambda: generation.Generate(request, timeout=30))
+    assert again.stats.reused_tokens > 0
+    assert {n: stack.active_sessions(n) for n in stack.holders} == held
+    generation.CloseSession(generation_pb2.CloseSessionRequest(session_id=session_id), timeout=5)
+    assert wait_for(lambda: all(stack.active_sessions(n) == held[n] - 1 for n in stack.holders))
+
+
+def retry_busy(call, timeout_s: float = 10.0):
+    """`call()`, again while the session is busy (a cancelled generation finishing its
+    round)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.ABORTED or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 @pytest.mark.parametrize(
@@ -150,8 +172,10 @@ def test_a_refused_internal_call_is_internal_for_the_client(stack, monkeypatch):
     assert "refused a call: beta: must be in (0, 100]" in raised.value.details()
 
 
-def test_too_many_sessions_is_resource_exhausted(jury_checkpoint):
-    stack = Stack(str(jury_checkpoint), [ALL_HEADS], max_sessions=1).start_services()
+def test_too_many_sessions_is_resource_exhausted(jury_checkpoint, redis_url):
+    stack = Stack(
+        str(jury_checkpoint), [ALL_HEADS], redis_url, max_sessions=1, reclaim_after_s=60
+    ).start_services()
     try:
         stack.start_orchestrator()
         generation = stack.generation()
@@ -206,20 +230,25 @@ def test_close_session(stack):
     with pytest.raises(grpc.RpcError) as raised:
         generation.CloseSession(generation_pb2.CloseSessionRequest(session_id="nope"), timeout=5)
     assert raised.value.code() == grpc.StatusCode.NOT_FOUND
-    stream = generation.GenerateStream(
-        generation_pb2.GenerateRequest(
-            prompt="hi",
-            session_id="mine",
-            options=generation_pb2.DecodingOptions(max_new_tokens=100, gamma=1, seed=1),
-        ),
-        timeout=30,
+    session_id = f"mine-{time.monotonic_ns()}"
+    created = generation.CreateSession(
+        generation_pb2.CreateSessionRequest(session_id=session_id), timeout=5
     )
+    assert created.session_id == session_id
+    request = to_pb("hi", max_new_tokens=100, gamma=1, seed=1, ignore_eos=True)
+    request.session_id = session_id
+    stream = generation.GenerateStream(request, timeout=30)
     next(stream)
+    held = {n: stack.active_sessions(n) for n in stack.holders}
     closed = generation.CloseSession(
-        generation_pb2.CloseSessionRequest(session_id="mine"), timeout=5
+        generation_pb2.CloseSessionRequest(session_id=session_id), timeout=5
     )
     assert closed.closed
-    stream.cancel()
+    with pytest.raises(grpc.RpcError) as raised:
+        list(stream)
+    assert raised.value.code() == grpc.StatusCode.ABORTED
+    assert "was closed" in raised.value.details()
+    assert wait_for(lambda: all(stack.active_sessions(n) == held[n] - 1 for n in stack.holders))
 
 
 def test_layouts_are_checked(jury_checkpoint):
@@ -249,8 +278,8 @@ def test_services_of_another_checkpoint_are_refused(jury_checkpoint, hydra_check
         other.close()
 
 
-def test_a_shard_going_down_is_unavailable_and_names_it(jury_checkpoint):
-    stack = Stack(str(jury_checkpoint), [["head0", "head1"], ["head2", "head3"]])
+def test_a_shard_going_down_is_unavailable_and_names_it(jury_checkpoint, redis_url):
+    stack = Stack(str(jury_checkpoint), [["head0", "head1"], ["head2", "head3"]], redis_url)
     stack.start_services().start_orchestrator()
     try:
         generation = stack.generation()
@@ -266,9 +295,13 @@ def test_a_shard_going_down_is_unavailable_and_names_it(jury_checkpoint):
 
 
 def test_deadline_propagates(stack):
+    generation = stack.generation()
+    session_id = generation.CreateSession(generation_pb2.CreateSessionRequest(), timeout=5)
+    request = to_pb("hi", max_new_tokens=100, gamma=1, seed=1, ignore_eos=True)
+    request.session_id = session_id.session_id
     with pytest.raises(grpc.RpcError) as raised:
-        stack.generation().Generate(
-            to_pb("hi", max_new_tokens=100, gamma=1, seed=1, ignore_eos=True), timeout=0.05
-        )
+        generation.Generate(request, timeout=0.05)
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert wait_for(lambda: all(stack.active_sessions(n) == 0 for n in stack.holders))
+    # The lease was given back: the session takes the next request.
+    request.options.max_new_tokens = 2
+    assert len(retry_busy(lambda: generation.Generate(request, timeout=30)).token_ids) == 2

@@ -1,0 +1,128 @@
+"""A session's record: what every cache of the session should hold, and who may write it.
+
+Terms
+- committed tokens: the conversation's context and generated tokens so far (the last is
+  the pending token, not yet processed by any cache).
+- processed: how many leading committed tokens every cache is known to hold. Caches may
+  hold more (a round's draft tokens); those positions are scratch.
+- cache id: the name of the session's caches on the services. It changes when a request
+  takes the session over from an owner whose lease ran out, so a stale owner that is
+  still running can never write into the caches the new owner reads.
+- generation: the latest request on the session (its request id, the digest of its
+  options, where its context ends, and its `Progress`), finished or not.
+- version: incremented by every write; a write names the version it read (fencing).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from orchestrator.output import Progress
+from workers.errors import InvalidArgument
+
+SESSION_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
+
+
+def new_session_id() -> str:
+    """128 random bits, as hex."""
+    return secrets.token_hex(16)
+
+
+def new_cache_id(session_id: str) -> str:
+    return f"{session_id}~{secrets.token_hex(4)}"
+
+
+def check_session_id(session_id: str) -> str:
+    if not SESSION_ID.fullmatch(session_id):
+        raise InvalidArgument(
+            f"session_id {session_id[:40]!r} is not valid: use 1-128 letters, digits "
+            "or the characters - _ . :"
+        )
+    return session_id
+
+
+def check_request_id(request_id: str) -> str:
+    if not REQUEST_ID.fullmatch(request_id):
+        raise InvalidArgument("request_id must be 1-128 printable ASCII characters without spaces")
+    return request_id
+
+
+@dataclass
+class GenerationRecord:
+    request_id: str
+    digest: str  # of the request's options and input: a reused request id must match
+    context_length: int  # committed tokens that are context; the rest were generated
+    progress: Progress = field(default_factory=Progress)
+
+    @property
+    def finished(self) -> bool:
+        return self.progress.finish_reason is not None
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> GenerationRecord:
+        return cls(**{**values, "progress": Progress.from_dict(values["progress"])})
+
+
+@dataclass
+class SessionRecord:
+    session_id: str
+    cache_id: str
+    version: int = 0
+    owner: str = ""  # the generation holding the lease ("" = none)
+    lease_until_ms: int = 0  # store clock
+    created_ms: int = 0
+    updated_ms: int = 0
+    kind: str = ""  # "chat" (messages) or "text" (prompts); "" before the first turn
+    messages: list[dict[str, str]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    processed: int = 0
+    options: dict[str, Any] = field(default_factory=dict)  # the latest request's
+    seed: int | None = None
+    draft_head: str | None = None
+    jury: list[str] = field(default_factory=list)
+    replicas: dict[str, str] = field(default_factory=dict)  # component -> address@epoch
+    generation: GenerationRecord | None = None
+    result: dict[str, Any] | None = None  # the latest finished generation's output
+
+    # The store keeps these beside the JSON document, where its scripts can read them.
+    STORE_FIELDS = ("version", "owner", "lease_until_ms", "created_ms", "updated_ms")
+
+    def document(self) -> str:
+        """Everything but the store's fields, the tokens and the result, as JSON."""
+        values = asdict(self)
+        for name in (*self.STORE_FIELDS, "tokens", "result"):
+            values.pop(name)
+        return json.dumps(values, separators=(",", ":"))
+
+    @classmethod
+    def from_document(cls, document: str | bytes, **store_fields: Any) -> SessionRecord:
+        values = json.loads(document)
+        if values.get("generation") is not None:
+            values["generation"] = GenerationRecord.from_dict(values["generation"])
+        return cls(**values, **store_fields)
+
+
+def pack_tokens(tokens: list[int]) -> bytes:
+    """Token ids as little-endian int32: 4 bytes each."""
+    return np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def unpack_tokens(data: bytes) -> list[int]:
+    return np.frombuffer(data, dtype="<i4").tolist()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    left, right = np.asarray(a[:n]), np.asarray(b[:n])
+    differ = np.flatnonzero(left != right)
+    return int(differ[0]) if len(differ) else n

@@ -1,0 +1,391 @@
+"""Generations on sessions: the one place that joins the decoding loop and the store.
+
+A request runs on a session: a new one (its record created, 128-bit random id) or an
+existing one, whose lease it takes (`SessionBusy`, ABORTED, while another generation
+holds it). Then one of three things happens:
+- replay: the same request id finished before: its stored output, without compute;
+- resume: the same request id was interrupted (a broken stream, a dead orchestrator):
+  the loop goes on from the last committed round, with the stored seed, draft head and
+  progress, so the tokens equal those of an uninterrupted run;
+- new turn: the request's messages (or prompt) follow the conversation; the longest
+  common prefix of the new context and the committed tokens that the caches hold is
+  reused, and only the rest is prefilled.
+
+Write order: each round is committed to the store (tokens, progress, its token records)
+before it is handed to the caller, so a caller never sees a token the store could lose.
+A refused commit (the session was taken over or closed) stops the generation and frees
+its caches; a store that cannot be reached stops it with UNAVAILABLE, the record left
+as of the last round. The lease is given back when the generation ends, however it ends.
+
+The loop runs in worker threads (its calls block on the model or the network); the
+store is asyncio, on the caller's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from typing import Any, TypeVar
+
+from orchestrator.engine import Engine, Generation
+from orchestrator.output import GenerationOutput, RoundOutput, token_record_from_dict
+from orchestrator.request import GenerationRequest, PreparedRequest, RequestError, prompt_tokens
+from orchestrator.sessions.record import (
+    GenerationRecord,
+    SessionRecord,
+    check_request_id,
+    check_session_id,
+    common_prefix,
+    new_cache_id,
+    new_session_id,
+)
+from orchestrator.sessions.store import SessionBusy, SessionStore
+from poe import Rule
+from serving.errors import SessionConflict, SessionNotFound
+
+log = logging.getLogger("hydra_jury.sessions")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A round, once the store holds it; the last carries the request's summary."""
+
+    session_id: str
+    round: RoundOutput
+    summary: GenerationOutput | None = None
+
+
+@dataclass
+class _Plan:
+    """What a request will do once it holds the session."""
+
+    record: SessionRecord
+    request_id: str
+    generation: Generation | None = None
+    replay: GenerationOutput | None = None
+
+
+class _Active:
+    """A generation running in this process, for CloseSession to stop."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.closed = False
+
+
+class SessionRunner:
+    def __init__(self, engine: Engine, store: SessionStore, *, max_concurrency: int = 32) -> None:
+        self.engine, self.store, self.backend = engine, store, engine.backend
+        self._owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="generation")
+        self._active: dict[str, _Active] = {}
+
+    async def _in_thread(self, function: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
+        await self.store.close()
+
+    # --- session lifecycle -----------------------------------------------------------
+
+    async def create_session(self, session_id: str | None = None) -> str:
+        """A new, empty session; `SessionExists` if a chosen id is taken."""
+        session_id = check_session_id(session_id) if session_id else new_session_id()
+        await self.store.create(SessionRecord(session_id, new_cache_id(session_id)), owner="")
+        return session_id
+
+    async def close_session(self, session_id: str) -> None:
+        """Deletes the record, stops a generation on it (here at once; elsewhere at its
+        next commit, which the store refuses) and frees its caches on every service."""
+        cache = await self.store.delete(check_session_id(session_id))
+        if cache is None:
+            raise SessionNotFound(f"no session {session_id!r} (unknown, closed or expired)")
+        active = self._active.get(session_id)
+        if active is not None:
+            active.closed = True
+            active.stop.set()
+        await self._in_thread(self.backend.release, cache)
+
+    async def sweep(self) -> int:
+        """Frees the caches of sessions whose idle TTL passed; how many."""
+        caches = await self.store.claim_expired()
+        for cache in caches:
+            await self._in_thread(self.backend.release, cache)
+        if caches:
+            log.info("released the caches of %d expired sessions", len(caches))
+        return len(caches)
+
+    # --- one request -----------------------------------------------------------------
+
+    async def generate(
+        self,
+        request: GenerationRequest,
+        *,
+        session_id: str | None = None,
+        request_id: str | None = None,
+        digest: str = "",
+        deadline: float | None = None,
+    ) -> AsyncIterator[Committed]:
+        """Each round as soon as the store holds it."""
+        if request_id:
+            check_request_id(request_id)
+        owner = f"{self._owner}:{uuid.uuid4().hex[:12]}"
+        plan = await self._plan(request, session_id, request_id or "", digest, owner, deadline)
+        if plan.replay is not None:
+            output, stats = plan.replay, plan.replay.stats
+            every_round = RoundOutput(
+                len(output.rounds) - 1,
+                output.tokens,
+                output.text,
+                output.finish_reason,
+                stats["drafted"],
+                stats["accepted"],
+            )
+            yield Committed(plan.record.session_id, every_round, output)
+            return
+        async for item in self._drive(plan, deadline):
+            yield item
+
+    async def _plan(
+        self,
+        request: GenerationRequest,
+        session_id: str | None,
+        request_id: str,
+        digest: str,
+        owner: str,
+        deadline: float | None,
+    ) -> _Plan:
+        retired = None
+        if session_id is None:
+            # Options are checked before a record exists: a bad request leaves nothing.
+            prepared = await self._in_thread(self.engine.prepare, request)
+            session_id = new_session_id()
+            record = SessionRecord(session_id, new_cache_id(session_id))
+            await self.store.create(record, owner)
+        else:
+            prepared = None
+            acquired = await self._acquire(check_session_id(session_id), owner, request_id)
+            record = acquired.record
+            if acquired.took_over:
+                # The last owner's lease ran out, and it may still be running: new caches,
+                # so that nothing it still sends can reach the ones this request reads.
+                retired, record.cache_id = record.cache_id, new_cache_id(session_id)
+                record.processed = 0
+        plan = _Plan(record, request_id)
+        try:
+            finished = record.result if request_id else None
+            current = record.generation
+            if finished is not None and finished["request_id"] == request_id:
+                _check_digest(finished["digest"], digest, request_id)
+                plan.replay = GenerationOutput.from_dict(finished["output"])
+                await self.store.commit(record, release=True, retired_cache=retired)
+            elif request_id and current is not None and current.request_id == request_id:
+                _check_digest(current.digest, digest, request_id)
+                plan.generation = await self._resume(record, request)
+                await self.store.commit(record, retired_cache=retired)
+            else:
+                plan.generation = await self._new_turn(record, request, prepared)
+                record.generation = GenerationRecord(request_id, digest, len(record.tokens))
+                await self.store.commit(record, reset_rounds=True, retired_cache=retired)
+        except BaseException:
+            await self._give_back(record)
+            raise
+        return plan
+
+    async def _acquire(self, session_id: str, owner: str, request_id: str):
+        """The session's lease. A request resuming its own interrupted generation waits
+        (up to one lease) for the previous attempt to stop or its lease to run out."""
+        waited = 0.0
+        while True:
+            try:
+                return await self.store.acquire(session_id, owner)
+            except SessionBusy as busy:
+                if not request_id or waited > self.store.settings.lease_s:
+                    raise
+                record = await self.store.load(session_id)
+                current = record.generation if record is not None else None
+                if current is None or current.request_id != request_id:
+                    raise
+                pause = min(0.1, busy.retry_after_s + 0.01)
+                await asyncio.sleep(pause)
+                waited += pause
+
+    async def _resume(self, record: SessionRecord, request: GenerationRequest) -> Generation:
+        current = record.generation
+        context = record.tokens[: current.context_length]
+        # The stored seed and draft head: the request may have left them to the server.
+        request = replace(request, seed=record.seed, draft_head=record.draft_head)
+        prepared = await self._in_thread(self.engine.prepare, request, context)
+        rounds = await self.store.rounds(record.session_id)
+        records = [token_record_from_dict(t) for round_ in rounds for t in round_]
+        generation = self.engine.begin(
+            prepared,
+            record.cache_id,
+            reused=self._reusable(record, record.tokens),
+            progress=current.progress,
+            records=records,
+        )
+        record.replicas = dict(self.backend.replicas)
+        return generation
+
+    async def _new_turn(
+        self,
+        record: SessionRecord,
+        request: GenerationRequest,
+        prepared: PreparedRequest | None,
+    ) -> Generation:
+        """Prepares the turn (the whole conversation as context) and updates the record:
+        new context, the processed length cut to what is reused."""
+        kind = "chat" if request.messages is not None else "text"
+        if record.kind and record.kind != kind:
+            wanted = "messages" if record.kind == "chat" else "a prompt"
+            raise RequestError(
+                f"session {record.session_id} is a {record.kind} session: send {wanted}"
+            )
+        if prepared is None:
+            if request.seed is None and record.seed is not None:
+                request = replace(request, seed=record.seed)
+            drafts = request.rule != Rule.VERIFIER_ONLY
+            if request.draft_head is None and record.draft_head is not None and drafts:
+                request = replace(request, draft_head=record.draft_head)
+            context = None
+            if kind == "chat":
+                request = replace(request, messages=[*record.messages, *request.messages])
+            else:
+                added = await self._in_thread(prompt_tokens, request, self.engine.tokenizer)
+                context = record.tokens + added
+            prepared = await self._in_thread(self.engine.prepare, request, context)
+        context = list(prepared.prompt_tokens)
+        reused = min(common_prefix(record.tokens, context), self._reusable(record, context))
+        if kind == "chat":
+            record.messages = list(prepared.request.messages)
+        record.kind = kind
+        record.tokens, record.processed = context, reused
+        record.options = _options(prepared.request)
+        record.seed, record.draft_head, record.jury = (
+            prepared.seed,
+            prepared.draft_head,
+            list(prepared.jury),
+        )
+        record.replicas = dict(self.backend.replicas)
+        return self.engine.begin(prepared, record.cache_id, reused=reused)
+
+    def _reusable(self, record: SessionRecord, tokens: list[int]) -> int:
+        """Positions the caches can be trusted to hold: none when the services that held
+        them changed (another replica, a restart)."""
+        if record.replicas != dict(self.backend.replicas):
+            return 0
+        return min(record.processed, len(tokens) - 1)
+
+    async def _give_back(self, record: SessionRecord) -> None:
+        """Releases the lease, best effort (it runs out by itself otherwise)."""
+        if record.owner:
+            with contextlib.suppress(Exception):
+                await self.store.commit(record, release=True)
+
+    async def _drive(self, plan: _Plan, deadline: float | None) -> AsyncIterator[Committed]:
+        loop = asyncio.get_running_loop()
+        record, generation = plan.record, plan.generation
+        queue: asyncio.Queue = asyncio.Queue()
+        active = self._active[record.session_id] = _Active()
+
+        def put(item) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def commit(**options) -> None:
+            coroutine = self.store.commit(record, **options)
+            asyncio.run_coroutine_threadsafe(coroutine, loop).result()
+
+        def produce() -> None:
+            try:
+                with self.backend.call_scope(deadline):
+                    for output in generation:
+                        if active.closed:
+                            break
+                        summary = self._record_round(plan, generation, output)
+                        commit(rounds=[[asdict(t) for t in output.tokens]], release=bool(summary))
+                        put(("round", output, summary))
+                        if active.stop.is_set():
+                            break
+                if active.closed:
+                    raise SessionConflict(f"session {record.session_id} was closed")
+            except (SessionConflict, SessionNotFound) as error:
+                # Another writer has the session, or it was closed: these caches are no
+                # longer anyone's.
+                self.backend.release(record.cache_id)
+                if isinstance(error, SessionNotFound):
+                    error = SessionConflict(f"session {record.session_id} was closed")
+                put(("error", error, None))
+            except Exception as error:
+                put(("error", error, None))
+            finally:
+                generation.close()
+                put(("end", None, None))
+
+        loop.run_in_executor(self._pool, produce)
+        kind = ""
+        try:
+            while True:
+                kind, item, summary = await queue.get()
+                if kind == "error":
+                    raise item
+                if kind == "end":
+                    break
+                yield Committed(record.session_id, item, summary)
+        finally:
+            # Finished, failed or cancelled by the caller: stop between rounds.
+            active.stop.set()
+            while kind != "end":
+                kind, _item, _summary = await queue.get()
+            if self._active.get(record.session_id) is active:
+                del self._active[record.session_id]
+            await self._give_back(record)
+
+    def _record_round(
+        self, plan: _Plan, generation: Generation, output: RoundOutput
+    ) -> GenerationOutput | None:
+        """The record after this round (and, on the last, the summary it stores)."""
+        record = plan.record
+        record.tokens = list(generation.committed)
+        record.processed = len(record.tokens) - 1
+        record.generation.progress = generation.progress()
+        record.replicas = dict(self.backend.replicas)
+        if output.finish_reason is None:
+            return None
+        summary = generation.result()
+        summary.session, summary.request_id = record.session_id, plan.request_id
+        record.result = {
+            "request_id": plan.request_id,
+            "digest": record.generation.digest,
+            "output": summary.to_dict(),
+        }
+        if record.kind == "chat":
+            record.messages.append({"role": "assistant", "content": summary.text})
+        return summary
+
+
+def _check_digest(stored: str, digest: str, request_id: str) -> None:
+    if stored != digest:
+        raise RequestError(
+            f"request_id {request_id!r} was already used on this session for a "
+            "different request; use a new request_id"
+        )
+
+
+def _options(request: GenerationRequest) -> dict[str, Any]:
+    """The request's decoding options, for the record (its input lives in the messages
+    and tokens)."""
+    options = asdict(request)
+    options.pop("prompt")
+    options.pop("messages")
+    return options

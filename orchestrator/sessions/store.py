@@ -1,0 +1,116 @@
+"""The session store interface: atomic, version-checked writes of `SessionRecord`s.
+
+Two implementations: `redis_store.RedisStore` (every server) and
+`memory_store.MemoryStore` (`hydra-jury generate --local` only). Both keep, per session,
+the record, the token records of its current generation's rounds (so a resumed request
+can return the whole output), and an expiry index of cache ids (so the caches of a
+session whose idle TTL passed are released on the services).
+
+Ownership: `acquire` gives a request the lease (refused with `SessionBusy` while another
+owner's lease runs); every `commit` names the version it read and its owner, and is
+refused (`SessionConflict`) when the record changed under it — taken over after its lease
+ran out, or deleted by CloseSession. A refused write changes nothing: a record is always
+before or after a round, never in between.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.sessions.record import SessionRecord
+from serving.errors import SessionConflict
+
+
+class SessionBusy(SessionConflict):
+    """Another generation holds the session's lease."""
+
+    def __init__(self, session_id: str, retry_after_s: float) -> None:
+        super().__init__(
+            f"session {session_id} is busy with another generation; retry in "
+            f"{retry_after_s:.1f} s or use another session"
+        )
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class Acquired:
+    record: SessionRecord
+    took_over: bool  # the previous owner's lease ran out without a release
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    ttl_s: float = 3600.0  # an idle session's record is deleted after this long
+    lease_s: float = 30.0  # an owner that stops committing loses the session after this
+
+    def __post_init__(self) -> None:
+        if not self.ttl_s > 0:
+            raise ValueError(f"session TTL must be positive, got {self.ttl_s}")
+        if not 0 < self.lease_s <= self.ttl_s:
+            raise ValueError(
+                f"session lease must be positive and at most the TTL, got {self.lease_s}"
+            )
+
+    @property
+    def ttl_ms(self) -> int:
+        return int(self.ttl_s * 1000)
+
+    @property
+    def lease_ms(self) -> int:
+        return int(self.lease_s * 1000)
+
+
+class SessionStore(ABC):
+    settings: StoreSettings
+    where: str  # for messages: "Redis at HOST:PORT", "memory"
+
+    @abstractmethod
+    async def ping(self) -> None:
+        """Raises `ServiceUnavailable` (naming the store) when it cannot be reached."""
+
+    @abstractmethod
+    async def create(self, record: SessionRecord, owner: str) -> None:
+        """Stores a new record, leased to `owner` ("" for none); `SessionExists` if its
+        id is taken. Sets the record's store fields."""
+
+    @abstractmethod
+    async def acquire(self, session_id: str, owner: str) -> Acquired:
+        """The record, leased to `owner`; `SessionNotFound` or `SessionBusy`."""
+
+    @abstractmethod
+    async def load(self, session_id: str) -> SessionRecord | None:
+        """The record as it is, without taking the lease."""
+
+    @abstractmethod
+    async def commit(
+        self,
+        record: SessionRecord,
+        *,
+        rounds: list[Any] = (),
+        reset_rounds: bool = False,
+        release: bool = False,
+        retired_cache: str | None = None,
+    ) -> None:
+        """Writes the record if its version and owner are still the stored ones; appends
+        `rounds` (JSON-ready) to the generation's round records (after clearing them
+        with `reset_rounds`); renews the lease and the TTL, or gives the lease up with
+        `release`; drops `retired_cache` from the expiry index. Bumps `record.version`.
+        `SessionConflict` (`SessionNotFound` once deleted) if the record changed."""
+
+    @abstractmethod
+    async def rounds(self, session_id: str) -> list[Any]:
+        """The current generation's round records, in order."""
+
+    @abstractmethod
+    async def delete(self, session_id: str) -> str | None:
+        """Deletes the session; its cache id, or None if there was no such session."""
+
+    @abstractmethod
+    async def claim_expired(self, limit: int = 100) -> list[str]:
+        """Cache ids of sessions whose TTL passed, each handed to one caller only."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Closes connections."""
