@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -150,3 +151,25 @@ class Stack:
         for name in reversed(list(self.servers)):  # the orchestrators first
             self.stop_server(name)
         self.loop.close()
+
+
+def wait_for(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def retry_busy(call, timeout_s: float = 10.0):
+    """`call()`, again while the session is busy (a cancelled generation finishing its
+    round)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.ABORTED or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)

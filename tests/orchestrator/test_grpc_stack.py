@@ -15,7 +15,7 @@ from orchestrator.grpc_backend import GrpcBackend, LayoutError
 from orchestrator.request import GenerationRequest
 from protos.hydrajury.v1 import generation_pb2
 from serving import internal_wire as wire
-from tests.grpc_stack import Stack
+from tests.grpc_stack import Stack, retry_busy, wait_for
 from workers.errors import InvalidArgument
 
 ALL_HEADS = ["head0", "head1", "head2", "head3"]
@@ -86,15 +86,6 @@ def test_stream_delivers_the_unary_tokens_one_message_per_round(stack):
     assert messages[-1].seed == 3
 
 
-def wait_for(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
-
-
 def test_cancelling_a_stream_gives_the_session_back_and_keeps_its_caches(stack):
     """A cancelled stream stops between rounds and releases its lease: the session takes
     its next request at once, reusing the caches; CloseSession frees them everywhere."""
@@ -112,19 +103,6 @@ def test_cancelling_a_stream_gives_the_session_back_and_keeps_its_caches(stack):
     assert {n: stack.active_sessions(n) for n in stack.holders} == held
     generation.CloseSession(generation_pb2.CloseSessionRequest(session_id=session_id), timeout=5)
     assert wait_for(lambda: all(stack.active_sessions(n) == held[n] - 1 for n in stack.holders))
-
-
-def retry_busy(call, timeout_s: float = 10.0):
-    """`call()`, again while the session is busy (a cancelled generation finishing its
-    round)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return call()
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.ABORTED or time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 @pytest.mark.parametrize(

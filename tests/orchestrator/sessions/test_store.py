@@ -1,0 +1,182 @@
+"""The session stores: Redis (a real server) and memory behave alike — ownership,
+fencing by version, atomic commits with their rounds, deletion and expiry."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from orchestrator.output import Progress
+from orchestrator.sessions.memory_store import MemoryStore
+from orchestrator.sessions.record import (
+    GenerationRecord,
+    SessionRecord,
+    common_prefix,
+    new_cache_id,
+    pack_tokens,
+    unpack_tokens,
+)
+from orchestrator.sessions.redis_store import RedisStore, redacted
+from orchestrator.sessions.store import SessionBusy, StoreSettings
+from serving.errors import ServiceUnavailable, SessionConflict, SessionExists, SessionNotFound
+
+
+@pytest.fixture(params=["redis", "memory"])
+def make_store(request, redis_url):
+    """A factory of stores over one shared backing (two Redis clients share a server)."""
+    prefix = f"store-{uuid.uuid4().hex[:8]}:"
+    shared = MemoryStore(StoreSettings(ttl_s=60, lease_s=0.3))
+
+    def make(ttl_s: float = 60, lease_s: float = 0.3):
+        settings = StoreSettings(ttl_s=ttl_s, lease_s=lease_s)
+        if request.param == "redis":
+            return RedisStore(redis_url, prefix=prefix, settings=settings)
+        shared.settings = settings
+        return shared
+
+    return make
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def new_record(tokens=(1, 2, 3)) -> SessionRecord:
+    session_id = uuid.uuid4().hex
+    record = SessionRecord(session_id, new_cache_id(session_id), tokens=list(tokens))
+    record.generation = GenerationRecord("r1", "digest", 2, Progress(generated=[3]))
+    return record
+
+
+def test_create_acquire_commit_and_load(make_store):
+    async def scenario():
+        store = make_store()
+        record = new_record()
+        await store.create(record, owner="a")
+        assert (record.version, record.owner) == (1, "a")
+        with pytest.raises(SessionExists):
+            await store.create(record, owner="b")
+        record.tokens.append(9)
+        record.processed = 3
+        await store.commit(record, rounds=[[{"token_id": 9}]], reset_rounds=True)
+        assert record.version == 2
+        loaded = await store.load(record.session_id)
+        assert loaded.tokens == [1, 2, 3, 9] and loaded.processed == 3
+        assert loaded.generation == record.generation
+        assert loaded.owner == "a" and loaded.lease_until_ms > 0
+        await store.commit(record, rounds=[[{"token_id": 10}]], release=True)
+        assert await store.rounds(record.session_id) == [[{"token_id": 9}], [{"token_id": 10}]]
+        loaded = await store.load(record.session_id)
+        assert loaded.owner == "" and loaded.version == 3
+        await store.close()
+
+    run(scenario())
+
+
+def test_a_leased_session_is_busy_until_released_or_expired(make_store):
+    async def scenario():
+        store = make_store()
+        record = new_record()
+        await store.create(record, owner="a")
+        with pytest.raises(SessionBusy, match="busy"):
+            await store.acquire(record.session_id, "b")
+        await asyncio.sleep(0.4)  # the 0.3 s lease runs out without a release
+        taken = await store.acquire(record.session_id, "b")
+        assert taken.took_over and taken.record.owner == "b"
+        # The stale owner's write is refused, and changes nothing.
+        record.tokens = [7, 7, 7]
+        with pytest.raises(SessionConflict, match="taken over"):
+            await store.commit(record)
+        assert (await store.load(record.session_id)).tokens == [1, 2, 3]
+        await store.commit(taken.record, release=True)
+        again = await store.acquire(record.session_id, "c")
+        assert not again.took_over  # released cleanly: no takeover
+        with pytest.raises(SessionNotFound):
+            await store.acquire("nope", "c")
+        await store.close()
+
+    run(scenario())
+
+
+def test_racing_writers_exactly_one_wins(make_store):
+    """Two copies of one record (same version, same owner) commit at once: one write
+    lands, the other is refused; the stored record is the winner's, field by field."""
+
+    async def scenario():
+        store = make_store()
+        record = new_record()
+        await store.create(record, owner="a")
+        copies = [await store.load(record.session_id) for _ in range(2)]
+        for index, copy in enumerate(copies):
+            copy.tokens = [index] * (5 + index)
+            copy.processed = index
+        results = await asyncio.gather(
+            *(store.commit(copy, rounds=[[index]]) for index, copy in enumerate(copies)),
+            return_exceptions=True,
+        )
+        winners = [i for i, result in enumerate(results) if result is None]
+        assert len(winners) == 1
+        assert isinstance(results[1 - winners[0]], SessionConflict)
+        stored = await store.load(record.session_id)
+        winner = copies[winners[0]]
+        assert (stored.tokens, stored.processed, stored.version) == (
+            winner.tokens,
+            winner.processed,
+            winner.version,
+        )
+        assert await store.rounds(record.session_id) == [[winners[0]]]
+        await store.close()
+
+    run(scenario())
+
+
+def test_delete_and_expiry(make_store):
+    async def scenario():
+        store = make_store(ttl_s=0.3, lease_s=0.1)
+        record = new_record()
+        await store.create(record, owner="")
+        assert await store.delete(record.session_id) == record.cache_id
+        assert await store.delete(record.session_id) is None
+        with pytest.raises(SessionNotFound):
+            await store.commit(record)
+        expiring = new_record()
+        await store.create(expiring, owner="")
+        assert await store.claim_expired() == []
+        await asyncio.sleep(0.4)
+        assert await store.load(expiring.session_id) is None
+        assert await store.claim_expired() == [expiring.cache_id]
+        assert await store.claim_expired() == []  # each cache id is claimed once
+        await store.close()
+
+    run(scenario())
+
+
+def test_an_unreachable_redis_is_unavailable_and_named():
+    async def scenario():
+        store = RedisStore("redis://:secret@127.0.0.1:1/0", timeout_s=0.5)
+        with pytest.raises(ServiceUnavailable, match=r"Redis at redis://:\*\*\*@127.0.0.1:1/0"):
+            await store.acquire("x", "a")
+        await store.close()
+
+    began = time.monotonic()
+    run(scenario())
+    assert time.monotonic() - began < 5  # fails fast
+
+
+def test_bad_settings_and_urls_are_refused():
+    with pytest.raises(ValueError, match="must start with redis://"):
+        RedisStore("http://localhost:6379")
+    with pytest.raises(ValueError, match="lease must be positive and at most the TTL"):
+        StoreSettings(ttl_s=10, lease_s=20)
+    assert redacted("rediss://user:pw@host:6380/1") == "rediss://user:***@host:6380/1"
+
+
+def test_tokens_pack_compactly_and_prefixes():
+    assert len(pack_tokens([1, 2, 49151])) == 12
+    assert unpack_tokens(pack_tokens([5, 0, 49151])) == [5, 0, 49151]
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix([1, 2], [1, 2, 3]) == 2
+    assert common_prefix([], [1]) == 0
