@@ -1,0 +1,181 @@
+"""Failover with real processes: an orchestrator killed (SIGKILL) or frozen past its
+lease (SIGSTOP) mid-generation, and Redis killed mid-generation. The request, sent again
+with the same session and request ids, ends with the tokens of an uninterrupted run; a
+frozen owner that wakes up is fenced off; a record is never between two rounds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import grpc
+import pytest
+
+from orchestrator.launcher import start_child
+from orchestrator.sessions.redis_server import LocalRedis
+from orchestrator.sessions.store import StoreSettings
+from protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
+from tests.grpc_stack import Stack
+from tests.orchestrator.sessions.test_sessions_api import GREEDY, SAMPLED, chat, user
+
+LEASE_S = 1.0
+LONG = {"max_new_tokens": 150, "ignore_eos": True}
+
+
+def start_stack(checkpoint, redis_url: str) -> Stack:
+    stack = Stack(str(checkpoint), [["head0", "head1"], ["head2", "head3"]], redis_url)
+    stack.max_session_tokens = 256
+    stack.sessions = StoreSettings(ttl_s=60, lease_s=LEASE_S)
+    return stack.start_services().start_orchestrator()
+
+
+def spawn_orchestrator(stack: Stack):
+    """A second orchestrator, in a process of its own, on the same services and sessions."""
+    child = start_child(
+        "orchestrator-a",
+        [
+            sys.executable,
+            "-m",
+            "orchestrator",
+            "--checkpoint",
+            stack.checkpoint,
+            "--trunk",
+            stack.addresses["trunk"],
+            "--jury",
+            ",".join(stack.jury_addresses),
+            "--listen",
+            "127.0.0.1:0",
+            "--redis-url",
+            stack.redis_url,
+            "--redis-key-prefix",
+            stack.prefix,
+            "--session-lease-s",
+            str(LEASE_S),
+        ],
+        timeout_s=120,
+    )
+    assert child.address, child.failure
+    channel = grpc.insecure_channel(child.address)
+    return child, channel, generation_pb2_grpc.GenerationStub(channel)
+
+
+def load(stack: Stack, session_id: str):
+    async def read():
+        store = stack.store()
+        try:
+            return await store.load(session_id)
+        finally:
+            await store.close()
+
+    return stack.loop.run(read())
+
+
+def assert_between_rounds(record) -> None:
+    """The record is as of a round's end: its tokens are context plus what was generated."""
+    generation = record.generation
+    assert (
+        record.tokens == record.tokens[: generation.context_length] + generation.progress.generated
+    )
+    assert len(record.tokens) == generation.context_length + len(generation.progress.generated)
+    assert sum(generation.progress.round_sizes) == len(generation.progress.generated)
+
+
+@pytest.fixture(scope="module")
+def stack(jury_checkpoint, redis_url):
+    stack = start_stack(jury_checkpoint, redis_url)
+    yield stack
+    stack.close()
+
+
+@pytest.mark.parametrize("options", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_killed_orchestrator_s_request_resumes_on_another(stack, options):
+    options = {**options, **LONG}
+    survivor = stack.generation()
+    reference = survivor.Generate(chat([user("tell me")], **options), timeout=60)
+    child, channel, doomed = spawn_orchestrator(stack)
+    try:
+        session = survivor.CreateSession(generation_pb2.CreateSessionRequest(), timeout=5)
+        request = chat(
+            [user("tell me")], session_id=session.session_id, request_id="r-kill", **options
+        )
+        stream = doomed.GenerateStream(request, timeout=60)
+        for _ in range(3):
+            next(stream)
+        child.process.send_signal(signal.SIGKILL)
+        child.process.wait()
+        interrupted = load(stack, session.session_id)
+        assert_between_rounds(interrupted)
+        assert not interrupted.generation.finished  # it really was cut mid-generation
+        # The survivor waits out the dead owner's lease, then goes on from its last round.
+        resumed = survivor.Generate(request, timeout=60)
+    finally:
+        channel.close()
+        if child.process.poll() is None:
+            child.process.kill()
+    assert list(resumed.token_ids) == list(reference.token_ids)
+    assert resumed.stats.resumed_rounds == len(interrupted.generation.progress.round_sizes) > 0
+
+
+def test_a_frozen_owner_is_fenced_off_when_it_wakes(stack):
+    options = {**SAMPLED, **LONG}
+    survivor = stack.generation()
+    reference = survivor.Generate(chat([user("freeze")], **options), timeout=60)
+    child, channel, frozen = spawn_orchestrator(stack)
+    try:
+        session = survivor.CreateSession(generation_pb2.CreateSessionRequest(), timeout=5)
+        request = chat(
+            [user("freeze")], session_id=session.session_id, request_id="r-stop", **options
+        )
+        stream = frozen.GenerateStream(request, timeout=60)
+        next(stream)
+        os.kill(child.process.pid, signal.SIGSTOP)
+        stale_cache = load(stack, session.session_id).cache_id
+        resumed = survivor.Generate(request, timeout=60)  # takes over once the lease ran out
+        os.kill(child.process.pid, signal.SIGCONT)
+        with pytest.raises(grpc.RpcError) as raised:
+            list(stream)
+        assert raised.value.code() == grpc.StatusCode.ABORTED
+        assert "taken over" in raised.value.details()
+    finally:
+        channel.close()
+        child.process.kill()
+        child.process.wait()
+    assert list(resumed.token_ids) == list(reference.token_ids)
+    record = load(stack, session.session_id)
+    assert record.cache_id != stale_cache  # the new owner never read the stale caches
+    assert record.result["output"]["token_ids"] == list(reference.token_ids)
+    assert record.owner == "" and record.generation.finished
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["redis-keeps-data", "redis-loses-data"])
+def test_redis_killed_mid_generation(jury_checkpoint, tmp_path, persistent):
+    redis = LocalRedis(data_dir=tmp_path if persistent else None).start()
+    stack = start_stack(jury_checkpoint, redis.url)
+    try:
+        generation = stack.generation()
+        options = {**SAMPLED, **LONG}
+        reference = generation.Generate(chat([user("redis")], **options), timeout=60)
+        session = generation.CreateSession(generation_pb2.CreateSessionRequest(), timeout=5)
+        request = chat(
+            [user("redis")], session_id=session.session_id, request_id="r-redis", **options
+        )
+        stream = generation.GenerateStream(request, timeout=60)
+        next(stream)
+        redis.kill()
+        with pytest.raises(grpc.RpcError) as raised:
+            list(stream)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "Redis at" in raised.value.details()
+        redis = LocalRedis(port=redis.port, data_dir=redis.data_dir).start()
+        if persistent:
+            assert_between_rounds(load(stack, session.session_id))
+            resumed = generation.Generate(request, timeout=60)
+            assert list(resumed.token_ids) == list(reference.token_ids)
+        else:
+            with pytest.raises(grpc.RpcError) as raised:
+                generation.Generate(request, timeout=60)
+            assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        stack.close()
+        redis.stop()
