@@ -32,6 +32,19 @@ class OrchestratorMetrics:
             "hydrajury_errors", "Failed requests by status code", ["code"], registry=r
         )
         self.tokens = Counter("hydrajury_tokens_emitted", "Tokens emitted", registry=r)
+        self.session_events = Counter(
+            "hydrajury_session_events",
+            "Session events: created, continued, resumed, replayed, taken_over, fenced, "
+            "closed, expired",
+            ["event"],
+            registry=r,
+        )
+        self.reused_tokens = Counter(
+            "hydrajury_reused_context_tokens", "Context tokens a session's caches held", registry=r
+        )
+        self.prefilled_tokens = Counter(
+            "hydrajury_prefilled_context_tokens", "Context tokens prefilled", registry=r
+        )
         self.drafted = Counter("hydrajury_draft_tokens", "Draft tokens proposed", registry=r)
         self.accepted = Counter("hydrajury_accepted_tokens", "Draft tokens kept", registry=r)
         self.rejections = Counter(

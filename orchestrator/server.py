@@ -66,7 +66,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.backend = backend
         self.metrics = metrics
         self.runner = SessionRunner(
-            Engine(backend, tokenizer), store, max_concurrency=max_concurrency
+            Engine(backend, tokenizer),
+            store,
+            max_concurrency=max_concurrency,
+            observe=lambda event: metrics.session_events.labels(event).inc(),
         )
         self._sweeper: asyncio.Task | None = None
 
@@ -158,6 +161,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     self.metrics.tpot.observe(per_token)
                 emitted += len(item.tokens)
                 self.metrics.observe_round(item)
+                if committed.summary is not None:
+                    stats = committed.summary.stats
+                    self.metrics.reused_tokens.inc(stats["reused_tokens"])
+                    self.metrics.prefilled_tokens.inc(stats["prefilled_tokens"])
                 yield committed
         finally:
             await rounds.aclose()

@@ -83,8 +83,18 @@ class _Active:
 
 
 class SessionRunner:
-    def __init__(self, engine: Engine, store: SessionStore, *, max_concurrency: int = 32) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        store: SessionStore,
+        *,
+        max_concurrency: int = 32,
+        observe: Callable[[str], None] = lambda event: None,
+    ) -> None:
+        """`observe` is told each session event (for metrics): created, continued,
+        resumed, replayed, taken_over, fenced, closed, expired (one per cache)."""
         self.engine, self.store, self.backend = engine, store, engine.backend
+        self._observe = observe
         self._owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="generation")
         self._active: dict[str, _Active] = {}
@@ -102,6 +112,7 @@ class SessionRunner:
         """A new, empty session; `SessionExists` if a chosen id is taken."""
         session_id = check_session_id(session_id) if session_id else new_session_id()
         await self.store.create(SessionRecord(session_id, new_cache_id(session_id)), owner="")
+        self._observe("created")
         return session_id
 
     async def close_session(self, session_id: str) -> None:
@@ -110,6 +121,7 @@ class SessionRunner:
         cache = await self.store.delete(check_session_id(session_id))
         if cache is None:
             raise SessionNotFound(f"no session {session_id!r} (unknown, closed or expired)")
+        self._observe("closed")
         active = self._active.get(session_id)
         if active is not None:
             active.closed = True
@@ -121,6 +133,7 @@ class SessionRunner:
         caches = await self.store.claim_expired()
         for cache in caches:
             await self._in_thread(self.backend.release, cache)
+            self._observe("expired")
         if caches:
             log.info("released the caches of %d expired sessions", len(caches))
         return len(caches)
@@ -172,6 +185,7 @@ class SessionRunner:
             session_id = new_session_id()
             record = SessionRecord(session_id, new_cache_id(session_id))
             await self.store.create(record, owner)
+            self._observe("created")
         else:
             prepared = None
             acquired = await self._acquire(check_session_id(session_id), owner, request_id)
@@ -181,6 +195,7 @@ class SessionRunner:
                 # so that nothing it still sends can reach the ones this request reads.
                 retired, record.cache_id = record.cache_id, new_cache_id(session_id)
                 record.processed = 0
+                self._observe("taken_over")
         plan = _Plan(record, request_id)
         try:
             finished = record.result if request_id else None
@@ -188,12 +203,16 @@ class SessionRunner:
             if finished is not None and finished["request_id"] == request_id:
                 _check_digest(finished["digest"], digest, request_id)
                 plan.replay = GenerationOutput.from_dict(finished["output"])
+                self._observe("replayed")
                 await self.store.commit(record, release=True, retired_cache=retired)
             elif request_id and current is not None and current.request_id == request_id:
                 _check_digest(current.digest, digest, request_id)
                 plan.generation = await self._resume(record, request)
+                self._observe("resumed")
                 await self.store.commit(record, retired_cache=retired)
             else:
+                if record.kind:
+                    self._observe("continued")
                 plan.generation = await self._new_turn(record, request, prepared)
                 record.generation = GenerationRecord(request_id, digest, len(record.tokens))
                 await self.store.commit(record, reset_rounds=True, retired_cache=retired)
@@ -323,6 +342,7 @@ class SessionRunner:
                 # Another writer has the session, or it was closed: these caches are no
                 # longer anyone's.
                 self.backend.release(record.cache_id)
+                self._observe("fenced")
                 if isinstance(error, SessionNotFound):
                     error = SessionConflict(f"session {record.session_id} was closed")
                 put(("error", error, None))

@@ -199,6 +199,8 @@ def test_info_and_metrics(stack):
         'hydrajury_round_phase_seconds_count{phase="score"}',
         "hydrajury_active_sessions",
         "hydrajury_draft_position_reached_total",
+        'hydrajury_session_events_total{event="created"}',
+        "hydrajury_reused_context_tokens_total",
     ):
         assert name in text, name
 
