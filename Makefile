@@ -39,11 +39,13 @@ test-fast: setup protos lint
 model: setup
 	$(PY) -m hydra_model.build.demo --out $(MODEL_DIR)
 
-# The local stack: trunk, two jury shards and the orchestrator on 127.0.0.1:50050.
+# The local stack: trunk, two jury shards and the orchestrator on 127.0.0.1:50050, with
+# the sessions in a private redis-server stopped with the stack.
 run: model protos
 	$(PY) -m orchestrator.cli up --checkpoint $(MODEL_DIR)
 
-# The single-process server: the same API from one process, for one machine.
+# The single-process server: the same API from one process, for one machine. Sessions
+# live in $HYDRA_JURY_REDIS_URL if set, else in a private redis-server stopped with it.
 serve: model protos
 	$(PY) -m orchestrator.cli serve --checkpoint $(MODEL_DIR)
 

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import TYPE_CHECKING
 
 from hydra_model.checkpoint import DTYPES
+from orchestrator.config import REDIS_URL_VARIABLE
 from serving.errors import EXPECTED_FAILURES, failure_line
+
+if TYPE_CHECKING:  # the command modules import torch: only when a command runs
+    from orchestrator.request import GenerationRequest
+
+CONNECT_TIMEOUT_S = 10.0  # `chat`: how long a server may take to answer at all
 
 
 def _add_build(commands: argparse._SubParsersAction) -> None:
@@ -89,34 +97,11 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_generate(commands: argparse._SubParsersAction) -> None:
+def _add_decoding_flags(parser: argparse.ArgumentParser) -> None:
+    """The decoding options of a request (`generate` and `chat`)."""
     from poe import RULES
     from workers.calls import MAX_GAMMA
 
-    parser = commands.add_parser(
-        "generate",
-        help="generate text by speculative PoE decoding",
-        description="Generate text and stream it as each round commits it: in this process "
-        "(--local, with --checkpoint) or through a running orchestrator (--address).",
-    )
-    parser.add_argument("prompt", help="the prompt (a user message unless --no-chat)")
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--local", action="store_true", help="run the engine in-process")
-    where.add_argument("--address", metavar="HOST:PORT", help="an orchestrator's Generation API")
-    parser.add_argument("--checkpoint", metavar="DIR", help="the checkpoint (with --local)")
-    parser.add_argument("--timeout-s", type=float, default=600.0, help="deadline (--address)")
-    parser.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="format the prompt with the chat template (default) or send it as raw text",
-    )
-    parser.add_argument("--system", help="a system message (chat mode)")
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print the whole output (ids, text, metrics, stats) as JSON",
-    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument(
         "--stop", action="append", default=[], metavar="TEXT", help="stop sequence (repeatable)"
@@ -146,29 +131,24 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
         default=0.0,
         help="contrastive decoding's plausibility cutoff, in (0, 1]",
     )
-    parser.add_argument("--seed", type=int, help="default: random")
+    parser.add_argument(
+        "--seed", type=int, help="default: random (on a continued session: the session's)"
+    )
     parser.add_argument("--draft-head", help="default: drawn from the drafters by the seed")
     parser.add_argument("--jury", help="comma-separated heads (default: all but the drafter)")
-    parser.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    parser.set_defaults(handler=_run_generate)
 
 
-def _run_generate(args: argparse.Namespace) -> int:
-    import json
-
-    from hydra_model import HydraModel
-    from orchestrator.engine import Engine
-    from orchestrator.local_backend import LocalBackend
+def _decoding_request(
+    args: argparse.Namespace,
+    *,
+    prompt: str | None = None,
+    messages: list[dict[str, str]] | None = None,
+) -> GenerationRequest:
+    """The request the decoding flags of `_add_decoding_flags` describe."""
     from orchestrator.request import GenerationRequest
 
-    messages = None
-    if args.chat:
-        messages = [{"role": "user", "content": args.prompt}]
-        if args.system:
-            messages.insert(0, {"role": "system", "content": args.system})
-    request = GenerationRequest(
-        prompt=None if args.chat else args.prompt,
+    return GenerationRequest(
+        prompt=prompt,
         messages=messages,
         max_new_tokens=args.max_new_tokens,
         stop=args.stop,
@@ -188,38 +168,128 @@ def _run_generate(args: argparse.Namespace) -> int:
         draft_head=args.draft_head,
         jury=args.jury.split(",") if args.jury else None,
     )
+
+
+def _add_generate(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "generate",
+        help="generate text by speculative PoE decoding",
+        description="Generate text and stream it as each round commits it: in this process "
+        "(--local, with --checkpoint) or through a running server (--address), on a new "
+        "session or, with --session, as the next turn of one.",
+    )
+    parser.add_argument("prompt", help="the prompt (a user message unless --no-chat)")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--local", action="store_true", help="run the engine in-process")
+    where.add_argument("--address", metavar="HOST:PORT", help="a server's Generation API")
+    parser.add_argument("--checkpoint", metavar="DIR", help="the checkpoint (with --local)")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="deadline (--address)")
+    parser.add_argument(
+        "--session",
+        metavar="ID",
+        help="continue this session: the prompt is its next turn (--address)",
+    )
+    parser.add_argument(
+        "--request-id",
+        metavar="ID",
+        help="idempotency key: sending the request again resumes or replays it (--address)",
+    )
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="format the prompt with the chat template (default) or send it as raw text",
+    )
+    parser.add_argument("--system", help="a system message (chat mode, new sessions)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the whole output (ids, text, metrics, stats) as JSON",
+    )
+    _add_decoding_flags(parser)
+    parser.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.set_defaults(handler=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    if args.system and args.session:
+        raise ValueError("--system opens a new session; a continued session keeps its own")
+    messages = None
+    if args.chat:
+        messages = [{"role": "user", "content": args.prompt}]
+        if args.system:
+            messages.insert(0, {"role": "system", "content": args.system})
+    request = _decoding_request(args, prompt=None if args.chat else args.prompt, messages=messages)
     if args.address:
         return _generate_remote(args, request)
+    if args.session or args.request_id:
+        raise ValueError(
+            "--session and --request-id need --address: the sessions of --local end with it"
+        )
     if not args.checkpoint:
         raise ValueError("--local needs --checkpoint DIR")
+    return _generate_local(args, request)
+
+
+def _generate_local(args: argparse.Namespace, request: GenerationRequest) -> int:
+    """Runs the request on a session of this process (an in-memory store): the same
+    runner as the servers, so the same tokens."""
+    import asyncio
+    import contextlib
+    import json
+
+    from hydra_model import HydraModel
+    from orchestrator.engine import Engine
+    from orchestrator.local_backend import LocalBackend
+    from orchestrator.sessions.memory_store import MemoryStore
+    from orchestrator.sessions.runner import SessionRunner
+
     model = HydraModel.load(args.checkpoint, dtype=args.dtype, device=args.device)
-    engine = Engine(LocalBackend(model), model.load_tokenizer())
-    if args.json:
-        print(json.dumps(engine.generate(request).to_dict(), indent=2))
-        return 0
-    for round_output in engine.stream(request):
-        print(round_output.text, end="", flush=True)
-    print()
+    runner = SessionRunner(Engine(LocalBackend(model), model.load_tokenizer()), MemoryStore())
+
+    async def generate() -> None:
+        summary = None
+        try:
+            async with contextlib.aclosing(runner.generate(request)) as rounds:
+                async for committed in rounds:
+                    summary = committed.summary or summary
+                    if not args.json:
+                        print(committed.round.text, end="", flush=True)
+        finally:
+            await runner.close()
+        if args.json:
+            print(json.dumps(summary.to_dict(), indent=2))
+        else:
+            print()
+
+    asyncio.run(generate())
     return 0
 
 
-def _generate_remote(args: argparse.Namespace, request) -> int:
+def _generate_remote(args: argparse.Namespace, request: GenerationRequest) -> int:
     import grpc
     from google.protobuf.json_format import MessageToJson
 
     from orchestrator.convert import request_to_pb
     from protos.hydrajury.v1 import generation_pb2_grpc
 
+    message = request_to_pb(request, session_id=args.session or "")
+    message.request_id = args.request_id or ""
     with grpc.insecure_channel(args.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             if args.json:
-                response = stub.Generate(request_to_pb(request), timeout=args.timeout_s)
+                response = stub.Generate(message, timeout=args.timeout_s)
                 print(MessageToJson(response, indent=2))
                 return 0
-            for message in stub.GenerateStream(request_to_pb(request), timeout=args.timeout_s):
-                print(message.text, end="", flush=True)
+            session_id = ""
+            for streamed in stub.GenerateStream(message, timeout=args.timeout_s):
+                session_id = streamed.session_id
+                print(streamed.text, end="", flush=True)
             print()
+            # On stderr, so that stdout stays the answer alone.
+            print(f"session: {session_id}", file=sys.stderr)
         except grpc.RpcError as error:
             print(
                 f"hydra-jury generate: error: {error.code().name}: {error.details()}",
@@ -227,6 +297,53 @@ def _generate_remote(args: argparse.Namespace, request) -> int:
             )
             return 2
     return 0
+
+
+def _add_chat(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "chat",
+        help="chat with a running server, turn after turn on one session",
+        description="Read messages line by line and stream each answer. The conversation "
+        "lives in a session on the server, so each turn sends only its new message. "
+        "Commands: /reset (close the session, start a new one), /metrics (the last "
+        "answer token by token, with its statistics), /session (its id), /quit.",
+    )
+    parser.add_argument("--address", required=True, metavar="HOST:PORT")
+    parser.add_argument("--system", help="the system message of a new session")
+    parser.add_argument("--session", metavar="ID", help="continue this session")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each answer")
+    _add_decoding_flags(parser)
+    parser.set_defaults(handler=_run_chat)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    import grpc
+
+    from orchestrator.chat import Chat
+    from protos.hydrajury.v1 import generation_pb2_grpc
+
+    if args.system and args.session:
+        raise ValueError("--system opens a new session; a continued session keeps its own")
+    with grpc.insecure_channel(args.address) as channel:
+        # Every later failure is one turn's; a server that cannot be reached at all ends
+        # the chat before the first line.
+        try:
+            grpc.channel_ready_future(channel).result(timeout=CONNECT_TIMEOUT_S)
+        except grpc.FutureTimeoutError:
+            raise ConnectionError(
+                f"cannot reach {args.address} within {CONNECT_TIMEOUT_S:g} s"
+            ) from None
+        chat = Chat(
+            generation_pb2_grpc.GenerationStub(channel),
+            _decoding_request(args),
+            stdin=sys.stdin,
+            stdout=sys.stdout,
+            stderr=sys.stderr,
+            system=args.system,
+            session_id=args.session or "",
+            timeout_s=args.timeout_s,
+        )
+        return chat.run()
 
 
 # The server commands own their flags: `main` hands everything after the name over.
@@ -257,6 +374,11 @@ def _add_services(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--shard-threads", type=int, help="CPU threads per jury shard (on one host: cores / shards)"
     )
+    parser.add_argument(
+        "--redis-url",
+        help=f"keep the sessions in this Redis (default ${REDIS_URL_VARIABLE}, else a private "
+        "redis-server, stopped with the stack)",
+    )
     parser.set_defaults(handler=_run_up)
 
 
@@ -286,24 +408,60 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--threads", type=int, help="CPU threads for model compute")
     parser.add_argument("--grace-s", type=float, default=5.0, help="graceful shutdown time")
+    _add_session_store_flags(parser)
     parser.set_defaults(handler=_run_serve)
+
+
+def _add_session_store_flags(parser: argparse.ArgumentParser) -> None:
+    from orchestrator.sessions.store import StoreSettings
+
+    defaults = StoreSettings()
+    parser.add_argument(
+        "--redis-url",
+        help="where sessions live: redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS "
+        f"(default ${REDIS_URL_VARIABLE}, else a private redis-server stopped with the "
+        "server, its sessions with it)",
+    )
+    parser.add_argument(
+        "--redis-key-prefix", default="hydra-jury:", help="prefix of every key (%(default)s)"
+    )
+    parser.add_argument(
+        "--session-ttl-s",
+        type=float,
+        default=defaults.ttl_s,
+        help="idle sessions expire after this long (%(default)g)",
+    )
+    parser.add_argument(
+        "--session-lease-s",
+        type=float,
+        default=defaults.lease_s,
+        help="a generation that stops committing loses its session after this (%(default)g)",
+    )
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     import asyncio
+    import contextlib
     import logging
+    import os
 
     from orchestrator.server import serve_embedded
+    from orchestrator.sessions.redis_server import LocalRedis
+    from orchestrator.sessions.redis_store import RedisStore
+    from orchestrator.sessions.store import StoreSettings
     from serving.model_thread import set_compute_threads
     from workers.sessions import SessionLimits
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # Checked before anything starts: a bad setting is one line, not a half-started server.
+    settings = StoreSettings(ttl_s=args.session_ttl_s, lease_s=args.session_lease_s)
     set_compute_threads(args.threads)
     limits = SessionLimits(args.max_sessions, args.max_session_tokens)
 
-    async def serve() -> None:
+    async def serve(store: RedisStore) -> None:
         running = await serve_embedded(
             checkpoint=args.checkpoint,
+            store=store,
             address=args.listen,
             limits=limits,
             dtype=args.dtype,
@@ -312,14 +470,25 @@ def _run_serve(args: argparse.Namespace) -> int:
             metrics_address=args.metrics_address,
             max_concurrency=args.max_concurrency,
         )
-        await running.serve_until_signal("hydra-jury server", args.listen, args.grace_s)
+        await running.serve_until_signal(
+            "hydra-jury server", args.listen, args.grace_s, f", sessions in {store.where}"
+        )
 
-    asyncio.run(serve())
+    with contextlib.ExitStack() as stack:
+        url = args.redis_url or os.environ.get(REDIS_URL_VARIABLE)
+        if not url:
+            url = stack.enter_context(LocalRedis()).url
+            logging.getLogger("hydra_jury").info(
+                "started a private redis-server at %s; its sessions end with this server", url
+            )
+        store = RedisStore(url, prefix=args.redis_key_prefix, settings=settings)
+        asyncio.run(serve(store))
     return 0
 
 
 def _run_up(args: argparse.Namespace) -> int:
     from orchestrator.launcher import LocalStack
+    from orchestrator.sessions.redis_store import redacted
 
     stack = LocalStack(
         args.checkpoint,
@@ -327,10 +496,15 @@ def _run_up(args: argparse.Namespace) -> int:
         port=args.port,
         metrics_port=args.metrics_port,
         shard_threads=args.shard_threads,
+        redis_url=args.redis_url or os.environ.get(REDIS_URL_VARIABLE),
     )
     try:
         address = stack.start()
-        print(f"hydra-jury stack ready: Generation API at {address}", file=sys.stderr)
+        print(
+            f"hydra-jury stack ready: Generation API at {address}, sessions in Redis at "
+            f"{redacted(stack.sessions_url)}",
+            file=sys.stderr,
+        )
         return stack.wait()
     finally:
         stack.stop()
@@ -358,6 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_build(commands)
     _add_inspect(commands)
     _add_generate(commands)
+    _add_chat(commands)
     _add_serve(commands)
     _add_services(commands)
     return parser

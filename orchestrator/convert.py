@@ -84,6 +84,7 @@ def output_to_pb(output: GenerationOutput) -> generation_pb2.GenerateResponse:
         jury=output.jury,
         prompt_tokens=output.prompt_tokens,
         session_id=output.session,
+        request_id=output.request_id,
     )
 
 

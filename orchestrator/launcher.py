@@ -1,8 +1,9 @@
 """The local stack for development (`make run`, `hydra-jury up`): a trunk service, jury
-shards splitting the heads, and the orchestrator, as separate processes on loopback.
-Each child is started, its "listening on" line awaited, and all are stopped together
-(SIGTERM, then SIGKILL after a grace period) when this process is interrupted or one
-child dies."""
+shards splitting the heads, and the orchestrator, as separate processes on loopback,
+with the sessions in a private `redis-server` (or a Redis the caller names). Each child
+is started, its "listening on" line awaited, and all are stopped together (SIGTERM,
+then SIGKILL after a grace period; the private Redis last, after the orchestrator's
+final writes) when this process is interrupted or one child dies."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from hydra_model.checkpoint import read_manifest
+from orchestrator.sessions.redis_server import LocalRedis
 
 LISTENING = re.compile(r"listening on (\S+?):(\d+)")
 
@@ -75,16 +77,37 @@ class LocalStack:
     metrics_port: int | None = None
     extra_service_args: list[str] = field(default_factory=list)
     shard_threads: int | None = None  # CPU threads of each jury shard (default: torch's)
+    redis_url: str | None = None  # the sessions' Redis; None: a private one per start
     children: list[Child] = field(default_factory=list)
+    redis: LocalRedis | None = None  # the private Redis, once started
+
+    @property
+    def sessions_url(self) -> str:
+        """The Redis the orchestrator keeps its sessions in."""
+        if self.redis_url is not None:
+            return self.redis_url
+        if self.redis is None:
+            raise RuntimeError("the stack has not started")
+        return self.redis.url
 
     def _port(self, offset: int) -> int:
         return 0 if self.port == 0 else self.port + offset
 
     def start(self, timeout_s: float = 300.0) -> str:
-        """Starts every process; returns the orchestrator's address."""
+        """Starts every process; returns the orchestrator's address. A failed start stops
+        what it started."""
         heads = [h.name for h in read_manifest(self.checkpoint).llm_heads]
         if not 1 <= self.shards <= len(heads):
             raise ValueError(f"--shards must be between 1 and the {len(heads)} heads")
+        try:
+            return self._start(heads, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, heads: list[str], timeout_s: float) -> str:
+        if self.redis_url is None:
+            self.redis = LocalRedis().start()
         python = [sys.executable, "-m"]
         trunk = self._spawn(
             "trunk",
@@ -130,6 +153,8 @@ class LocalStack:
             ",".join(shards),
             "--listen",
             f"{self.host}:{self.port}",
+            "--redis-url",
+            self.sessions_url,
         ]
         if self.metrics_port is not None:
             command += ["--metrics-port", str(self.metrics_port)]
@@ -147,7 +172,6 @@ class LocalStack:
         child = start_child(name, command, timeout_s, self.environment())
         self.children.append(child)
         if not child.address:
-            self.stop()
             raise RuntimeError(child.failure)
         return child.address
 
@@ -156,17 +180,21 @@ class LocalStack:
         stop = []
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.append(True))
+        processes = [(child.name, child.process) for child in self.children]
+        if self.redis is not None:
+            processes.append(("redis-server", self.redis.process))
         while not stop:
-            for child in self.children:
-                code = child.process.poll()
+            for name, process in processes:
+                code = process.poll()
                 if code is not None:
-                    print(f"{child.name} exited with {code}", file=sys.stderr)
+                    print(f"{name} exited with {code}", file=sys.stderr)
                     return code or 1
             time.sleep(0.2)
         return 0
 
     def stop(self, grace_s: float = 10.0) -> dict[str, int]:
-        """Stops every child; returns their exit codes (0: a graceful shutdown)."""
+        """Stops every child, then the private Redis; returns the children's exit codes
+        (0: a graceful shutdown)."""
         for child in reversed(self.children):
             if child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)
@@ -179,4 +207,6 @@ class LocalStack:
                 child.process.wait()
         codes = {child.name: child.process.returncode for child in self.children}
         self.children.clear()
+        if self.redis is not None:
+            self.redis.stop()
         return codes

@@ -71,8 +71,14 @@ class LocalRedis:
                 "--dir",
                 str(self.data_dir),
             ]
+        # A session of its own: Ctrl-C on the owner must not stop Redis before the
+        # orchestrator's graceful drain has committed its last rounds; `stop` ends it.
         self.process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

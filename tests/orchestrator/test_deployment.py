@@ -3,8 +3,11 @@ refusals and graceful shutdown."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import signal
+import socket
 import sys
 import time
 
@@ -13,12 +16,28 @@ import pytest
 
 from orchestrator.__main__ import main as orchestrator_main
 from orchestrator.cli import main
-from orchestrator.config import ConfigFileError, OrchestratorConfig
+from orchestrator.config import REDIS_URL_VARIABLE, ConfigFileError, OrchestratorConfig
 from orchestrator.convert import request_from_pb, request_to_pb
 from orchestrator.launcher import LocalStack, start_child
 from orchestrator.request import GenerationRequest
+from orchestrator.sessions.redis_store import RedisStore
 from protos.hydrajury.v1 import generation_pb2_grpc
 from tests.grpc_stack import Stack
+
+
+@pytest.fixture(autouse=True)
+def no_redis_url_variable(monkeypatch):
+    """The tests name their Redis (or none) themselves, whatever the environment holds."""
+    monkeypatch.delenv(REDIS_URL_VARIABLE, raising=False)
+
+
+def answers(port: int) -> bool:
+    """Whether something accepts connections on the loopback port."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 def test_request_messages_round_trip():
@@ -49,11 +68,11 @@ def test_config_file_and_flags(tmp_path):
     path = tmp_path / "orchestrator.yaml"
     path.write_text(
         "checkpoint: ckpt\ntrunk: 127.0.0.1:1\njury: [127.0.0.1:2, 127.0.0.1:3]\n"
-        "metrics_port: 9100\n"
+        "metrics_port: 9100\nredis_url: redis://127.0.0.1:1/0\n"
     )
     config = OrchestratorConfig.load(path, {"trunk": "127.0.0.1:9", "jury": None})
     assert config.trunk == "127.0.0.1:9" and config.jury == ["127.0.0.1:2", "127.0.0.1:3"]
-    assert config.metrics_port == 9100
+    assert config.metrics_port == 9100 and config.redis_url == "redis://127.0.0.1:1/0"
     path.write_text("checkpoint: ckpt\ntrunk: a\njury: [b]\nshards: 3\n")
     with pytest.raises(ConfigFileError, match=r"unknown settings \['shards'\]"):
         OrchestratorConfig.load(path, {})
@@ -63,9 +82,9 @@ def test_config_file_and_flags(tmp_path):
         OrchestratorConfig.load(None, {"checkpoint": "c", "trunk": "t", "jury": "a,a"})
 
 
-def test_orchestrator_refuses_a_bad_layout(jury_checkpoint, capsys):
-    stack = Stack(str(jury_checkpoint), [["head0", "head1"], ["head1", "head2", "head3"]])
-    stack.start_services()
+def test_orchestrator_refuses_a_bad_layout(jury_checkpoint, redis_url, capsys):
+    shards = [["head0", "head1"], ["head1", "head2", "head3"]]
+    stack = Stack(str(jury_checkpoint), shards, redis_url).start_services()
     try:
         code = orchestrator_main(
             [
@@ -77,12 +96,22 @@ def test_orchestrator_refuses_a_bad_layout(jury_checkpoint, capsys):
                 ",".join(stack.jury_addresses),
                 "--listen",
                 "127.0.0.1:0",
+                "--redis-url",
+                redis_url,
             ]
         )
         assert code == 2
         assert "'head1' is hosted by both" in capsys.readouterr().err
     finally:
         stack.close()
+
+
+def test_orchestrator_refuses_to_start_without_redis(capsys):
+    argv = ["--checkpoint", "ckpt", "--trunk", "127.0.0.1:1", "--jury", "127.0.0.1:2"]
+    assert orchestrator_main(argv) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("orchestrator: error: redis_url is not set")
+    assert "--redis-url" in error and REDIS_URL_VARIABLE in error
 
 
 def test_local_stack_serves_the_cli_and_shuts_down_gracefully(jury_checkpoint, engine, capsys):
@@ -120,9 +149,34 @@ def test_local_stack_serves_the_cli_and_shuts_down_gracefully(jury_checkpoint, e
         assert capsys.readouterr().out == expected.text + "\n"
         assert main([*argv, "--gamma", "0"]) == 2
         assert "INVALID_ARGUMENT: gamma" in capsys.readouterr().err
+        assert stack.redis is not None and stack.sessions_url == stack.redis.url
+        assert answers(stack.redis.port)
     finally:
         codes = stack.stop()
     assert codes == {"trunk": 0, "jury0": 0, "jury1": 0, "orchestrator": 0}
+    assert not answers(stack.redis.port)  # its private Redis stopped with it
+
+
+def test_local_stack_keeps_its_sessions_in_the_redis_it_is_given(jury_checkpoint, redis_url):
+    stack = LocalStack(str(jury_checkpoint), shards=1, port=0, redis_url=redis_url)
+    try:
+        address = stack.start(timeout_s=120)
+        assert stack.redis is None  # nothing of its own to start
+        with grpc.insecure_channel(address) as channel:
+            response = generation_pb2_grpc.GenerationStub(channel).Generate(
+                request_to_pb(GenerationRequest(prompt="hi", max_new_tokens=3)), timeout=30
+            )
+    finally:
+        assert stack.stop() == {"trunk": 0, "jury0": 0, "orchestrator": 0}
+
+    async def stored() -> bool:
+        store = RedisStore(redis_url)  # the orchestrator's default key prefix
+        try:
+            return await store.load(response.session_id) is not None
+        finally:
+            await store.close()
+
+    assert asyncio.run(stored())
 
 
 def test_a_silent_hung_child_does_not_block_the_launcher():
@@ -137,7 +191,7 @@ def test_a_silent_hung_child_does_not_block_the_launcher():
     assert "did not start (exit code 3)" in crashed.failure
 
 
-def test_the_single_process_server_runs_from_the_command_line(jury_checkpoint, engine):
+def test_the_single_process_server_runs_from_the_command_line(jury_checkpoint, engine, capsys):
     command = [
         *(sys.executable, "-m", "orchestrator.cli", "serve"),
         *("--checkpoint", str(jury_checkpoint), "--listen", "127.0.0.1:0"),
@@ -146,6 +200,13 @@ def test_the_single_process_server_runs_from_the_command_line(jury_checkpoint, e
     server = start_child("server", command, 60.0)
     try:
         assert server.address, server.failure
+        # Without a Redis named, it started its own, and says where.
+        redis_port = int(
+            re.search(r"sessions in Redis at redis://127\.0\.0\.1:(\d+)/", capsys.readouterr().err)[
+                1
+            ]
+        )
+        assert answers(redis_port)
         with grpc.insecure_channel(server.address) as channel:
             response = generation_pb2_grpc.GenerationStub(channel).Generate(
                 request_to_pb(GenerationRequest(prompt="hi", max_new_tokens=10, seed=4)),
@@ -155,9 +216,18 @@ def test_the_single_process_server_runs_from_the_command_line(jury_checkpoint, e
         assert list(response.token_ids) == expected.token_ids
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=15) == 0
+        assert not answers(redis_port)
     finally:
         if server.process.poll() is None:
             server.process.kill()
+
+
+def test_the_single_process_server_refuses_bad_session_settings(jury_checkpoint, capsys):
+    argv = ["serve", "--checkpoint", str(jury_checkpoint), "--session-lease-s", "0"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "hydra-jury serve: error: session lease must be positive and at most the TTL, got 0.0\n"
+    )
 
 
 def test_the_stack_waits_passively_unless_told_otherwise(monkeypatch, jury_checkpoint):
