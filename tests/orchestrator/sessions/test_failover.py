@@ -179,3 +179,36 @@ def test_redis_killed_mid_generation(jury_checkpoint, tmp_path, persistent):
     finally:
         stack.close()
         redis.stop()
+
+
+def test_two_orchestrators_racing_on_one_session(stack):
+    """The same session sent to two orchestrators at once: exactly one advances it, the
+    other is ABORTED, and the record is the winner's, field by field."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if "orchestrator2" not in stack.servers:
+        stack.start_orchestrator("orchestrator2")
+    first, second = stack.generation(), stack.generation("orchestrator2")
+    session = first.CreateSession(generation_pb2.CreateSessionRequest(), timeout=5)
+    options = {**SAMPLED, **LONG}
+
+    def send(stub, text):
+        try:
+            return stub.Generate(chat([user(text)], session_id=session.session_id, **options), 60)
+        except grpc.RpcError as error:
+            return error
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(send, [first, second], ["one", "two"]))
+    winners = [r for r in results if isinstance(r, generation_pb2.GenerateResponse)]
+    losers = [r for r in results if isinstance(r, grpc.RpcError)]
+    assert len(winners) == len(losers) == 1
+    assert losers[0].code() == grpc.StatusCode.ABORTED and "busy" in losers[0].details()
+    record = load(stack, session.session_id)
+    winner = winners[0]
+    assert record.generation.progress.generated == list(winner.token_ids)
+    assert record.tokens == record.tokens[: winner.prompt_tokens] + list(winner.token_ids)
+    assert record.result["output"]["token_ids"] == list(winner.token_ids)
+    assert record.messages[-1] == {"role": "assistant", "content": winner.text}
+    assert record.owner == "" and record.processed == len(record.tokens) - 1
+    assert_between_rounds(record)
