@@ -104,7 +104,7 @@ def main() -> None:
         model = HydraModel.load(args.checkpoint)
         tokenizer = model.load_tokenizer()
         local = Engine(LocalBackend(model, limits=SessionLimits(1, 1024)), tokenizer)
-        backend = GrpcBackend(trunk, shards)
+        backend = GrpcBackend.static(trunk, shards)
         remote = Engine(backend, tokenizer)
         print(
             f"gRPC stack (trunk, 2 jury shards, orchestrator: separate processes on "

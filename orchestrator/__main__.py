@@ -19,8 +19,19 @@ def build_parser(prog: str = "python -m orchestrator") -> argparse.ArgumentParse
     )
     parser.add_argument("--config", help="YAML file of settings (see orchestrator/config.py)")
     parser.add_argument("--checkpoint", help="the Hydra checkpoint the services serve")
-    parser.add_argument("--trunk", help="trunk service address HOST:PORT")
-    parser.add_argument("--jury", help="comma-separated jury shard addresses")
+    parser.add_argument(
+        "--trunk", help="trunk service address HOST:PORT (kubernetes discovery: its Service)"
+    )
+    parser.add_argument(
+        "--jury", help="comma-separated jury shard addresses (kubernetes discovery: Services)"
+    )
+    parser.add_argument(
+        "--discovery",
+        choices=["static", "kubernetes"],
+        help="static: the addresses as given (default); kubernetes: follow the ready "
+        "endpoints of the named Services (in-cluster), placing each session on replicas",
+    )
+    parser.add_argument("--namespace", help="kubernetes discovery: default, the pod's own")
     parser.add_argument("--listen", help="address to serve on (default 127.0.0.1:50050)")
     parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics HTTP port")
     parser.add_argument("--metrics-address", help="default 127.0.0.1")
@@ -51,8 +62,7 @@ async def _serve(config: OrchestratorConfig) -> None:
     )
     running = await serve_orchestrator(
         checkpoint=config.checkpoint,
-        trunk=config.trunk,
-        jury=config.jury,
+        discovery=config.make_discovery(),
         store=store,
         address=config.listen,
         metrics_port=config.metrics_port,
@@ -72,6 +82,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m orchestrator") ->
             "checkpoint",
             "trunk",
             "jury",
+            "discovery",
+            "namespace",
             "listen",
             "metrics_port",
             "metrics_address",

@@ -41,11 +41,16 @@ class DecodingBackend(ABC):
     def __init__(self) -> None:
         self._scope = threading.local()
 
-    @property
     @abstractmethod
-    def replicas(self) -> dict[str, str]:
-        """Which processes hold the caches: component -> "address@epoch". A session's
-        record keeps it; when it differs the session's caches are not there any more."""
+    def place(self, cache: str, stored: dict[str, str]) -> dict[str, str]:
+        """Chooses where the caches named `cache` live: the replicas in `stored` (a
+        session record's placement) while they are ready, else the least loaded.
+        Returns the placement as component -> "address@epoch"; when it differs from
+        `stored`, the caches are not there (moved, restarted) and must be prefilled."""
+
+    @abstractmethod
+    def placement(self, cache: str) -> dict[str, str]:
+        """Where the caches named `cache` live now (after the calls so far)."""
 
     @contextmanager
     def call_scope(self, deadline: float | None) -> Iterator[None]:
@@ -91,10 +96,6 @@ class DecodingBackend(ABC):
     @abstractmethod
     def release(self, session: str) -> None:
         """Frees the session's caches everywhere (best effort)."""
-
-    @abstractmethod
-    def close_session(self, session: str) -> bool:
-        """Frees the session's caches everywhere; whether anything held them."""
 
     @abstractmethod
     def close(self) -> None:

@@ -2,8 +2,10 @@
 
 checkpoint: var/models/smollm2-hydra   # for the tokenizer; must match the services
 listen: 127.0.0.1:50050
-trunk: 127.0.0.1:50051
-jury: [127.0.0.1:50052, 127.0.0.1:50053]
+trunk: 127.0.0.1:50051                 # kubernetes discovery: the trunk's Service name
+jury: [127.0.0.1:50052, 127.0.0.1:50053]  # ... and each shard's Service name
+discovery: static                      # or kubernetes: follow the Services' EndpointSlices
+namespace: hydra                       # kubernetes: default, the pod's own namespace
 metrics_port: 9100                     # omit to serve no metrics
 max_concurrency: 32
 connect_timeout_s: 30
@@ -23,9 +25,16 @@ from typing import Any
 
 import yaml
 
+from orchestrator.discovery import (
+    Discovery,
+    KubernetesDiscovery,
+    StaticDiscovery,
+    component_names,
+)
 from orchestrator.sessions.store import StoreSettings
 
 REDIS_URL_VARIABLE = "HYDRA_JURY_REDIS_URL"  # below the config file and the flags
+DISCOVERY_MODES = ("static", "kubernetes")
 
 
 class ConfigFileError(ValueError):
@@ -37,6 +46,8 @@ class OrchestratorConfig:
     checkpoint: str = ""
     trunk: str = ""
     jury: list[str] = field(default_factory=list)
+    discovery: str = "static"
+    namespace: str | None = None
     listen: str = "127.0.0.1:50050"
     metrics_port: int | None = None
     metrics_address: str = "127.0.0.1"
@@ -79,6 +90,10 @@ class OrchestratorConfig:
             raise ConfigFileError("trunk address is not set (--trunk or `trunk:`)")
         if not self.jury:
             raise ConfigFileError("no jury shard addresses (--jury or `jury:`)")
+        if self.discovery not in DISCOVERY_MODES:
+            raise ConfigFileError(
+                f"discovery must be one of {', '.join(DISCOVERY_MODES)}, got {self.discovery!r}"
+            )
         if len(set(self.jury)) != len(self.jury):
             raise ConfigFileError(f"a jury shard address is listed twice: {self.jury}")
         if self.max_concurrency < 1:
@@ -92,6 +107,12 @@ class OrchestratorConfig:
             self.store_settings()
         except ValueError as error:
             raise ConfigFileError(str(error)) from None
+
+    def make_discovery(self) -> Discovery:
+        if self.discovery == "static":
+            return StaticDiscovery(self.trunk, self.jury)
+        services = dict(zip(component_names(len(self.jury)), [self.trunk, *self.jury], strict=True))
+        return KubernetesDiscovery(services, self.namespace)
 
     def store_settings(self) -> StoreSettings:
         return StoreSettings(ttl_s=self.session_ttl_s, lease_s=self.session_lease_s)

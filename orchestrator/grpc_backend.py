@@ -1,10 +1,18 @@
-"""The decoding loop's backend over gRPC: one trunk service and any number of jury shards.
+"""The decoding loop's backend over gRPC: one trunk and any number of jury shards, each
+served by one or more replicas (`orchestrator.discovery`).
 
 Per round: one `Draft` call to the trunk and one `Score` call to every shard, the shards
 called concurrently and their partial log-products added (`poe.combine_partials`, in
 shard order, so the sum is deterministic). Hidden states travel from the trunk's
 response to the shards' requests as they came, without being decoded. The loop is the
 same as in-process; only the transport differs.
+
+Placement: a session's caches live on one replica of each component. A new session goes
+to the least loaded ready replica (sessions placed by this orchestrator); a session
+whose record names replicas that are still ready goes back to them (`place`). When a
+placed replica leaves (no longer ready, or UNAVAILABLE while another is ready), the
+session moves: the call raises `PositionError`, and the loop re-prefills on the new
+replica from the committed tokens, with the same output.
 
 Each call carries the time left of the client's deadline (`call_scope`). A failed call
 becomes the project's exception for its status (`serving.errors.error_from_status`),
@@ -15,6 +23,7 @@ UNAVAILABLE → `ServiceUnavailable`, an internal INVALID_ARGUMENT → `Internal
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
@@ -25,6 +34,7 @@ import grpc
 import torch
 
 from orchestrator.backend import DecodingBackend, ModelInfo
+from orchestrator.discovery import Discovery, StaticDiscovery
 from poe import combine_partials
 from protos.codec import CodecError
 from protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
@@ -43,6 +53,7 @@ from workers.calls import (
     ScoreCall,
     ScoreResult,
 )
+from workers.errors import PositionError
 
 Result = TypeVar("Result")
 
@@ -62,7 +73,7 @@ class TransportStats:
 
 
 @dataclass
-class _Service:
+class _Replica:
     name: str  # "trunk service at HOST:PORT"
     address: str
     channel: grpc.Channel
@@ -71,60 +82,124 @@ class _Service:
     epoch: str = ""  # the latest epoch it answered with
 
 
+@dataclass
+class _Component:
+    name: str  # "trunk", "jury0", ...
+    label: str  # "trunk service", "jury shard 0"
+    stub_class: Any
+    replicas: dict[str, _Replica] = field(default_factory=dict)  # connected, by address
+    heads: tuple[str, ...] = ()  # a shard's heads, as its first replica hosts them
+
+
+# A replica that failed a call is avoided for new placements this long, while the
+# discovery catches up.
+SUSPECT_S = 10.0
+
+
 class GrpcBackend(DecodingBackend):
-    def __init__(
-        self, trunk_address: str, jury_addresses: list[str], connect_timeout_s: float = 10.0
-    ) -> None:
-        if not jury_addresses:
+    def __init__(self, discovery: Discovery, connect_timeout_s: float = 10.0) -> None:
+        names = list(discovery.targets)
+        if len(names) < 2:
             raise LayoutError("at least one jury shard address is needed")
         super().__init__()
+        self.discovery = discovery
         self.stats = TransportStats()
-        self.trunk = self._connect(
-            f"trunk service at {trunk_address}",
-            trunk_address,
-            internal_pb2_grpc.TrunkStub,
-            connect_timeout_s,
-        )
+        self.connect_timeout_s = connect_timeout_s
+        self.trunk = _Component("trunk", "trunk service", internal_pb2_grpc.TrunkStub)
         self.shards = [
-            self._connect(
-                f"jury shard at {address}", address, internal_pb2_grpc.JuryStub, connect_timeout_s
-            )
-            for address in jury_addresses
+            _Component(name, f"jury shard {name[4:]}", internal_pb2_grpc.JuryStub)
+            for name in names[1:]
         ]
+        self._lock = threading.Lock()
+        self._placements: dict[str, dict[str, str]] = {}  # cache id -> component -> address
+        self._suspects: dict[str, float] = {}  # address -> until when it is avoided
         try:
-            self.info = self._check_layout()
-        except LayoutError:
+            try:
+                discovery.wait_ready(connect_timeout_s)
+            except TimeoutError as error:
+                raise ServiceUnavailable(str(error)) from None
+            first = {c.name: self._connect(c, discovery.ready(c.name)[0]) for c in self.components}
+            self.info = self._check_layout(first)
+        except BaseException:
             self.close()
             raise
-        self.trunk_address = trunk_address
-        self.jury_addresses = tuple(jury_addresses)
+        self.trunk_address = discovery.targets["trunk"]
+        self.jury_addresses = tuple(discovery.targets[s.name] for s in self.shards)
 
-    def _connect(self, name: str, address: str, stub_class, timeout_s: float) -> _Service:
+    @classmethod
+    def static(cls, trunk: str, jury: list[str], connect_timeout_s: float = 10.0) -> GrpcBackend:
+        """Over fixed addresses: one replica per component."""
+        return cls(StaticDiscovery(trunk, jury), connect_timeout_s)
+
+    @property
+    def components(self) -> list[_Component]:
+        return [self.trunk, *self.shards]
+
+    def _connect(self, component: _Component, address: str) -> _Replica:
+        """A replica, connected and checked against the layout (once per address)."""
+        with self._lock:
+            known = component.replicas.get(address)
+        if known is not None:
+            return known
+        name = f"{component.label} at {address}"
         channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        stub = stub_class(channel)
+        stub = component.stub_class(channel)
         try:
-            info = stub.Info(internal_pb2.InfoRequest(), timeout=timeout_s, wait_for_ready=True)
+            info = stub.Info(
+                internal_pb2.InfoRequest(), timeout=self.connect_timeout_s, wait_for_ready=True
+            )
         except grpc.RpcError as error:
             channel.close()
             raise ServiceUnavailable(f"{name} did not answer Info: {error.details()}") from None
-        return _Service(name, address, channel, stub, info, info.epoch)
+        replica = _Replica(name, address, channel, stub, info, info.epoch)
+        if hasattr(self, "info"):
+            try:
+                self._check_replica(component, replica)
+            except LayoutError:
+                channel.close()
+                raise
+        with self._lock:
+            known = component.replicas.setdefault(address, replica)
+        if known is not replica:
+            channel.close()
+        return known
 
-    def _check_layout(self) -> ModelInfo:
-        model = self.trunk.info.model
-        for shard in self.shards:
+    def _check_replica(self, component: _Component, replica: _Replica) -> None:
+        """A replica that joined later: the same checkpoint, dtype and (a shard) heads."""
+        model = replica.info.model
+        if model.fingerprint != self.info.fingerprint:
+            raise LayoutError(
+                f"{replica.name} serves checkpoint {model.fingerprint[:12]}, not "
+                f"{self.info.fingerprint[:12]}"
+            )
+        if model.dtype != self.trunk_dtype:
+            raise LayoutError(f"{replica.name} computes in {model.dtype}, not {self.trunk_dtype}")
+        if component is not self.trunk and tuple(replica.info.hosted_heads) != component.heads:
+            raise LayoutError(
+                f"{replica.name} hosts heads {list(replica.info.hosted_heads)}, but its shard "
+                f"serves {list(component.heads)}"
+            )
+
+    def _check_layout(self, first: dict[str, _Replica]) -> ModelInfo:
+        trunk = first["trunk"]
+        model = trunk.info.model
+        self.trunk_dtype = model.dtype
+        shards = [first[shard.name] for shard in self.shards]
+        for shard in shards:
             if shard.info.model.fingerprint != model.fingerprint:
                 raise LayoutError(
                     f"{shard.name} serves checkpoint {shard.info.model.fingerprint[:12]}"
-                    f" but the {self.trunk.name} serves {model.fingerprint[:12]}: "
+                    f" but the {trunk.name} serves {model.fingerprint[:12]}: "
                     f"all services must load the same checkpoint"
                 )
             if shard.info.model.dtype != model.dtype:
                 raise LayoutError(
                     f"{shard.name} computes in {shard.info.model.dtype} but the "
-                    f"{self.trunk.name} in {model.dtype}: start them with the same --dtype"
+                    f"{trunk.name} in {model.dtype}: start them with the same --dtype"
                 )
         owners: dict[str, str] = {}
-        for shard in self.shards:
+        for component, shard in zip(self.shards, shards, strict=True):
+            component.heads = tuple(shard.info.hosted_heads)
             for head in shard.info.hosted_heads:
                 if head in owners:
                     raise LayoutError(
@@ -138,86 +213,147 @@ class GrpcBackend(DecodingBackend):
                 f"no jury shard hosts heads {missing}; together the shards must "
                 f"host every llm head {list(model.heads)}"
             )
-        limits = [
-            self.trunk.info.limits.max_session_tokens,
-            *(s.info.limits.max_session_tokens for s in self.shards),
-        ]
+        limits = [trunk.info.limits.max_session_tokens]
+        limits += [s.info.limits.max_session_tokens for s in shards]
         return ModelInfo(
             fingerprint=model.fingerprint,
             architecture=model.architecture,
             head_names=tuple(model.heads),
-            drafter_heads=tuple(self.trunk.info.drafter_heads),
+            drafter_heads=tuple(trunk.info.drafter_heads),
             vocab_size=model.vocab_size,
             context_length=min(model.context_length, *limits),
             eos_token_ids=tuple(model.eos_token_ids),
         )
 
-    @property
-    def replicas(self) -> dict[str, str]:
-        names = ["trunk", *(f"jury{i}" for i in range(len(self.shards)))]
-        return {
-            name: f"{s.address}@{s.epoch}" for name, s in zip(names, self.services, strict=True)
-        }
+    # --- placement -------------------------------------------------------------------
 
-    @property
-    def services(self) -> list[_Service]:
-        return [self.trunk, *self.shards]
+    def _address(self, component: _Component, cache: str, wanted: str = "") -> str:
+        """The replica of `component` that holds (or will hold) the session's caches."""
+        ready = self.discovery.ready(component.name)
+        if not ready:
+            raise ServiceUnavailable(
+                f"no ready replica of the {component.label} "
+                f"({self.discovery.targets[component.name]})"
+            )
+        with self._lock:
+            placement = self._placements.setdefault(cache, {})
+            address = placement.get(component.name) or wanted
+            if address not in ready:
+                now = time.monotonic()
+                healthy = [a for a in ready if self._suspects.get(a, 0.0) < now] or ready
+                load = {a: 0 for a in healthy}
+                for placed in self._placements.values():
+                    if placed.get(component.name) in load:
+                        load[placed[component.name]] += 1
+                address = min(healthy, key=lambda a: (load[a], a))
+            placement[component.name] = address
+        return address
+
+    def _replica(self, component: _Component, cache: str) -> _Replica:
+        return self._connect(component, self._address(component, cache))
+
+    def place(self, cache: str, stored: dict[str, str]) -> dict[str, str]:
+        for component in self.components:
+            wanted = stored.get(component.name, "").rpartition("@")[0]
+            self._connect(component, self._address(component, cache, wanted))
+        return self.placement(cache)
+
+    def placement(self, cache: str) -> dict[str, str]:
+        with self._lock:
+            placed = dict(self._placements.get(cache, {}))
+            return {
+                c.name: f"{placed[c.name]}@{c.replicas[placed[c.name]].epoch}"
+                for c in self.components
+                if placed.get(c.name) in c.replicas
+            }
+
+    def _forget(self, cache: str) -> dict[str, str]:
+        with self._lock:
+            return self._placements.pop(cache, {})
+
+    # --- calls -----------------------------------------------------------------------
 
     def close(self) -> None:
-        for service in self.services:
-            service.channel.close()
+        self.discovery.close()
+        for component in self.components:
+            for replica in component.replicas.values():
+                replica.channel.close()
 
-    def _call_all(self, services: list[_Service], method: str, requests: list) -> list:
-        """The same RPC on several services at once; responses in service order."""
+    def _call_all(self, targets: list[tuple[_Component, _Replica]], method: str, requests: list):
+        """The same RPC on several replicas at once; responses in order."""
         timeout = self.time_left()
-        if len(services) == 1:  # a plain blocking call: no future to hand over
-            (service,), (request,) = services, requests
+        if len(targets) == 1:  # a plain blocking call: no future to hand over
+            ((component, replica),), (request,) = targets, requests
             try:
-                response = getattr(service.stub, method)(request, timeout=timeout)
+                response = getattr(replica.stub, method)(request, timeout=timeout)
             except grpc.RpcError as error:
-                raise _translate(service, method, error) from None
-            service.epoch = response.epoch
+                raise self._failed(component, replica, method, error, request) from None
+            replica.epoch = response.epoch
             return [response]
         futures = [
-            getattr(s.stub, method).future(r, timeout=timeout)
-            for s, r in zip(services, requests, strict=True)
+            getattr(replica.stub, method).future(request, timeout=timeout)
+            for (_component, replica), request in zip(targets, requests, strict=True)
         ]
         responses = []
-        for service, future in zip(services, futures, strict=True):
+        for (component, replica), future, request in zip(targets, futures, requests, strict=True):
             try:
                 responses.append(future.result())
             except grpc.RpcError as error:
                 for other in futures:
                     other.cancel()
-                raise _translate(service, method, error) from None
-            service.epoch = responses[-1].epoch
+                raise self._failed(component, replica, method, error, request) from None
+            replica.epoch = responses[-1].epoch
         return responses
 
+    def _failed(
+        self, component: _Component, replica: _Replica, method: str, error: grpc.RpcError, request
+    ) -> Exception:
+        """The exception for a failed call. A replica that is down while the component
+        has another ready one: the session moves there (a position not held, so the
+        loop re-prefills) instead of failing the request."""
+        translated = _translate(replica, method, error)
+        others = [a for a in self.discovery.ready(component.name) if a != replica.address]
+        if isinstance(translated, ServiceUnavailable) and others:
+            with self._lock:
+                self._suspects[replica.address] = time.monotonic() + SUSPECT_S
+                placement = self._placements.get(request.session, {})
+                if placement.get(component.name) == replica.address:
+                    del placement[component.name]
+            return PositionError(f"{translated}; the session moves to another replica")
+        return translated
+
+    def _targets(self, components: list[_Component], cache: str):
+        return [(c, self._replica(c, cache)) for c in components]
+
     def prefill(self, call: PrefillCall) -> None:
-        (response,) = self._call_all([self.trunk], "Prefill", [wire.prefill_call_to_pb(call)])
+        trunk = self._targets([self.trunk], call.session)
+        (response,) = self._call_all(trunk, "Prefill", [wire.prefill_call_to_pb(call)])
         hidden = wire.forwarded_hidden(response.hidden)
         request = wire.jury_prefill_call_to_pb(JuryPrefillCall(call.session, call.start, hidden))
-        self._call_all(self.shards, "Prefill", [request] * len(self.shards))
+        shards = self._targets(self.shards, call.session)
+        self._call_all(shards, "Prefill", [request] * len(self.shards))
 
     def draft(self, call: DraftCall) -> DraftResult:
         request = wire.draft_call_to_pb(call)
+        targets = self._targets([self.trunk], call.session)
         began = time.perf_counter_ns()
-        (response,) = self._call_all([self.trunk], "Draft", [request])
+        (response,) = self._call_all(targets, "Draft", [request])
         self._account("draft", began, [request], [response])
         return _decoded(
-            self.trunk, lambda: wire.draft_result_from_pb(response, call, self.info.vocab_size)
+            targets[0][1], lambda: wire.draft_result_from_pb(response, call, self.info.vocab_size)
         )
 
     def score(self, call: ScoreCall) -> ScoreResult:
         requests = [wire.score_call_to_pb(call)] * len(self.shards)
+        targets = self._targets(self.shards, call.session)
         began = time.perf_counter_ns()
-        responses = self._call_all(self.shards, "Score", requests)
+        responses = self._call_all(targets, "Score", requests)
         self._account("score", began, requests, responses)
         parts = [
             _decoded(
-                shard, lambda r=response: wire.score_result_from_pb(r, call, self.info.vocab_size)
+                replica, lambda r=response: wire.score_result_from_pb(r, call, self.info.vocab_size)
             )
-            for shard, response in zip(self.shards, responses, strict=True)
+            for (_shard, replica), response in zip(targets, responses, strict=True)
         ]
         decision = None
         if call.with_decision:
@@ -235,18 +371,26 @@ class GrpcBackend(DecodingBackend):
             amateur_logprobs=amateur[0] if amateur else None,
         )
 
+    def _holders(self, cache: str) -> list[_Replica]:
+        """The replicas that may hold the session's caches: where it is placed, or —
+        placed by another orchestrator, or before a restart — every ready replica."""
+        placed = self._forget(cache)
+        holders = []
+        for component in self.components:
+            addresses = [placed[component.name]] if component.name in placed else None
+            for address in addresses or self.discovery.ready(component.name):
+                with suppress(ServiceUnavailable, LayoutError):
+                    holders.append(self._connect(component, address))
+        return holders
+
     def release(self, session: str) -> None:
-        """Best effort on every service, without the request's deadline: a cancelled or
+        """Best effort on every holder, without the request's deadline: a cancelled or
         failed request must still free its caches."""
-        for service in self.services:
+        request = internal_pb2.ReleaseRequest(session=session)
+        for replica in self._holders(session):
             # A service that is down holds nothing; idle eviction covers the rest.
             with suppress(grpc.RpcError):
-                service.stub.Release(internal_pb2.ReleaseRequest(session=session), timeout=5)
-
-    def close_session(self, session: str) -> bool:
-        request = internal_pb2.ReleaseRequest(session=session)
-        responses = self._call_all(self.services, "Release", [request] * len(self.services))
-        return any(response.released for response in responses)
+                replica.stub.Release(request, timeout=5)
 
     def _account(self, phase: str, began_ns: int, requests: list, responses: list) -> None:
         stats = self.stats
@@ -256,7 +400,7 @@ class GrpcBackend(DecodingBackend):
         stats.bytes_received += sum(r.ByteSize() for r in responses)
 
 
-def _decoded(service: _Service, decode: Callable[[], Result]) -> Result:
+def _decoded(service: _Replica, decode: Callable[[], Result]) -> Result:
     """A response decoded; a malformed one is the service's fault, never the client's."""
     try:
         return decode()
@@ -264,5 +408,5 @@ def _decoded(service: _Service, decode: Callable[[], Result]) -> Result:
         raise InternalServiceError(f"{service.name} sent a malformed response: {error}") from None
 
 
-def _translate(service: _Service, method: str, error: grpc.RpcError) -> Exception:
+def _translate(service: _Replica, method: str, error: grpc.RpcError) -> Exception:
     return error_from_status(error.code(), f"{service.name} ({method})", error.details() or "")

@@ -61,8 +61,10 @@ class LocalBackend(DecodingBackend):
             eos_token_ids=config.eos_token_ids,
         )
 
-    @property
-    def replicas(self) -> dict[str, str]:
+    def place(self, cache: str, stored: dict[str, str]) -> dict[str, str]:
+        return self.placement(cache)
+
+    def placement(self, cache: str) -> dict[str, str]:
         return {"workers": f"in-process@{self._epoch}"}
 
     def run_round(self, function: Callable[..., T], *args) -> T:
@@ -96,14 +98,12 @@ class LocalBackend(DecodingBackend):
         return self._run(lambda: self.jury.score(call).on_host())
 
     def release(self, session: str) -> None:
-        self.close_session(session)
-
-    def close_session(self, session: str) -> bool:
         # Without the deadline: a cancelled or failed request must still free its caches.
-        return self.run_round(self._release_everywhere, session)
+        self.run_round(self._release_everywhere, session)
 
-    def _release_everywhere(self, session: str) -> bool:
-        return self.trunk.release(session) | self.jury.release(session)  # both, always
+    def _release_everywhere(self, session: str) -> None:
+        self.trunk.release(session)
+        self.jury.release(session)
 
     def close(self) -> None:
         if self._thread is not None:

@@ -22,6 +22,7 @@ from hydra_model import HydraModel
 from hydra_model.checkpoint import checkpoint_fingerprint, read_manifest
 from orchestrator.backend import DecodingBackend
 from orchestrator.convert import output_to_pb, request_from_pb, round_to_pb
+from orchestrator.discovery import Discovery
 from orchestrator.engine import Engine
 from orchestrator.grpc_backend import GrpcBackend, LayoutError
 from orchestrator.local_backend import LocalBackend
@@ -207,8 +208,7 @@ async def start_generation_server(
 async def serve_orchestrator(
     *,
     checkpoint: str,
-    trunk: str,
-    jury: list[str],
+    discovery: Discovery,
     store: SessionStore,
     address: str = "127.0.0.1:0",
     metrics_port: int | None = None,
@@ -219,7 +219,7 @@ async def serve_orchestrator(
     """The split stack's orchestrator: connects to the services (checking their layout)
     and starts the Generation server."""
     read_manifest(checkpoint)  # a clear error for a wrong --checkpoint, before connecting
-    backend = await asyncio.to_thread(GrpcBackend, trunk, jury, connect_timeout_s)
+    backend = await asyncio.to_thread(GrpcBackend, discovery, connect_timeout_s)
     manifest_fingerprint = checkpoint_fingerprint(checkpoint)
     if manifest_fingerprint != backend.info.fingerprint:
         backend.close()

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from jury_service.server import JURY_SERVICE
+from orchestrator.discovery import StaticDiscovery
 from orchestrator.server import serve_embedded, serve_orchestrator
 from orchestrator.sessions.redis_store import RedisStore
 from orchestrator.sessions.store import StoreSettings
@@ -89,8 +90,7 @@ class Stack:
         running = self.loop.run(
             serve_orchestrator(
                 checkpoint=self.checkpoint,
-                trunk=self.addresses["trunk"],
-                jury=self.jury_addresses,
+                discovery=StaticDiscovery(self.addresses["trunk"], self.jury_addresses),
                 store=self.store(),
                 connect_timeout_s=10,
                 **options,

@@ -250,11 +250,10 @@ class SessionRunner:
         generation = self.engine.begin(
             prepared,
             record.cache_id,
-            reused=self._reusable(record, record.tokens),
+            reused=await self._reusable(record, record.tokens),
             progress=current.progress,
             records=records,
         )
-        record.replicas = dict(self.backend.replicas)
         return generation
 
     async def _new_turn(
@@ -285,7 +284,7 @@ class SessionRunner:
                 context = record.tokens + added
             prepared = await self._in_thread(self.engine.prepare, request, context)
         context = list(prepared.prompt_tokens)
-        reused = min(common_prefix(record.tokens, context), self._reusable(record, context))
+        reused = min(common_prefix(record.tokens, context), await self._reusable(record, context))
         if kind == "chat":
             record.messages = list(prepared.request.messages)
         record.kind = kind
@@ -296,13 +295,15 @@ class SessionRunner:
             prepared.draft_head,
             list(prepared.jury),
         )
-        record.replicas = dict(self.backend.replicas)
         return self.engine.begin(prepared, record.cache_id, reused=reused)
 
-    def _reusable(self, record: SessionRecord, tokens: list[int]) -> int:
-        """Positions the caches can be trusted to hold: none when the services that held
-        them changed (another replica, a restart)."""
-        if record.replicas != dict(self.backend.replicas):
+    async def _reusable(self, record: SessionRecord, tokens: list[int]) -> int:
+        """Places the session's caches (on the replicas its record names, while they are
+        ready) and returns the positions they can be trusted to hold: none when the
+        replicas changed (moved, restarted)."""
+        stored = record.replicas
+        record.replicas = await self._in_thread(self.backend.place, record.cache_id, stored)
+        if record.replicas != stored:
             return 0
         return min(record.processed, len(tokens) - 1)
 
@@ -379,7 +380,7 @@ class SessionRunner:
         record.tokens = list(generation.committed)
         record.processed = len(record.tokens) - 1
         record.generation.progress = generation.progress()
-        record.replicas = dict(self.backend.replicas)
+        record.replicas = self.backend.placement(record.cache_id)
         if output.finish_reason is None:
             return None
         summary = generation.result()

@@ -237,11 +237,11 @@ def test_layouts_are_checked(jury_checkpoint):
     try:
         trunk, (a, b, c) = stack.addresses["trunk"], stack.jury_addresses
         with pytest.raises(LayoutError, match="'head1' is hosted by both"):
-            GrpcBackend(trunk, [a, b, c])
+            GrpcBackend.static(trunk, [a, b, c])
         with pytest.raises(LayoutError, match=r"no jury shard hosts heads \['head2', 'head3'\]"):
-            GrpcBackend(trunk, [a])
+            GrpcBackend.static(trunk, [a])
         with pytest.raises(LayoutError, match="shards must host disjoint heads"):
-            GrpcBackend(trunk, [b, a])
+            GrpcBackend.static(trunk, [b, a])
     finally:
         stack.close()
 
@@ -252,7 +252,7 @@ def test_services_of_another_checkpoint_are_refused(jury_checkpoint, hydra_check
     other.start_services()
     try:
         with pytest.raises(LayoutError, match="all services must load the same checkpoint"):
-            GrpcBackend(ours.addresses["trunk"], other.jury_addresses)
+            GrpcBackend.static(ours.addresses["trunk"], other.jury_addresses)
     finally:
         ours.close()
         other.close()
@@ -269,7 +269,7 @@ def test_a_shard_going_down_is_unavailable_and_names_it(jury_checkpoint, redis_u
         with pytest.raises(grpc.RpcError) as raised:
             generation.Generate(to_pb("hi", max_new_tokens=4, seed=1), timeout=30)
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert f"jury shard at {down}" in raised.value.details()
+        assert f"jury shard 1 at {down}" in raised.value.details()
     finally:
         stack.close()
 
