@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from jury_service.server import JURY_SERVICE
-from orchestrator.discovery import StaticDiscovery
+from orchestrator.discovery import Discovery, StaticDiscovery
 from orchestrator.server import serve_embedded, serve_orchestrator
 from orchestrator.sessions.redis_store import RedisStore
 from orchestrator.sessions.store import StoreSettings
@@ -60,20 +60,10 @@ class Stack:
     channels: list[grpc.Channel] = field(default_factory=list)
 
     def start_services(self) -> Stack:
-        limits = {
-            "max_sessions": self.max_sessions,
-            "max_session_tokens": self.max_session_tokens,
-            "reclaim_after_s": self.reclaim_after_s,
-        }
-        trunk = self.loop.run(
-            serve_worker(TRUNK_SERVICE, ServiceOptions(self.checkpoint, **limits))
-        )
-        self.servers["trunk"], self.addresses["trunk"] = trunk, f"127.0.0.1:{trunk.port}"
+        """The trunk service ("trunk") and one service per shard ("jury0", ...)."""
+        self.start_replica("trunk")
         for index, heads in enumerate(self.shards):
-            options = ServiceOptions(self.checkpoint, heads=heads, **limits)
-            shard = self.loop.run(serve_worker(JURY_SERVICE, options))
-            self.servers[f"jury{index}"] = shard
-            self.addresses[f"jury{index}"] = f"127.0.0.1:{shard.port}"
+            self.start_replica(f"jury{index}", heads)
         return self
 
     @property
@@ -84,13 +74,29 @@ class Stack:
         """A client of the stack's sessions (each server gets its own)."""
         return RedisStore(self.redis_url, prefix=self.prefix, settings=self.sessions)
 
-    def start_orchestrator(self, name: str = "orchestrator", **options) -> Stack:
-        """An orchestrator over the services; more than one (other names) share them and
-        the sessions."""
+    def start_replica(self, name: str, heads: list[str] | None = None) -> str:
+        """One more trunk replica (`heads` None) or jury replica, named `name`; its port."""
+        limits = {
+            "max_sessions": self.max_sessions,
+            "max_session_tokens": self.max_session_tokens,
+            "reclaim_after_s": self.reclaim_after_s,
+        }
+        spec = TRUNK_SERVICE if heads is None else JURY_SERVICE
+        options = ServiceOptions(self.checkpoint, heads=heads, **limits)
+        running = self.loop.run(serve_worker(spec, options))
+        self.servers[name], self.addresses[name] = running, f"127.0.0.1:{running.port}"
+        return running.port
+
+    def start_orchestrator(
+        self, name: str = "orchestrator", discovery: Discovery | None = None, **options
+    ) -> Stack:
+        """An orchestrator over the services (static addresses unless `discovery` is
+        given); more than one (other names) share them and the sessions."""
+        discovery = discovery or StaticDiscovery(self.addresses["trunk"], self.jury_addresses)
         running = self.loop.run(
             serve_orchestrator(
                 checkpoint=self.checkpoint,
-                discovery=StaticDiscovery(self.addresses["trunk"], self.jury_addresses),
+                discovery=discovery,
                 store=self.store(),
                 connect_timeout_s=10,
                 **options,
