@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from serving.errors import DeadlineExceeded
-from workers.calls import DraftCall, DraftResult, PrefillCall, ScoreCall, ScoreResult
+from workers.calls import (
+    DraftCall,
+    DraftResult,
+    HiddenStates,
+    PrefillCall,
+    ScoreCall,
+    ScoreResult,
+)
 
 T = TypeVar("T")
 
@@ -82,6 +89,11 @@ class DecodingBackend(ABC):
     @abstractmethod
     def prefill(self, call: PrefillCall) -> None:
         """Processes the tokens in the trunk and the jury."""
+
+    @abstractmethod
+    def trunk_forward(self, call: PrefillCall) -> HiddenStates:
+        """Processes the tokens in the trunk only; their hidden states, for a `score`
+        call (one-pass verification of an outside draft)."""
 
     @abstractmethod
     def draft(self, call: DraftCall) -> DraftResult:

@@ -134,6 +134,13 @@ def _add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seed", type=int, help="default: random (on a continued session: the session's)"
     )
+    parser.add_argument(
+        "--drafter",
+        default="head",
+        choices=["head", "ngram"],
+        help="head: a head on the trunk drafts (default); ngram: prompt lookup in the "
+        "context, checked by the trunk and the whole jury in one pass",
+    )
     parser.add_argument("--draft-head", help="default: drawn from the drafters by the seed")
     parser.add_argument("--jury", help="comma-separated heads (default: all but the drafter)")
 
@@ -165,6 +172,7 @@ def _decoding_request(
         contrastive_alpha=args.contrastive_alpha,
         contrastive_amateur=args.contrastive_amateur,
         seed=args.seed,
+        drafter=args.drafter,
         draft_head=args.draft_head,
         jury=args.jury.split(",") if args.jury else None,
     )

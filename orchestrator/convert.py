@@ -24,6 +24,7 @@ def request_from_pb(message: generation_pb2.GenerateRequest) -> GenerationReques
     values["draft_head"] = options.draft_head or None
     values["jury"] = list(options.jury) or None
     values["contrastive_amateur"] = options.contrastive_amateur or None
+    values["drafter"] = options.drafter or "head"
     if which == "prompt":
         values["prompt"] = message.prompt
     else:
@@ -43,6 +44,7 @@ def request_to_pb(
         draft_head=request.draft_head or "",
         jury=request.jury or [],
         contrastive_amateur=request.contrastive_amateur or "",
+        drafter=request.drafter,
         **{name: getattr(request, name) for name in _PLAIN_FIELDS},
     )
     for name in _OPTIONAL_FIELDS:

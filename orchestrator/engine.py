@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -38,7 +38,7 @@ from orchestrator.output import (
     TokenKind,
     TokenRecord,
 )
-from orchestrator.request import GenerationRequest, PreparedRequest, prepare_request
+from orchestrator.request import Drafter, GenerationRequest, PreparedRequest, prepare_request
 from poe import (
     RequestStats,
     Rule,
@@ -49,7 +49,9 @@ from poe import (
     filter_logprobs,
     greedy_tokens,
     greedy_verdict,
+    ngram_draft,
     normalise_logprobs,
+    point_mass_logprobs,
     residual_probs,
     stability_margin,
     stability_radius,
@@ -57,7 +59,14 @@ from poe import (
     uniforms,
     validity_radius,
 )
-from workers.calls import DraftCall, DraftResult, PrefillCall, ScoreCall, ScoreResult
+from workers.calls import (
+    DraftCall,
+    DraftResult,
+    HiddenStates,
+    PrefillCall,
+    ScoreCall,
+    ScoreResult,
+)
 from workers.errors import PositionError
 
 
@@ -73,6 +82,7 @@ class _Verdict:
     votes: torch.Tensor | None = None  # [rows, J]
     voters: tuple[str, ...] = ()
     rejected: int | None = None  # the draft token the replacement took the place of
+    bonus: bool = False  # a one-pass round kept every draft and drew one more token
 
 
 @dataclass
@@ -223,10 +233,12 @@ class Engine:
 
     def _round(self, run: _Run, timings: dict[str, float]) -> _Verdict:
         rule = run.prepared.rule
+        if run.prepared.drafter != Drafter.HEAD:
+            return self._verify_round(run, timings)
         draft = self._draft(run, timings)
         if rule == Rule.DRAFTER_ONLY:
             return self._keep_draft(draft)
-        score = self._score(run, draft, timings)
+        score = self._score(run, draft.hidden, draft.decision_logprobs is not None, timings)
         target_logprobs = normalise_logprobs(score.log_product)  # [γ, V]
         if rule == Rule.VERIFIER_ONLY:
             return self._sample_target(run, target_logprobs, score)
@@ -256,16 +268,66 @@ class Engine:
         run.stats.head_evaluations += draft.head_evaluations
         return draft
 
-    def _score(self, run: _Run, draft: DraftResult, timings: dict[str, float]) -> ScoreResult:
+    def _verify_round(self, run: _Run, timings: dict[str, float]) -> _Verdict:
+        """An outside draft checked in one pass: one trunk forward over the pending token
+        and the k draft tokens (k+1 positions), one jury call scoring them, acceptance
+        left to right against point-mass draft distributions, and — when all k are kept
+        — a bonus token drawn from the target at the last position. No draft (no
+        n-gram match): a plain step that samples from the target."""
+        prepared = run.prepared
+        remaining = prepared.request.max_new_tokens - len(run.generated)
+        began = time.perf_counter()
+        # k + 1 tokens can be committed: leave room for the bonus under the limit.
+        drafts = ngram_draft(run.committed, min(prepared.request.gamma, remaining - 1))
+        tokens = torch.tensor([run.committed[-1], *drafts])
+        hidden = self.backend.trunk_forward(PrefillCall(run.session, run.start, tokens))
+        timings["draft_s"] = time.perf_counter() - began
+        run.stats.trunk_steps += len(tokens)
+        with_decision = prepared.rule.is_cascade and not prepared.sampling.greedy
+        score = self._score(run, hidden, with_decision, timings)
+        target_logprobs = normalise_logprobs(score.log_product)  # [k + 1, V]
+        k = len(drafts)
+        if k == 0:
+            return self._sample_target(run, target_logprobs, score)
+        draft_tokens = torch.tensor(drafts)
+        point_mass = point_mass_logprobs(draft_tokens, self.backend.info.vocab_size)
+        draft = DraftResult(draft_tokens, point_mass, point_mass if with_decision else None, hidden)
+        decision = score.decision_log_product
+        checked = replace(
+            score,
+            log_product=score.log_product[:k],
+            decision_log_product=None if decision is None else decision[:k],
+        )
+        accept = self._accept_greedy if prepared.sampling.greedy else self._accept_sampled
+        verdict = accept(run, draft, target_logprobs[:k], checked)
+        verdict.target_probs = target_logprobs.exp()  # every row: the bonus's metrics too
+        if verdict.accepted == k:
+            verdict.tokens.append(self._draw(run, target_logprobs[k:], run.start + 1 + k))
+            verdict.kinds.append(TokenKind.BONUS)
+            verdict.bonus = True
+        return verdict
+
+    @staticmethod
+    def _draw(run: _Run, logprobs: torch.Tensor, position: int) -> int:
+        """One token from the target row `logprobs` [1, V] for `position`: its argmax
+        (greedy) or a draw keyed by the position, after the filters."""
+        if run.prepared.sampling.greedy:
+            return int(greedy_tokens(logprobs.exp())[0])
+        filtered = filter_logprobs(logprobs, run.prepared.sampling).exp()
+        return int(categorical(filtered, run.prepared.seed, torch.tensor([position]), "sample")[0])
+
+    def _score(
+        self, run: _Run, hidden: HiddenStates, with_decision: bool, timings: dict[str, float]
+    ) -> ScoreResult:
         prepared = run.prepared
         call = ScoreCall(
             run.session,
             run.start,
-            draft.hidden,
+            hidden,
             tuple(prepared.jury),
             prepared.request.temperature,
             prepared.request.beta,
-            with_decision=draft.decision_logprobs is not None,
+            with_decision=with_decision,
             amateur=prepared.amateur,
         )
         began = time.perf_counter()
@@ -285,19 +347,14 @@ class Engine:
         """verifier_only: one token from the target (or, contrastive, from the contrastive
         distribution of the target and the amateur), nothing drafted."""
         prepared = run.prepared
-        target_probs = target_logprobs.exp()  # [1, V]
         chosen_from = target_logprobs
         if prepared.amateur is not None:
             alpha = prepared.request.contrastive_alpha
             chosen_from = contrastive_logprobs(target_logprobs, score.amateur_logprobs, alpha)
-        if prepared.sampling.greedy:
-            chosen_probs = target_probs if prepared.amateur is None else chosen_from.exp()
-            token = int(greedy_tokens(chosen_probs)[0])
-        else:
-            filtered = filter_logprobs(chosen_from, prepared.sampling).exp()
-            position = torch.tensor([run.start + 1])
-            token = int(categorical(filtered, prepared.seed, position, "sample")[0])
-        return _Verdict([token], [TokenKind.SAMPLE], 0, 0, target_probs, score.votes, score.voters)
+        token = Engine._draw(run, chosen_from, run.start + 1)
+        return _Verdict(
+            [token], [TokenKind.SAMPLE], 0, 0, target_logprobs.exp(), score.votes, score.voters
+        )
 
     @staticmethod
     def _accept_greedy(
@@ -361,7 +418,8 @@ class Engine:
             # (a replacement is always a round's last token), so the round decided on
             # exactly the positions it emitted.
             drafted = accepted = len(tokens)
-        run.stats.observe_round(drafted, accepted)
+        bonus = verdict.bonus and len(tokens) == len(verdict.tokens)
+        run.stats.observe_round(drafted, accepted, bonus)
         records = self._records(run, verdict, tokens)
         run.committed += tokens
         run.generated += tokens

@@ -48,6 +48,7 @@ from serving.server import CHANNEL_OPTIONS
 from workers.calls import (
     DraftCall,
     DraftResult,
+    HiddenStates,
     JuryPrefillCall,
     PrefillCall,
     ScoreCall,
@@ -325,10 +326,13 @@ class GrpcBackend(DecodingBackend):
     def _targets(self, components: list[_Component], cache: str):
         return [(c, self._replica(c, cache)) for c in components]
 
-    def prefill(self, call: PrefillCall) -> None:
+    def trunk_forward(self, call: PrefillCall) -> HiddenStates:
         trunk = self._targets([self.trunk], call.session)
         (response,) = self._call_all(trunk, "Prefill", [wire.prefill_call_to_pb(call)])
-        hidden = wire.forwarded_hidden(response.hidden)
+        return wire.forwarded_hidden(response.hidden)
+
+    def prefill(self, call: PrefillCall) -> None:
+        hidden = self.trunk_forward(call)
         request = wire.jury_prefill_call_to_pb(JuryPrefillCall(call.session, call.start, hidden))
         shards = self._targets(self.shards, call.session)
         self._call_all(shards, "Prefill", [request] * len(self.shards))

@@ -20,6 +20,7 @@ from serving.server import new_epoch
 from workers.calls import (
     DraftCall,
     DraftResult,
+    HiddenStates,
     JuryPrefillCall,
     PrefillCall,
     ScoreCall,
@@ -88,6 +89,9 @@ class LocalBackend(DecodingBackend):
     def _prefill(self, call: PrefillCall) -> None:
         hidden = self.trunk.prefill(call)
         self.jury.prefill(JuryPrefillCall(call.session, call.start, hidden))
+
+    def trunk_forward(self, call: PrefillCall) -> HiddenStates:
+        return self._run(self.trunk.prefill, call)
 
     # The loop's maths runs on the host, on [γ, V] tensors, as it does over gRPC; the
     # hidden states stay on the model's device for the jury.

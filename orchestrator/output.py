@@ -11,6 +11,7 @@ class TokenKind(StrEnum):
     DRAFT = "draft"  # a draft token kept
     REPLACEMENT = "replacement"  # drawn from the residual after a rejection
     SAMPLE = "sample"  # drawn from the target with no draft (verifier_only)
+    BONUS = "bonus"  # drawn from the target after a one-pass round kept every draft
 
 
 class FinishReason(StrEnum):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from orchestrator.backend import ModelInfo
 from poe import RULES, Rule, SamplingParams, choice, random_seed, validate_rule
@@ -22,6 +23,14 @@ from workers.errors import InvalidArgument
 
 class RequestError(InvalidArgument):
     """An invalid request option; the message names it."""
+
+
+class Drafter(StrEnum):
+    HEAD = "head"  # a head on the trunk drafts, one trunk step per draft token
+    NGRAM = "ngram"  # prompt lookup; the draft is checked in one trunk + jury pass
+
+
+DRAFTERS = tuple(Drafter)
 
 
 @dataclass
@@ -46,6 +55,7 @@ class GenerationRequest:
     # Contrastive decoding (non-speculative): the jury as expert, this head as amateur.
     contrastive_alpha: float = 0.0  # plausibility cutoff α in (0, 1]; 0 = off
     contrastive_amateur: str | None = None
+    drafter: str = "head"
 
     @property
     def sampling(self) -> SamplingParams:
@@ -68,6 +78,7 @@ class PreparedRequest:
     jury: list[str]  # empty for drafter_only
     sampling: SamplingParams
     amateur: str | None = None  # contrastive decoding's amateur head
+    drafter: Drafter = Drafter.HEAD
 
 
 def prompt_tokens(request: GenerationRequest, tokenizer) -> list[int]:
@@ -110,10 +121,33 @@ def prepare_request(
             f"{info.context_length - len(tokens)} new tokens fit"
         )
     seed = random_seed() if request.seed is None else request.seed
-    draft_head = _draft_head(request, rule, info, seed)
+    drafter = _drafter(request, rule)
+    draft_head = _draft_head(request, rule, info, seed) if drafter == Drafter.HEAD else None
     amateur = _amateur(request, rule, info)
     jury = _jury(request, rule, info, draft_head, amateur)
-    return PreparedRequest(request, rule, tokens, seed, draft_head, jury, request.sampling, amateur)
+    return PreparedRequest(
+        request, rule, tokens, seed, draft_head, jury, request.sampling, amateur, drafter
+    )
+
+
+def _drafter(request: GenerationRequest, rule: Rule) -> Drafter:
+    if request.drafter not in DRAFTERS:
+        raise RequestError(
+            f"unknown drafter {request.drafter!r}; choose one of {', '.join(DRAFTERS)}"
+        )
+    drafter = Drafter(request.drafter)
+    if drafter == Drafter.HEAD:
+        return drafter
+    if rule in (Rule.DRAFTER_ONLY, Rule.VERIFIER_ONLY):
+        raise RequestError(
+            f"drafter {str(drafter)!r} conflicts with rule {str(rule)!r}: that rule "
+            "uses no outside drafter; use drafter 'head'"
+        )
+    if request.draft_head is not None:
+        raise RequestError(
+            f"drafter {str(drafter)!r} drafts without a head: leave draft_head unset"
+        )
+    return drafter
 
 
 def _check_numbers(request: GenerationRequest, info: ModelInfo) -> Rule:

@@ -7,9 +7,11 @@ Modules
 - metrics: per-token metrics (entropy, stability, validity, suppression) and request counters.
 - randomness: counter-based draws keyed by (seed, position, purpose).
 - contrastive: contrastive decoding scores (the jury as expert, one head as amateur).
+- drafting: prompt-lookup (n-gram) drafts and point-mass draft distributions.
 """
 
 from poe.contrastive import contrastive_logprobs
+from poe.drafting import ngram_draft, point_mass_logprobs
 from poe.filters import SamplingParams, filter_logprobs
 from poe.metrics import (
     RequestStats,
@@ -57,8 +59,10 @@ __all__ = [
     "filter_logprobs",
     "greedy_tokens",
     "greedy_verdict",
+    "ngram_draft",
     "normalise_logprobs",
     "partial_log_product",
+    "point_mass_logprobs",
     "random_seed",
     "reached_positions",
     "residual_probs",

@@ -129,8 +129,10 @@ class RequestStats:
     trunk_steps: int = 0
     head_evaluations: int = 0
 
-    def observe_round(self, num_drafted: int, num_accepted: int) -> None:
-        """Records one round: `num_drafted` tokens proposed, the first `num_accepted` kept.
+    def observe_round(self, num_drafted: int, num_accepted: int, bonus: bool = False) -> None:
+        """Records one round: `num_drafted` tokens proposed, the first `num_accepted` kept,
+        and with `bonus` one more token sampled from the target after all were kept (a
+        one-pass verification round).
 
         num_drafted is γ, or fewer when the round was cut short by a stop condition (an
         accepted stop token, the token limit): then count the draft tokens up to it.
@@ -140,7 +142,8 @@ class RequestStats:
         self.drafted += num_drafted
         self.accepted += num_accepted
         rejected = num_accepted < num_drafted
-        self.emitted += num_accepted + (1 if rejected or num_drafted == 0 else 0)
+        extra = rejected or num_drafted == 0 or bonus
+        self.emitted += num_accepted + (1 if extra else 0)
         missing = num_reached - len(self.reached_per_position)
         if missing > 0:
             self.reached_per_position.extend([0] * missing)

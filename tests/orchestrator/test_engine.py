@@ -94,6 +94,10 @@ class CountingBackend(LocalBackend):
         self.calls.append(("score", call.start, call.hidden.rows))
         return super().score(call)
 
+    def trunk_forward(self, call):
+        self.calls.append(("trunk", call.start, len(call.tokens)))
+        return super().trunk_forward(call)
+
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_no_wasted_work(jury_model, tokenizer, temperature):
@@ -241,6 +245,10 @@ def test_every_rule_runs(engine, rule):
         ({"beta": 0.0}, r"beta must be in \(0, 100\]"),
         ({"stop": [""]}, "stop sequences must be non-empty strings"),
         ({"rule": "verifier_only", "draft_head": "head1"}, "does not draft"),
+        ({"drafter": "oracle"}, "unknown drafter 'oracle'; choose one of head, ngram"),
+        ({"drafter": "ngram", "rule": "verifier_only"}, "conflicts with rule 'verifier_only'"),
+        ({"drafter": "ngram", "rule": "drafter_only"}, "conflicts with rule 'drafter_only'"),
+        ({"drafter": "ngram", "draft_head": "head1"}, "drafts without a head"),
     ],
 )
 def test_invalid_options_fail_before_any_compute(jury_model, tokenizer, options, message):
@@ -413,3 +421,57 @@ def test_stream_never_sends_text_a_stop_sequence_later_cuts(engine, tokenizer):
     sent = "".join(message.text for message in messages)
     assert messages[-1].finish_reason == "stop"
     assert sent == full.text[: at - 2]
+
+
+REPEATING = ["abcabcabc", "the cat sat. the cat sat. the", "hi hi hi"]
+
+
+@pytest.mark.parametrize("prompt", REPEATING)
+def test_greedy_ngram_speculation_equals_non_speculative_poe(engine, prompt):
+    """Drafts from prompt lookup, checked in one pass: greedy output equals greedy
+    non-speculative PoE over the same jury (every head), token for token."""
+    reference = engine.generate(greedy(prompt, rule="verifier_only", draft_head=None))
+    for gamma in (1, 4, 8):
+        output = engine.generate(greedy(prompt, gamma=gamma, drafter="ngram", draft_head=None))
+        assert output.token_ids == reference.token_ids, f"gamma={gamma}"
+        assert output.jury == ["head0", "head1", "head2", "head3"]  # no head drafts
+        kinds = {record.kind for record in output.tokens}
+        assert "bonus" in kinds and "draft" in kinds, kinds
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_one_pass_rounds_do_no_wasted_work(jury_model, tokenizer, temperature):
+    """Each round: one trunk forward over the pending token and the k draft tokens, one
+    jury call over the same k + 1 positions, both at the processed length; a round that
+    keeps every draft commits k + 1 tokens (the bonus)."""
+    backend = CountingBackend(jury_model, limits=SessionLimits(1, 128))
+    prompt = "abcabcabcabc"
+    prompt_tokens = tokenizer.encode(prompt, add_special_tokens=False)
+    output = Engine(backend, tokenizer).generate(
+        GenerationRequest(
+            prompt=prompt,
+            drafter="ngram",
+            gamma=4,
+            max_new_tokens=40,
+            ignore_eos=True,
+            seed=5,
+            temperature=temperature,
+        )
+    )
+    assert len(output.token_ids) == 40  # the bonus never overshoots the limit
+    calls = backend.calls
+    assert calls[0] == ("prefill", 0, len(prompt_tokens) - 1)
+    processed = len(prompt_tokens) - 1
+    stats = output.stats
+    bonuses = sum(record.kind == "bonus" for record in output.tokens)
+    for (kind_t, start_t, rows_t), (kind_s, start_s, rows_s), size in zip(
+        calls[1::2], calls[2::2], output.rounds, strict=True
+    ):
+        assert (kind_t, kind_s) == ("trunk", "score")
+        assert start_t == start_s == processed and rows_t == rows_s
+        assert size <= rows_t  # at most k + 1 tokens from k + 1 positions
+        processed += size
+    assert stats["emitted"] == 40 and stats["rounds"] == len(output.rounds)
+    assert stats["trunk_steps"] == sum(rows for kind, _, rows in calls if kind == "trunk")
+    # Every round commits its kept drafts and one more: a replacement, a sample or a bonus.
+    assert bonuses > 0 and stats["emitted"] == stats["accepted"] + stats["rounds"]

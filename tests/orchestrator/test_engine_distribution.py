@@ -30,7 +30,7 @@ from tests.models import build_jury_checkpoint, next_token_logits
 from tests.statistics import assert_fits
 from workers.sessions import SessionLimits
 
-pytestmark = pytest.mark.slow  # 20,000 generations: about a minute on 2 cores
+pytestmark = pytest.mark.slow  # 30,000 generations: about a minute and a half on 2 cores
 
 RUNS = 5000
 PROMPT = "hi"
@@ -104,16 +104,17 @@ def first_two_tokens(engine, request: GenerationRequest) -> list[int]:
     return tokens[:2]
 
 
-def empirical(engine, request_options: dict) -> torch.Tensor:
+def empirical(engine, request_options: dict, prompt: str = PROMPT) -> torch.Tensor:
     vocab = engine.backend.info.vocab_size
     counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    drafter = {"jury": JURY} if "drafter" in request_options else {"draft_head": DRAFT_HEAD}
     for seed in range(RUNS):
         request = GenerationRequest(
-            prompt=PROMPT,
+            prompt=prompt,
             seed=seed,
             ignore_eos=True,
-            draft_head=DRAFT_HEAD,
             beta=BETA,
+            **drafter,
             **request_options,
         )
         x1, x2 = first_two_tokens(engine, request)
@@ -150,6 +151,41 @@ def test_exact_rule_samples_the_poe_target(small_engine, small_model, gamma):
         },
     )
     assert_fits(counts, joint, draft_joint)
+
+
+@pytest.mark.parametrize("gamma", [2, 4])
+def test_ngram_drafts_checked_in_one_pass_sample_the_poe_target(small_engine, small_model, gamma):
+    """Prompt-lookup drafts (point masses) with one-pass verification and the bonus token:
+    the prompt repeats, so the first round drafts from it, and the second token comes from
+    a kept draft, a replacement or the bonus."""
+    prompt_text = "hihih"
+    prompt = small_engine.tokenizer.encode(prompt_text, add_special_tokens=False)
+    temperature, top_k = 0.8, 12
+    names = small_model.head_names
+
+    def target(logits):
+        probs = exact_target(logits, names, temperature)
+        kept = torch.zeros_like(probs).scatter(0, probs.topk(top_k).indices, 1.0)
+        return probs * kept / (probs * kept).sum(), False
+
+    joint, _ = joint_distribution(small_model, prompt, target)
+    # The mistake of keeping the draft too often: mass moved onto the drafted pair.
+    drafted = prompt[-2:]  # "ih", what followed the earlier "h"
+    keeps_too_often = 0.7 * joint
+    keeps_too_often[drafted[0], drafted[1]] += 0.3
+    counts = empirical(
+        small_engine,
+        {
+            "rule": "exact",
+            "drafter": "ngram",
+            "gamma": gamma,
+            "max_new_tokens": 4,
+            "temperature": temperature,
+            "top_k": top_k,
+        },
+        prompt=prompt_text,
+    )
+    assert_fits(counts, joint, keeps_too_often)
 
 
 @pytest.mark.parametrize("gamma", [1, 4])

@@ -29,6 +29,9 @@ CASES = [
     # contrastive decoding: the amateur on one shard, some jurors on the other
     {"rule": "verifier_only", "temperature": 0.0, **CONTRASTIVE},
     {"rule": "verifier_only", "temperature": 0.7, **CONTRASTIVE},
+    # prompt-lookup drafts checked in one pass (trunk forward, then every shard)
+    {"rule": "exact", "temperature": 0.0, "gamma": 4, "drafter": "ngram"},
+    {"rule": "cascade_chow", "lenience": 0.3, "temperature": 0.9, "gamma": 3, "drafter": "ngram"},
 ]
 
 
