@@ -53,6 +53,7 @@ from poe import (
     normalise_logprobs,
     point_mass_logprobs,
     residual_probs,
+    rule_target,
     stability_margin,
     stability_radius,
     suppression_score,
@@ -298,7 +299,12 @@ class Engine:
             log_product=score.log_product[:k],
             decision_log_product=None if decision is None else decision[:k],
         )
-        accept = self._accept_greedy if prepared.sampling.greedy else self._accept_sampled
+        if prepared.sampling.greedy:
+            accept = self._accept_greedy
+        elif prepared.rule == Rule.LENIENT:  # keeps more than π(d): not a coupling
+            accept = self._accept_sampled
+        else:
+            accept = self._accept_coupled
         verdict = accept(run, draft, target_logprobs[:k], checked)
         verdict.target_probs = target_logprobs.exp()  # every row: the bonus's metrics too
         if verdict.accepted == k:
@@ -406,6 +412,42 @@ class Engine:
                 decision_target[row],
             )
             replacement = int(categorical(residual, seed, positions[row], "residual")[0])
+        return _verdict(draft, kept, replacement, target_logprobs.exp(), score)
+
+    @staticmethod
+    def _accept_coupled(
+        run: _Run, draft: DraftResult, target_logprobs: torch.Tensor, score: ScoreResult
+    ) -> _Verdict:
+        """Point-mass drafts, sampled: at each draft position, the token a plain step
+        would draw there — from the rule's target π, keyed by the position — is compared
+        with the draft token; drafts are kept while they are equal, and the first draw
+        that differs is the replacement. A draft token d is kept with probability π(d),
+        its acceptance probability min(1, π(d)/q(d)) under a point mass q, and a draw
+        that differs is distributed as π without d, renormalised: the residual
+        (π − q)⁺. So the rule is exact, and the tokens are the very tokens of drawing
+        from π without drafting (for the exact rule: non-speculative PoE with the same
+        seed), whatever was drafted."""
+        prepared = run.prepared
+        gamma = len(draft.tokens)
+        draft_probs = draft.logprobs.exp()
+        sampled_target = filter_logprobs(target_logprobs, prepared.sampling).exp()
+        if draft.decision_logprobs is not None:
+            decision_draft = draft.decision_logprobs.exp()
+            decision_target = normalise_logprobs(score.decision_log_product).exp()
+        else:
+            decision_draft, decision_target = draft_probs, sampled_target
+        target = rule_target(
+            prepared.rule,
+            prepared.request.lenience,
+            draft_probs,
+            sampled_target,
+            decision_draft,
+            decision_target,
+        )
+        positions = torch.arange(run.start + 1, run.start + 1 + gamma)
+        draws = categorical(target, prepared.seed, positions, "sample")
+        kept = _leading_true(draws == draft.tokens)
+        replacement = int(draws[kept]) if kept < gamma else None
         return _verdict(draft, kept, replacement, target_logprobs.exp(), score)
 
     # --- commit ----------------------------------------------------------------------

@@ -475,3 +475,18 @@ def test_one_pass_rounds_do_no_wasted_work(jury_model, tokenizer, temperature):
     assert stats["trunk_steps"] == sum(rows for kind, _, rows in calls if kind == "trunk")
     # Every round commits its kept drafts and one more: a replacement, a sample or a bonus.
     assert bonuses > 0 and stats["emitted"] == stats["accepted"] + stats["rounds"]
+
+
+@pytest.mark.parametrize("prompt", REPEATING)
+def test_sampled_ngram_speculation_gives_the_non_speculative_tokens(engine, prompt):
+    """Point-mass drafts are checked against the very draw a plain step makes at each
+    position (a coupling that is exact), so with the same seed the tokens equal those
+    of non-speculative PoE — drafts change the speed, never the output."""
+    options = {"temperature": 0.9, "top_k": 20, "seed": 17, "max_new_tokens": 48}
+    reference = engine.generate(greedy(prompt, rule="verifier_only", draft_head=None, **options))
+    for gamma in (2, 8):
+        output = engine.generate(
+            greedy(prompt, gamma=gamma, drafter="ngram", draft_head=None, **options)
+        )
+        assert output.token_ids == reference.token_ids, f"gamma={gamma}"
+        assert output.stats["accepted"] > 0 and output.stats["rounds"] < 48
