@@ -107,7 +107,12 @@ def _add_decoding_flags(parser: argparse.ArgumentParser) -> None:
         "--stop", action="append", default=[], metavar="TEXT", help="stop sequence (repeatable)"
     )
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--gamma", type=int, default=4, help=f"draft length, 1..{MAX_GAMMA}")
+    parser.add_argument(
+        "--gamma",
+        type=int,
+        help=f"draft length, 1..{MAX_GAMMA} (default 4; with --drafter auto the most per "
+        "round, default 8)",
+    )
     parser.add_argument("--rule", default="exact", choices=RULES)
     parser.add_argument("--lenience", type=float, default=0.0)
     parser.add_argument(
@@ -136,10 +141,11 @@ def _add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--drafter",
-        default="head",
-        choices=["head", "ngram"],
-        help="head: a head on the trunk drafts (default); ngram: prompt lookup in the "
-        "context, checked by the trunk and the whole jury in one pass",
+        default="auto",
+        choices=["auto", "head", "ngram"],
+        help="auto (default): chosen per round from measured costs and acceptance; head: a "
+        "head on the trunk drafts; ngram: prompt lookup in the context, checked by the "
+        "trunk and the whole jury in one pass",
     )
     parser.add_argument("--draft-head", help="default: drawn from the drafters by the seed")
     parser.add_argument("--jury", help="comma-separated heads (default: all but the drafter)")

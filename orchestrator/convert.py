@@ -24,7 +24,7 @@ def request_from_pb(message: generation_pb2.GenerateRequest) -> GenerationReques
     values["draft_head"] = options.draft_head or None
     values["jury"] = list(options.jury) or None
     values["contrastive_amateur"] = options.contrastive_amateur or None
-    values["drafter"] = options.drafter or "head"
+    values["drafter"] = options.drafter or "auto"
     if which == "prompt":
         values["prompt"] = message.prompt
     else:
@@ -101,6 +101,7 @@ def round_to_pb(
         finish_reason=output.finish_reason or "",
         drafted=output.drafted,
         accepted=output.accepted,
+        drafter=output.drafter,
     )
     if summary is not None:
         message.stats.CopyFrom(stats_to_pb(summary.stats))

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from orchestrator.auto import AutoState, CostModel
 from orchestrator.backend import DecodingBackend
 from orchestrator.detokenizer import IncrementalDetokenizer
 from orchestrator.output import (
@@ -52,6 +53,7 @@ from poe import (
     ngram_draft,
     normalise_logprobs,
     point_mass_logprobs,
+    reached_positions,
     residual_probs,
     rule_target,
     stability_margin,
@@ -84,6 +86,7 @@ class _Verdict:
     voters: tuple[str, ...] = ()
     rejected: int | None = None  # the draft token the replacement took the place of
     bonus: bool = False  # a one-pass round kept every draft and drew one more token
+    drafter: str = "none"  # who drafted: "head", "ngram", "none" (a plain step)
 
 
 @dataclass
@@ -103,6 +106,8 @@ class _Run:
     finish_reason: FinishReason | None = None
     prefilled: int = 0
     resumed_rounds: int = 0
+    auto: AutoState = field(default_factory=AutoState)
+    rounds_by_drafter: dict[str, int] = field(default_factory=dict)
 
     @property
     def start(self) -> int:
@@ -128,6 +133,7 @@ class Engine:
     def __init__(self, backend: DecodingBackend, tokenizer) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
+        self.costs = CostModel()  # the automatic mode's measured round costs
 
     def prepare(
         self, request: GenerationRequest, context: list[int] | None = None
@@ -233,30 +239,61 @@ class Engine:
     # --- one round -------------------------------------------------------------------
 
     def _round(self, run: _Run, timings: dict[str, float]) -> _Verdict:
+        prepared = run.prepared
+        remaining = prepared.request.max_new_tokens - len(run.generated)
+        if prepared.drafter == Drafter.AUTO:
+            return self._auto_round(run, timings, remaining)
+        if prepared.drafter == Drafter.NGRAM:
+            # k + 1 tokens can be committed: leave room for the bonus under the limit.
+            drafts = ngram_draft(run.committed, min(prepared.gamma, remaining - 1))
+            return self._verify_round(run, timings, drafts)
+        gamma = 1 if prepared.rule == Rule.VERIFIER_ONLY else min(prepared.gamma, remaining)
+        return self._head_round(run, timings, gamma)
+
+    def _auto_round(self, run: _Run, timings: dict[str, float], remaining: int) -> _Verdict:
+        """The round the automatic mode chooses (`orchestrator.auto`), measured for the
+        next choices."""
+        prepared = run.prepared
+        began = time.perf_counter()
+        drafts = ngram_draft(run.committed, min(prepared.gamma, remaining - 1))
+        head_cap = min(prepared.gamma, remaining) if prepared.draft_head else 0
+        choice = run.auto.choose(self.costs, len(drafts), head_cap, prepared.sampling.greedy)
+        if choice.drafter == "head":
+            verdict = self._head_round(run, timings, choice.drafts)
+            kind, positions = "head", choice.drafts
+        else:
+            verdict = self._verify_round(run, timings, drafts[: choice.drafts])
+            kind, positions = "verify", choice.drafts + 1
+        self.costs.observe(kind, positions, time.perf_counter() - began)
+        run.auto.observe(
+            choice, reached_positions(verdict.drafted, verdict.accepted), verdict.accepted
+        )
+        return verdict
+
+    def _head_round(self, run: _Run, timings: dict[str, float], gamma: int) -> _Verdict:
+        """γ draft tokens from the draft head (γ trunk steps), one jury call over them;
+        verifier_only: one trunk step and one jury call, no draft."""
         rule = run.prepared.rule
-        if run.prepared.drafter != Drafter.HEAD:
-            return self._verify_round(run, timings)
-        draft = self._draft(run, timings)
+        draft = self._draft(run, timings, gamma)
         if rule == Rule.DRAFTER_ONLY:
             return self._keep_draft(draft)
         score = self._score(run, draft.hidden, draft.decision_logprobs is not None, timings)
         target_logprobs = normalise_logprobs(score.log_product)  # [γ, V]
         if rule == Rule.VERIFIER_ONLY:
             return self._sample_target(run, target_logprobs, score)
-        if run.prepared.sampling.greedy:
-            return self._accept_greedy(run, draft, target_logprobs, score)
-        return self._accept_sampled(run, draft, target_logprobs, score)
+        accept = self._accept_greedy if run.prepared.sampling.greedy else self._accept_sampled
+        verdict = accept(run, draft, target_logprobs, score)
+        verdict.drafter = "head"
+        return verdict
 
-    def _draft(self, run: _Run, timings: dict[str, float]) -> DraftResult:
+    def _draft(self, run: _Run, timings: dict[str, float], gamma: int) -> DraftResult:
         prepared = run.prepared
-        remaining = prepared.request.max_new_tokens - len(run.generated)
-        gamma = 1 if prepared.rule == Rule.VERIFIER_ONLY else min(prepared.request.gamma, remaining)
         call = DraftCall(
             run.session,
             run.start,
             run.committed[-1],
             gamma,
-            prepared.draft_head,
+            None if prepared.rule == Rule.VERIFIER_ONLY else prepared.draft_head,
             prepared.sampling,
             prepared.seed,
             # Cascade rules decide with temperature-1, unfiltered distributions.
@@ -269,17 +306,14 @@ class Engine:
         run.stats.head_evaluations += draft.head_evaluations
         return draft
 
-    def _verify_round(self, run: _Run, timings: dict[str, float]) -> _Verdict:
-        """An outside draft checked in one pass: one trunk forward over the pending token
-        and the k draft tokens (k+1 positions), one jury call scoring them, acceptance
+    def _verify_round(self, run: _Run, timings: dict[str, float], drafts: list[int]) -> _Verdict:
+        """Outside draft tokens checked in one pass: one trunk forward over the pending
+        token and the k drafts (k+1 positions), one jury call scoring them, acceptance
         left to right against point-mass draft distributions, and — when all k are kept
-        — a bonus token drawn from the target at the last position. No draft (no
-        n-gram match): a plain step that samples from the target."""
+        — a bonus token drawn from the target at the last position. No draft: a plain
+        step that samples from the target."""
         prepared = run.prepared
-        remaining = prepared.request.max_new_tokens - len(run.generated)
         began = time.perf_counter()
-        # k + 1 tokens can be committed: leave room for the bonus under the limit.
-        drafts = ngram_draft(run.committed, min(prepared.request.gamma, remaining - 1))
         tokens = torch.tensor([run.committed[-1], *drafts])
         hidden = self.backend.trunk_forward(PrefillCall(run.session, run.start, tokens))
         timings["draft_s"] = time.perf_counter() - began
@@ -307,6 +341,7 @@ class Engine:
             accept = self._accept_coupled
         verdict = accept(run, draft, target_logprobs[:k], checked)
         verdict.target_probs = target_logprobs.exp()  # every row: the bonus's metrics too
+        verdict.drafter = "ngram"
         if verdict.accepted == k:
             verdict.tokens.append(self._draw(run, target_logprobs[k:], run.start + 1 + k))
             verdict.kinds.append(TokenKind.BONUS)
@@ -346,7 +381,9 @@ class Engine:
     def _keep_draft(draft: DraftResult) -> _Verdict:
         """drafter_only: every draft token is kept; no jury, no metrics."""
         gamma = len(draft.tokens)
-        return _Verdict(draft.tokens.tolist(), [TokenKind.DRAFT] * gamma, gamma, gamma)
+        return _Verdict(
+            draft.tokens.tolist(), [TokenKind.DRAFT] * gamma, gamma, gamma, drafter="head"
+        )
 
     @staticmethod
     def _sample_target(run: _Run, target_logprobs: torch.Tensor, score: ScoreResult) -> _Verdict:
@@ -462,6 +499,7 @@ class Engine:
             drafted = accepted = len(tokens)
         bonus = verdict.bonus and len(tokens) == len(verdict.tokens)
         run.stats.observe_round(drafted, accepted, bonus)
+        run.rounds_by_drafter[verdict.drafter] = run.rounds_by_drafter.get(verdict.drafter, 0) + 1
         records = self._records(run, verdict, tokens)
         run.committed += tokens
         run.generated += tokens
@@ -471,7 +509,13 @@ class Engine:
             finish = FinishReason.LENGTH
         run.finish_reason = finish
         return RoundOutput(
-            len(run.round_sizes) - 1, records, self._text_delta(run), finish, drafted, accepted
+            len(run.round_sizes) - 1,
+            records,
+            self._text_delta(run),
+            finish,
+            drafted,
+            accepted,
+            drafter=verdict.drafter,
         )
 
     def _emit(self, run: _Run, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
@@ -537,8 +581,7 @@ class Engine:
                 )
         return records
 
-    @staticmethod
-    def _output(run: _Run) -> GenerationOutput:
+    def _output(self, run: _Run) -> GenerationOutput:
         prepared = run.prepared
         return GenerationOutput(
             text=run.text,
@@ -550,6 +593,10 @@ class Engine:
                 "prefilled_tokens": run.prefilled,
                 "reused_tokens": run.reused,
                 "resumed_rounds": run.resumed_rounds,
+                "rounds_by_drafter": dict(run.rounds_by_drafter),
+                "auto_inputs": (
+                    run.auto.inputs(self.costs) if prepared.drafter == Drafter.AUTO else {}
+                ),
             },
             seed=prepared.seed,
             draft_head=prepared.draft_head,
@@ -565,7 +612,7 @@ class Generation:
     frees its caches; `result()` is the whole output once the last round is out."""
 
     def __init__(self, engine: Engine, run: _Run) -> None:
-        self._run = run
+        self._engine, self._run = engine, run
         self._rounds = engine._rounds(run)
 
     @property
@@ -589,7 +636,7 @@ class Generation:
     def result(self) -> GenerationOutput:
         if self._run.finish_reason is None:
             raise RuntimeError("the generation has not finished")
-        return Engine._output(self._run)
+        return self._engine._output(self._run)
 
 
 def _verdict(

@@ -32,6 +32,9 @@ class OrchestratorMetrics:
             "hydrajury_errors", "Failed requests by status code", ["code"], registry=r
         )
         self.tokens = Counter("hydrajury_tokens_emitted", "Tokens emitted", registry=r)
+        self.drafter_rounds = Counter(
+            "hydrajury_drafter_rounds", "Rounds by who drafted", ["drafter"], registry=r
+        )
         self.session_events = Counter(
             "hydrajury_session_events",
             "Session events: created, continued, resumed, replayed, taken_over, fenced, "
@@ -87,6 +90,7 @@ class OrchestratorMetrics:
     def observe_round(self, output: RoundOutput) -> None:
         drafted, accepted = output.drafted, output.accepted
         self.tokens.inc(len(output.tokens))
+        self.drafter_rounds.labels(output.drafter).inc()
         self.drafted.inc(drafted)
         self.accepted.inc(accepted)
         if accepted < drafted:

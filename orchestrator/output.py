@@ -52,6 +52,7 @@ class RoundOutput:
     # Wall time of the round: draft_s (draft call), score_s (jury call), accept_s (the
     # rest: acceptance, sampling, metrics, commit).
     timings: dict[str, float] = field(default_factory=dict)
+    drafter: str = "none"  # who drafted this round: "head", "ngram", "none" (no draft)
 
 
 @dataclass

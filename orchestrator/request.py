@@ -26,8 +26,13 @@ class RequestError(InvalidArgument):
 
 
 class Drafter(StrEnum):
+    AUTO = "auto"  # chosen per round from measured costs and acceptance (`orchestrator.auto`)
     HEAD = "head"  # a head on the trunk drafts, one trunk step per draft token
     NGRAM = "ngram"  # prompt lookup; the draft is checked in one trunk + jury pass
+
+
+DEFAULT_GAMMA = 4  # draft length of the head and n-gram drafters when unset
+AUTO_GAMMA = 8  # the most the automatic mode drafts in a round when gamma is unset
 
 
 DRAFTERS = tuple(Drafter)
@@ -40,7 +45,7 @@ class GenerationRequest:
     max_new_tokens: int = 128
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
-    gamma: int = 4  # draft length
+    gamma: int | None = None  # draft length [4]; the automatic mode's most [8]
     rule: str = "exact"
     lenience: float = 0.0
     beta: float = 1.0  # verifier inverse temperature
@@ -55,7 +60,7 @@ class GenerationRequest:
     # Contrastive decoding (non-speculative): the jury as expert, this head as amateur.
     contrastive_alpha: float = 0.0  # plausibility cutoff α in (0, 1]; 0 = off
     contrastive_amateur: str | None = None
-    drafter: str = "head"
+    drafter: str = "auto"
 
     @property
     def sampling(self) -> SamplingParams:
@@ -79,6 +84,7 @@ class PreparedRequest:
     sampling: SamplingParams
     amateur: str | None = None  # contrastive decoding's amateur head
     drafter: Drafter = Drafter.HEAD
+    gamma: int = DEFAULT_GAMMA  # resolved: the draft length (auto: the most per round)
 
 
 def prompt_tokens(request: GenerationRequest, tokenizer) -> list[int]:
@@ -122,11 +128,17 @@ def prepare_request(
         )
     seed = random_seed() if request.seed is None else request.seed
     drafter = _drafter(request, rule)
-    draft_head = _draft_head(request, rule, info, seed) if drafter == Drafter.HEAD else None
+    draft_head = None
+    if drafter != Drafter.NGRAM:
+        draft_head = _draft_head(request, rule, info, seed)
     amateur = _amateur(request, rule, info)
-    jury = _jury(request, rule, info, draft_head, amateur)
+    # Outside a head's own rounds no head drafts: every head is a juror. The automatic
+    # mode keeps that jury in its head rounds too (greedy only), so its target never
+    # changes with the drafter it picks.
+    jury = _jury(request, rule, info, draft_head if drafter == Drafter.HEAD else None, amateur)
+    gamma = request.gamma or (AUTO_GAMMA if drafter == Drafter.AUTO else DEFAULT_GAMMA)
     return PreparedRequest(
-        request, rule, tokens, seed, draft_head, jury, request.sampling, amateur, drafter
+        request, rule, tokens, seed, draft_head, jury, request.sampling, amateur, drafter, gamma
     )
 
 
@@ -138,6 +150,10 @@ def _drafter(request: GenerationRequest, rule: Rule) -> Drafter:
     drafter = Drafter(request.drafter)
     if drafter == Drafter.HEAD:
         return drafter
+    if drafter == Drafter.AUTO:
+        # The baselines have no choice to make: drafter_only drafts with its head,
+        # verifier_only does not draft.
+        return Drafter.HEAD if rule in (Rule.DRAFTER_ONLY, Rule.VERIFIER_ONLY) else drafter
     if rule in (Rule.DRAFTER_ONLY, Rule.VERIFIER_ONLY):
         raise RequestError(
             f"drafter {str(drafter)!r} conflicts with rule {str(rule)!r}: that rule "
@@ -156,7 +172,9 @@ def _check_numbers(request: GenerationRequest, info: ModelInfo) -> Rule:
         raise RequestError(
             f"max_new_tokens must be a positive integer, got {request.max_new_tokens!r}"
         )
-    if not isinstance(request.gamma, int) or not 1 <= request.gamma <= MAX_GAMMA:
+    if request.gamma is not None and (
+        not isinstance(request.gamma, int) or not 1 <= request.gamma <= MAX_GAMMA
+    ):
         raise RequestError(
             f"gamma (draft length) must be an integer in 1..{MAX_GAMMA}, got {request.gamma!r}"
         )

@@ -22,8 +22,15 @@ from protos.hydrajury.v1 import generation_pb2
 from tests.grpc_stack import Stack
 
 # Greedy and a fixed length: every answer is the same however often it is asked.
-OPTIONS = GenerationRequest(max_new_tokens=6, ignore_eos=True, temperature=0.0, seed=3)
-DECODING_FLAGS = ["--max-new-tokens", "4", "--ignore-eos", "--temperature", "0", "--seed", "1"]
+# A fixed drafter: the automatic mode's choices follow live timings, and with them the
+# rounding of near ties — the chat's answers are compared with the API's exactly.
+OPTIONS = GenerationRequest(
+    max_new_tokens=6, ignore_eos=True, temperature=0.0, seed=3, drafter="head"
+)
+DECODING_FLAGS = [
+    *("--max-new-tokens", "4", "--ignore-eos", "--temperature", "0", "--seed", "1"),
+    *("--drafter", "head"),
+]
 SYSTEM = "Answer briefly."
 
 

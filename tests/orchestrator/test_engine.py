@@ -21,11 +21,13 @@ PROMPTS = ["hi", "the cat sat", "abc, xyz!"]
 
 
 def greedy(prompt: str, **options) -> GenerationRequest:
+    """A greedy request drafted by head3 unless the options say otherwise."""
     values = {
         "max_new_tokens": 64,
         "temperature": 0.0,
         "ignore_eos": True,
         "seed": 0,
+        "drafter": "head",
         "draft_head": "head3",
         **options,
     }
@@ -48,7 +50,9 @@ def test_greedy_speculative_equals_non_speculative_poe(engine, prompt):
 
 
 def test_same_seed_same_output_and_different_seeds_differ(engine):
-    request = GenerationRequest(prompt="hi", max_new_tokens=40, ignore_eos=True, gamma=3)
+    request = GenerationRequest(
+        prompt="hi", max_new_tokens=40, ignore_eos=True, gamma=3, drafter="head"
+    )
     first = engine.generate(GenerationRequest(**{**vars(request), "seed": 7}))
     again = engine.generate(GenerationRequest(**{**vars(request), "seed": 7}))
     other = engine.generate(GenerationRequest(**{**vars(request), "seed": 8}))
@@ -67,11 +71,15 @@ def test_unseeded_requests_report_their_seed_and_replay(engine):
 
 def test_draft_head_is_drawn_from_the_seed(engine):
     heads = {
-        engine.prepare(GenerationRequest(prompt="hi", seed=seed, max_new_tokens=8)).draft_head
+        engine.prepare(
+            GenerationRequest(prompt="hi", seed=seed, max_new_tokens=8, drafter="head")
+        ).draft_head
         for seed in range(40)
     }
     assert heads == {"head0", "head1", "head2", "head3"}
-    prepared = engine.prepare(GenerationRequest(prompt="hi", seed=1, max_new_tokens=8))
+    prepared = engine.prepare(
+        GenerationRequest(prompt="hi", seed=1, max_new_tokens=8, drafter="head")
+    )
     assert prepared.draft_head not in prepared.jury and len(prepared.jury) == 3
 
 
@@ -112,6 +120,7 @@ def test_no_wasted_work(jury_model, tokenizer, temperature):
             ignore_eos=True,
             seed=3,
             temperature=temperature,
+            drafter="head",
         )
     )
     calls = backend.calls
@@ -138,7 +147,7 @@ def test_no_wasted_work(jury_model, tokenizer, temperature):
 
 def test_streaming_delivers_the_unary_tokens_round_by_round(engine):
     request = GenerationRequest(
-        prompt="the cat", max_new_tokens=30, ignore_eos=True, seed=5, gamma=3
+        prompt="the cat", max_new_tokens=30, ignore_eos=True, seed=5, gamma=3, drafter="head"
     )
     unary = engine.generate(request)
     messages = list(engine.stream(request))
@@ -178,7 +187,9 @@ def test_stop_sequence_and_eos(jury_model, tokenizer, engine):
 
 def test_per_token_metrics_and_request_stats(engine):
     output = engine.generate(
-        GenerationRequest(prompt="hi", max_new_tokens=40, seed=2, gamma=4, ignore_eos=True)
+        GenerationRequest(
+            prompt="hi", max_new_tokens=40, seed=2, gamma=4, ignore_eos=True, drafter="head"
+        )
     )
     replacements = [t for t in output.tokens if t.kind == "replacement"]
     assert replacements and all(t.kind in ("draft", "replacement") for t in output.tokens)
@@ -234,7 +245,10 @@ def test_every_rule_runs(engine, rule):
         ({"rule": "cascade_chow", "lenience": -0.1}, "lenience"),
         ({"draft_head": "head9"}, "unknown draft head 'head9'"),
         ({"jury": ["head0", "head7"]}, r"unknown jury heads \['head7'\]"),
-        ({"draft_head": "head0", "jury": ["head0", "head1"]}, "cannot sit in its own jury"),
+        (
+            {"drafter": "head", "draft_head": "head0", "jury": ["head0", "head1"]},
+            "cannot sit in its own jury",
+        ),
         ({"draft_head": "head0", "jury": []}, "the jury is empty"),
         ({"max_new_tokens": 0}, "max_new_tokens must be a positive integer"),
         ({"max_new_tokens": 127}, "exceeds the context limit of 128"),
@@ -245,7 +259,7 @@ def test_every_rule_runs(engine, rule):
         ({"beta": 0.0}, r"beta must be in \(0, 100\]"),
         ({"stop": [""]}, "stop sequences must be non-empty strings"),
         ({"rule": "verifier_only", "draft_head": "head1"}, "does not draft"),
-        ({"drafter": "oracle"}, "unknown drafter 'oracle'; choose one of head, ngram"),
+        ({"drafter": "oracle"}, "unknown drafter 'oracle'; choose one of auto, head, ngram"),
         ({"drafter": "ngram", "rule": "verifier_only"}, "conflicts with rule 'verifier_only'"),
         ({"drafter": "ngram", "rule": "drafter_only"}, "conflicts with rule 'drafter_only'"),
         ({"drafter": "ngram", "draft_head": "head1"}, "drafts without a head"),

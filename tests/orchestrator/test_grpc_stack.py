@@ -20,11 +20,26 @@ from workers.errors import InvalidArgument
 
 ALL_HEADS = ["head0", "head1", "head2", "head3"]
 CONTRASTIVE = {"contrastive_alpha": 0.1, "contrastive_amateur": "head3"}
+# Fixed drafters: the round structure (and so the statistics) must match too. The
+# automatic mode's choices follow each process's timings; its tokens are compared below.
 CASES = [
-    {"rule": "exact", "temperature": 0.0, "gamma": 3},
-    {"rule": "exact", "temperature": 0.9, "gamma": 4, "top_k": 10, "epsilon": 0.02},
-    {"rule": "cascade_token_v2", "lenience": 0.2, "temperature": 1.0, "gamma": 2},
-    {"rule": "lenient", "lenience": 0.3, "temperature": 0.7, "gamma": 5},
+    {"rule": "exact", "temperature": 0.0, "gamma": 3, "drafter": "head"},
+    {
+        "rule": "exact",
+        "temperature": 0.9,
+        "gamma": 4,
+        "top_k": 10,
+        "epsilon": 0.02,
+        "drafter": "head",
+    },
+    {
+        "rule": "cascade_token_v2",
+        "lenience": 0.2,
+        "temperature": 1.0,
+        "gamma": 2,
+        "drafter": "head",
+    },
+    {"rule": "lenient", "lenience": 0.3, "temperature": 0.7, "gamma": 5, "drafter": "head"},
     {"rule": "verifier_only", "temperature": 0.8},
     # contrastive decoding: the amateur on one shard, some jurors on the other
     {"rule": "verifier_only", "temperature": 0.0, **CONTRASTIVE},
@@ -75,8 +90,19 @@ def test_grpc_gives_the_in_process_tokens(stack, engine, case):
     assert dict(first.votes) == expected.tokens[0].votes
 
 
+def test_the_automatic_mode_gives_the_non_speculative_tokens_over_grpc(stack, engine):
+    options = {"max_new_tokens": 24, "seed": 11, "ignore_eos": True, "temperature": 0.9}
+    expected = engine.generate(
+        GenerationRequest(prompt="abcabcab", rule="verifier_only", **options)
+    )
+    response = stack.generation().Generate(to_pb("abcabcab", **options), timeout=30)
+    assert list(response.token_ids) == expected.token_ids
+    assert sum(response.stats.rounds_by_drafter.values()) == response.stats.rounds
+    assert set(response.stats.auto_inputs) >= {"ngram_acceptance", "plain_step_s"}
+
+
 def test_stream_delivers_the_unary_tokens_one_message_per_round(stack):
-    request = to_pb("hi", max_new_tokens=20, seed=3, gamma=3, ignore_eos=True)
+    request = to_pb("hi", max_new_tokens=20, seed=3, gamma=3, ignore_eos=True, drafter="head")
     generation = stack.generation()
     unary = generation.Generate(request, timeout=30)
     messages = list(generation.GenerateStream(request, timeout=30))

@@ -1,0 +1,184 @@
+"""The automatic mode: before each round the server chooses whether to speculate, with
+which drafter and how far, to maximise the expected tokens per second.
+
+Inputs
+- costs (shared by every request of the engine, measured): seconds of a one-pass round
+  against the positions it verifies (the pending token and k drafts: a trunk forward and
+  a jury call over k + 1 positions), and of a head-drafted round against γ (γ trunk and
+  draft-head steps, a jury call over γ positions). Each is a line fitted by exponentially
+  decayed least squares over recent rounds, so it follows the machine as load changes;
+  until a kind has been measured at two sizes its line is a prior scaled from what is
+  known.
+- acceptance (per request, measured): how often a draft token is kept, for n-gram and
+  head drafts — decayed counts over the request's rounds, starting from a prior.
+
+Expected tokens of a round with acceptance α: a one-pass round with k drafts commits
+(1 − α^(k+1)) / (1 − α) tokens (the replacement or the bonus included), a head round
+with γ drafts (1 − α^γ) / (1 − α), a plain step 1. The choice is the largest expected
+tokens over predicted seconds.
+
+Head drafts are candidates under greedy decoding only. There every choice gives the
+same tokens; under sampling the candidates are n-gram drafts and plain steps, which
+(by the coupling of `Engine._accept_coupled`) give the tokens of non-speculative
+sampling. So with the exact rule the automatic mode changes the speed, never the output.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+# Until measured: a head-drafted round of γ costs this many plain steps per draft token
+# (a trunk step and a draft-head step each) plus one jury call.
+HEAD_STEP_PRIOR = 0.6
+VERIFY_POSITION_PRIOR = 0.05  # an extra verified position, in plain steps (batched)
+PRIOR_ACCEPTANCE = {"ngram": 0.5, "head": 0.7}
+PRIOR_WEIGHT = 2.0  # pseudo-positions behind the acceptance prior
+ACCEPTANCE_DECAY = 0.9  # per round: recent rounds count more
+EXPLORE_EVERY = 16  # rounds: a greedy request tries a head round this often
+
+
+class LinearCost:
+    """seconds ≈ fixed + per_position · positions, by decayed least squares."""
+
+    def __init__(self, decay: float = 0.95) -> None:
+        self.decay = decay
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+        self.sizes: set[int] = set()
+
+    def observe(self, positions: int, seconds: float) -> None:
+        d = self.decay
+        self.w = d * self.w + 1
+        self.x = d * self.x + positions
+        self.y = d * self.y + seconds
+        self.xx = d * self.xx + positions * positions
+        self.xy = d * self.xy + positions * seconds
+        self.sizes.add(positions)
+
+    @property
+    def known(self) -> bool:
+        return bool(self.sizes)
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed, per_position), once two sizes were seen; None before."""
+        if len(self.sizes) < 2:
+            return None
+        variance = self.xx / self.w - (self.x / self.w) ** 2
+        if variance <= 1e-12:
+            return None
+        slope = (self.xy / self.w - (self.x / self.w) * (self.y / self.w)) / variance
+        slope = max(slope, 0.0)
+        return max(self.y / self.w - slope * self.x / self.w, 1e-6), slope
+
+    def mean(self) -> float:
+        return self.y / self.w
+
+
+class CostModel:
+    """The measured costs of the two kinds of rounds, shared by an engine's requests."""
+
+    def __init__(self) -> None:
+        self.verify = LinearCost()
+        self.head = LinearCost()
+        self._lock = threading.Lock()
+
+    def observe(self, kind: str, positions: int, seconds: float) -> None:
+        with self._lock:
+            (self.head if kind == "head" else self.verify).observe(positions, seconds)
+
+    def predict(self, kind: str, positions: int) -> float:
+        """Predicted seconds of a round (relative units before any measurement)."""
+        with self._lock:
+            plain = self.verify.mean() if self.verify.known else 1.0
+            if kind == "head":
+                line = self.head.line()
+                if line is not None:
+                    return line[0] + line[1] * positions
+                if self.head.known:  # one size seen: scale it by γ
+                    return (
+                        self.head.mean()
+                        * (0.5 + HEAD_STEP_PRIOR * positions)
+                        / (0.5 + HEAD_STEP_PRIOR * max(self.head.sizes))
+                    )
+                return plain * (1 + HEAD_STEP_PRIOR * positions)
+            line = self.verify.line()
+            if line is not None:
+                return line[0] + line[1] * positions
+            return plain * (1 + VERIFY_POSITION_PRIOR * (positions - 1))
+
+
+@dataclass
+class Acceptance:
+    """Decayed counts of drafts reached and kept, for one drafter, from a prior."""
+
+    kept: float
+    reached: float
+
+    @classmethod
+    def prior(cls, drafter: str) -> Acceptance:
+        return cls(PRIOR_ACCEPTANCE[drafter] * PRIOR_WEIGHT, PRIOR_WEIGHT)
+
+    def observe(self, reached: int, kept: int) -> None:
+        self.kept = ACCEPTANCE_DECAY * self.kept + kept
+        self.reached = ACCEPTANCE_DECAY * self.reached + reached
+
+    @property
+    def rate(self) -> float:
+        return min(self.kept / self.reached, 0.999)
+
+
+def expected_tokens(acceptance: float, drafts: int, bonus: bool) -> float:
+    """Tokens a round commits on average: drafts kept left to right, then one more
+    (a replacement, or the bonus when every draft was kept and `bonus`)."""
+    steps = drafts + 1 if bonus else drafts
+    return (1 - acceptance**steps) / (1 - acceptance)
+
+
+@dataclass(frozen=True)
+class Choice:
+    drafter: str  # "none" (a plain step), "ngram" or "head"
+    drafts: int  # k n-gram drafts or γ head drafts
+
+
+@dataclass
+class AutoState:
+    """One request's side of the automatic mode."""
+
+    acceptance: dict[str, Acceptance] = field(
+        default_factory=lambda: {d: Acceptance.prior(d) for d in PRIOR_ACCEPTANCE}
+    )
+    rounds: int = 0
+
+    def choose(self, costs: CostModel, ngram_drafts: int, head_cap: int, greedy: bool) -> Choice:
+        """The best round: `ngram_drafts` tokens are on offer from prompt lookup; head
+        drafts (greedy only) up to `head_cap`."""
+        best, best_rate = Choice("none", 0), 1.0 / costs.predict("verify", 1)
+        alpha = self.acceptance["ngram"].rate
+        for k in range(1, ngram_drafts + 1):
+            rate = expected_tokens(alpha, k, bonus=True) / costs.predict("verify", k + 1)
+            if rate > best_rate:
+                best, best_rate = Choice("ngram", k), rate
+        if greedy and head_cap > 0:
+            if not costs.head.known or self.rounds % EXPLORE_EVERY == EXPLORE_EVERY // 2:
+                return Choice("head", head_cap)  # measure it now and then
+            alpha = self.acceptance["head"].rate
+            for gamma in range(1, head_cap + 1):
+                rate = expected_tokens(alpha, gamma, bonus=False) / costs.predict("head", gamma)
+                if rate > best_rate:
+                    best, best_rate = Choice("head", gamma), rate
+        return best
+
+    def observe(self, choice: Choice, reached: int, kept: int) -> None:
+        self.rounds += 1
+        if choice.drafter != "none":
+            self.acceptance[choice.drafter].observe(reached, kept)
+
+    def inputs(self, costs: CostModel) -> dict[str, float]:
+        """What the choices are made from, for the request's statistics."""
+        return {
+            "ngram_acceptance": self.acceptance["ngram"].rate,
+            "head_acceptance": self.acceptance["head"].rate,
+            "plain_step_s": costs.predict("verify", 1),
+            "verify_position_s": costs.predict("verify", 2) - costs.predict("verify", 1),
+            "head_round_4_s": costs.predict("head", 4),
+        }

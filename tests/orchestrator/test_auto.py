@@ -1,0 +1,112 @@
+"""The automatic mode: the choice from costs and acceptance, and — end to end — output
+equal to non-speculative PoE whatever it chooses."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.auto import AutoState, Choice, CostModel, LinearCost, expected_tokens
+from orchestrator.request import GenerationRequest
+from tests.orchestrator.test_engine import REPEATING
+
+
+def test_a_line_is_fitted_to_round_costs():
+    cost = LinearCost(decay=1.0)
+    for positions in (1, 2, 3, 5, 9):
+        cost.observe(positions, 0.02 + 0.003 * positions)
+    fixed, slope = cost.line()
+    assert fixed == pytest.approx(0.02) and slope == pytest.approx(0.003)
+    one_size = LinearCost()
+    one_size.observe(4, 1.0)
+    assert one_size.line() is None and one_size.mean() == 1.0
+
+
+def measured(verify=(0.05, 0.001), head=(0.02, 0.03)) -> CostModel:
+    """Costs as if measured: a one-pass round 50 ms + 1 ms per position, a head round
+    20 ms + 30 ms per draft token."""
+    costs = CostModel()
+    for positions in range(1, 9):
+        costs.observe("verify", positions, verify[0] + verify[1] * positions)
+        costs.observe("head", positions, head[0] + head[1] * positions)
+    return costs
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4, bonus=True) == 1
+    assert expected_tokens(0.5, 1, bonus=True) == pytest.approx(1.5)
+    assert expected_tokens(0.5, 2, bonus=False) == pytest.approx(1.5)
+
+
+def test_the_choice_follows_costs_and_acceptance():
+    costs, state = measured(), AutoState()
+    state.rounds = 1  # past the first head measurement
+    # Cheap extra positions and a fair acceptance (0.5): draft, but not all 6 on offer —
+    # the 5th and later would almost never be reached.
+    assert state.choose(costs, ngram_drafts=6, head_cap=0, greedy=False) == Choice("ngram", 4)
+    # Nothing on offer: a plain step.
+    assert state.choose(costs, ngram_drafts=0, head_cap=0, greedy=False) == Choice("none", 0)
+    # Drafts that keep being rejected: it stops drafting (re-decided as acceptance falls).
+    expensive = measured(verify=(0.05, 0.04))
+    for _ in range(30):
+        state.observe(Choice("ngram", 4), reached=1, kept=0)
+    assert state.choose(expensive, ngram_drafts=6, head_cap=0, greedy=False) == Choice("none", 0)
+    # Head drafts only under greedy decoding, and only when they pay.
+    cheap_heads = measured(head=(0.01, 0.002))
+    greedy_state = AutoState(rounds=1)
+    for _ in range(30):
+        greedy_state.observe(Choice("head", 4), reached=4, kept=4)
+    assert greedy_state.choose(cheap_heads, 0, head_cap=8, greedy=True).drafter == "head"
+    assert greedy_state.choose(cheap_heads, 0, head_cap=8, greedy=False).drafter == "none"
+
+
+def test_head_rounds_are_measured_first_and_now_and_then():
+    costs, state = CostModel(), AutoState()
+    assert state.choose(costs, 3, head_cap=4, greedy=True) == Choice("head", 4)
+    costs = measured(head=(10.0, 10.0))  # far too slow to be chosen on merit
+    state.rounds = 1
+    assert state.choose(costs, 3, head_cap=4, greedy=True).drafter != "head"
+    state.rounds = 8  # the exploration round
+    assert state.choose(costs, 3, head_cap=4, greedy=True) == Choice("head", 4)
+
+
+class FixedCosts(CostModel):
+    """Measured costs that stop changing: the choices then depend on acceptance only, and
+    a test run is repeatable (live timings would make each run choose a little
+    differently)."""
+
+    def __init__(self, costs: CostModel) -> None:
+        super().__init__()
+        self.verify, self.head = costs.verify, costs.head
+
+    def observe(self, kind: str, positions: int, seconds: float) -> None:
+        return None
+
+
+def request(prompt: str, **options) -> GenerationRequest:
+    values = {"max_new_tokens": 48, "ignore_eos": True, "seed": 9, **options}
+    return GenerationRequest(prompt=prompt, **values)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("prompt", REPEATING)
+@pytest.mark.parametrize(
+    "costs",
+    [measured(), measured(verify=(0.05, 0.02), head=(0.01, 0.005))],
+    ids=["drafting-pays", "heads-are-cheap"],
+)
+def test_auto_gives_the_non_speculative_tokens(engine, prompt, temperature, costs):
+    """Whatever it picks per round, the automatic mode (the default) gives the tokens of
+    non-speculative PoE over every head: greedy by argmax, sampled by the coupling. (Up
+    to rounding: rows computed in batches of other shapes can flip a near tie.)"""
+    reference = engine.generate(request(prompt, rule="verifier_only", temperature=temperature))
+    engine.costs = FixedCosts(costs)
+    output = engine.generate(request(prompt, temperature=temperature))
+    assert output.token_ids == reference.token_ids
+    assert output.jury == ["head0", "head1", "head2", "head3"]
+    chosen = output.stats["rounds_by_drafter"]
+    if temperature:
+        assert "head" not in chosen  # no head drafts under sampling
+        assert chosen.get("ngram", 0) > 0, chosen  # the repeating prompts offer drafts
+    inputs = output.stats["auto_inputs"]
+    assert 0 < inputs["ngram_acceptance"] < 1 and inputs["plain_step_s"] > 0
+    assert output.stats["drafted"] > 0  # it did speculate
