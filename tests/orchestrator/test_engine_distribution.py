@@ -107,7 +107,11 @@ def first_two_tokens(engine, request: GenerationRequest) -> list[int]:
 def empirical(engine, request_options: dict, prompt: str = PROMPT) -> torch.Tensor:
     vocab = engine.backend.info.vocab_size
     counts = torch.zeros(vocab, vocab, dtype=torch.float64)
-    drafter = {"jury": JURY} if "drafter" in request_options else {"draft_head": DRAFT_HEAD}
+    drafter = (
+        {"jury": JURY}
+        if "drafter" in request_options
+        else {"draft_head": DRAFT_HEAD, "drafter": "head"}
+    )
     for seed in range(RUNS):
         request = GenerationRequest(
             prompt=prompt,
