@@ -1,6 +1,7 @@
 """Drafters side by side on the demo checkpoint: non-speculative PoE, speculative PoE
 drafted by a head and by prompt lookup (n-gram, one-pass verification with a bonus
-token), for γ in {2, 4, 8}, on two prompt sets, in-process and over the split stack.
+token), for γ in {2, 4, 8}, and the automatic mode, on two prompt sets, in-process and
+over the split stack.
 
     python bench/bench_drafters.py --checkpoint var/models/smollm2-hydra
 
@@ -66,6 +67,7 @@ MODES = {
     "non-speculative PoE": {"rule": "verifier_only"},
     **{f"head γ={g}": {"gamma": g, "drafter": "head"} for g in (2, 4, 8)},
     **{f"ngram γ={g}": {"gamma": g, "drafter": "ngram"} for g in (2, 4, 8)},
+    "auto": {"drafter": "auto"},
 }
 
 
@@ -153,7 +155,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument(
         "--grpc-modes",
-        default="non-speculative PoE,head γ=4,ngram γ=4,ngram γ=8",
+        default="non-speculative PoE,head γ=2,ngram γ=8,auto",
         help="the modes also measured over the split stack (comma-separated; '' for none)",
     )
     args = parser.parse_args()
