@@ -9,8 +9,10 @@ Inputs
   decayed least squares over recent rounds, so it follows the machine as load changes;
   until a kind has been measured at two sizes its line is a prior scaled from what is
   known.
-- acceptance (per request, measured): how often a draft token is kept, for n-gram and
-  head drafts — decayed counts over the request's rounds, starting from a prior.
+- acceptance (measured): how often a draft token is kept, for n-gram and head drafts —
+  decayed counts over the request's rounds, starting from the engine's pooled counts
+  over earlier requests (how well a head drafts is mostly a property of the checkpoint),
+  or from a prior before any.
 
 Expected tokens of a round with acceptance α: a one-pass round with k drafts commits
 (1 − α^(k+1)) / (1 − α) tokens (the replacement or the bonus included), a head round
@@ -75,16 +77,31 @@ class LinearCost:
 
 
 class CostModel:
-    """The measured costs of the two kinds of rounds, shared by an engine's requests."""
+    """What an engine's requests measure for each other: the costs of the two kinds of
+    rounds, and the acceptance of each drafter pooled over requests."""
 
     def __init__(self) -> None:
         self.verify = LinearCost()
         self.head = LinearCost()
+        self.acceptance = {d: Acceptance.prior(d) for d in PRIOR_ACCEPTANCE}
         self._lock = threading.Lock()
 
     def observe(self, kind: str, positions: int, seconds: float) -> None:
         with self._lock:
             (self.head if kind == "head" else self.verify).observe(positions, seconds)
+
+    def observe_acceptance(self, drafter: str, reached: int, kept: int) -> None:
+        with self._lock:
+            self.acceptance[drafter].observe(reached, kept)
+
+    def starting_acceptance(self) -> dict[str, Acceptance]:
+        """A new request's acceptance counts: the pooled ones, scaled down to the prior's
+        weight so that the request's own rounds soon dominate."""
+        with self._lock:
+            return {
+                drafter: Acceptance(counts.rate * PRIOR_WEIGHT, PRIOR_WEIGHT)
+                for drafter, counts in self.acceptance.items()
+            }
 
     def predict(self, kind: str, positions: int) -> float:
         """Predicted seconds of a round (relative units before any measurement)."""
@@ -149,6 +166,10 @@ class AutoState:
     )
     rounds: int = 0
 
+    @classmethod
+    def starting(cls, costs: CostModel) -> AutoState:
+        return cls(costs.starting_acceptance())
+
     def choose(self, costs: CostModel, ngram_drafts: int, head_cap: int, greedy: bool) -> Choice:
         """The best round: `ngram_drafts` tokens are on offer from prompt lookup; head
         drafts (greedy only) up to `head_cap`."""
@@ -168,10 +189,11 @@ class AutoState:
                     best, best_rate = Choice("head", gamma), rate
         return best
 
-    def observe(self, choice: Choice, reached: int, kept: int) -> None:
+    def observe(self, costs: CostModel, choice: Choice, reached: int, kept: int) -> None:
         self.rounds += 1
         if choice.drafter != "none":
             self.acceptance[choice.drafter].observe(reached, kept)
+            costs.observe_acceptance(choice.drafter, reached, kept)
 
     def inputs(self, costs: CostModel) -> dict[str, float]:
         """What the choices are made from, for the request's statistics."""

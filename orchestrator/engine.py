@@ -106,7 +106,7 @@ class _Run:
     finish_reason: FinishReason | None = None
     prefilled: int = 0
     resumed_rounds: int = 0
-    auto: AutoState = field(default_factory=AutoState)
+    auto: AutoState | None = None  # the automatic mode's state, with drafter "auto"
     rounds_by_drafter: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -185,6 +185,7 @@ class Engine:
             # The pending token is processed by this request's first round.
             prefilled=progress.prefilled_tokens + 1,
             resumed_rounds=len(progress.round_sizes),
+            auto=AutoState.starting(self.costs) if prepared.drafter == Drafter.AUTO else None,
         )
         return Generation(self, run)
 
@@ -265,9 +266,8 @@ class Engine:
             verdict = self._verify_round(run, timings, drafts[: choice.drafts])
             kind, positions = "verify", choice.drafts + 1
         self.costs.observe(kind, positions, time.perf_counter() - began)
-        run.auto.observe(
-            choice, reached_positions(verdict.drafted, verdict.accepted), verdict.accepted
-        )
+        reached = reached_positions(verdict.drafted, verdict.accepted)
+        run.auto.observe(self.costs, choice, reached, verdict.accepted)
         return verdict
 
     def _head_round(self, run: _Run, timings: dict[str, float], gamma: int) -> _Verdict:

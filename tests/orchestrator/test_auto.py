@@ -48,15 +48,25 @@ def test_the_choice_follows_costs_and_acceptance():
     # Drafts that keep being rejected: it stops drafting (re-decided as acceptance falls).
     expensive = measured(verify=(0.05, 0.04))
     for _ in range(30):
-        state.observe(Choice("ngram", 4), reached=1, kept=0)
+        state.observe(costs, Choice("ngram", 4), reached=1, kept=0)
     assert state.choose(expensive, ngram_drafts=6, head_cap=0, greedy=False) == Choice("none", 0)
     # Head drafts only under greedy decoding, and only when they pay.
     cheap_heads = measured(head=(0.01, 0.002))
     greedy_state = AutoState(rounds=1)
     for _ in range(30):
-        greedy_state.observe(Choice("head", 4), reached=4, kept=4)
+        greedy_state.observe(cheap_heads, Choice("head", 4), reached=4, kept=4)
     assert greedy_state.choose(cheap_heads, 0, head_cap=8, greedy=True).drafter == "head"
     assert greedy_state.choose(cheap_heads, 0, head_cap=8, greedy=False).drafter == "none"
+
+
+def test_a_new_request_starts_from_the_pooled_acceptance():
+    costs = measured()
+    for _ in range(50):
+        AutoState().observe(costs, Choice("head", 8), reached=8, kept=8)
+    fresh = AutoState.starting(costs)
+    assert fresh.acceptance["head"].rate > 0.95  # not the 0.7 prior
+    assert fresh.acceptance["head"].reached == pytest.approx(2.0)  # at the prior's weight
+    assert fresh.acceptance["ngram"].rate == pytest.approx(0.5)  # nothing seen yet
 
 
 def test_head_rounds_are_measured_first_and_now_and_then():
