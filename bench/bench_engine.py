@@ -29,9 +29,9 @@ PROMPT = "Write a short story about a robot who learns to paint."
 MODES = [
     ("single head (drafter_only, γ=4)", {"rule": "drafter_only", "gamma": 4}),
     ("PoE, non-speculative (verifier_only)", {"rule": "verifier_only"}),
-    ("speculative PoE γ=2", {"rule": "exact", "gamma": 2}),
-    ("speculative PoE γ=4", {"rule": "exact", "gamma": 4}),
-    ("speculative PoE γ=6", {"rule": "exact", "gamma": 6}),
+    ("speculative PoE γ=2", {"rule": "exact", "gamma": 2, "drafter": "head"}),
+    ("speculative PoE γ=4", {"rule": "exact", "gamma": 4, "drafter": "head"}),
+    ("speculative PoE γ=6", {"rule": "exact", "gamma": 6, "drafter": "head"}),
 ]
 
 

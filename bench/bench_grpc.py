@@ -32,7 +32,7 @@ from workers.sessions import SessionLimits
 
 PROMPT = "Write a short story about a robot who learns to paint."
 MODES = [
-    ("speculative PoE γ=4", {"rule": "exact", "gamma": 4}),
+    ("speculative PoE γ=4", {"rule": "exact", "gamma": 4, "drafter": "head"}),
     ("non-speculative PoE (verifier_only)", {"rule": "verifier_only"}),
 ]
 

@@ -37,7 +37,7 @@ from protos.hydrajury.v1 import generation_pb2_grpc
 
 PROMPT = "Write a short story about a robot who learns to paint."
 MODES = {
-    "speculative PoE γ=4": {"rule": "exact", "gamma": 4},
+    "speculative PoE γ=4": {"rule": "exact", "gamma": 4, "drafter": "head"},
     "non-speculative PoE": {"rule": "verifier_only"},
 }
 
