@@ -9,7 +9,7 @@ PROTO_OUT := $(PROTO_SRC:.proto=_pb2.py)
 
 HELM := var/tools/helm
 
-.PHONY: setup protos test test-fast lint chart model run serve bench bench-model bench-one-host clean
+.PHONY: setup protos test test-fast lint chart model run serve bench bench-model bench-one-host bench-drafters clean
 
 setup: $(STAMP)
 
@@ -66,7 +66,10 @@ bench-model: model
 bench-one-host: model protos
 	$(PY) bench/bench_one_host.py --checkpoint $(MODEL_DIR)
 
-bench: bench-model bench-one-host
+bench-drafters: model protos
+	$(PY) bench/bench_drafters.py --checkpoint $(MODEL_DIR)
+
+bench: bench-model bench-one-host bench-drafters
 	$(PY) bench/bench_engine.py --checkpoint $(MODEL_DIR)
 	$(PY) bench/bench_grpc.py --checkpoint $(MODEL_DIR)
 
