@@ -420,13 +420,9 @@ class Engine:
         rule, lenience, seed = prepared.rule, prepared.request.lenience, prepared.seed
         gamma = len(draft.tokens)
         positions = torch.arange(run.start + 1, run.start + 1 + gamma)  # of the drafts
-        draft_probs = draft.logprobs.exp()
-        sampled_target = filter_logprobs(target_logprobs, prepared.sampling).exp()
-        if draft.decision_logprobs is not None:
-            decision_draft = draft.decision_logprobs.exp()
-            decision_target = normalise_logprobs(score.decision_log_product).exp()
-        else:
-            decision_draft, decision_target = draft_probs, sampled_target
+        draft_probs, sampled_target, decision_draft, decision_target = _distributions(
+            run, draft, target_logprobs, score
+        )
         keep = acceptance_probs(
             rule,
             lenience,
@@ -466,13 +462,9 @@ class Engine:
         seed), whatever was drafted."""
         prepared = run.prepared
         gamma = len(draft.tokens)
-        draft_probs = draft.logprobs.exp()
-        sampled_target = filter_logprobs(target_logprobs, prepared.sampling).exp()
-        if draft.decision_logprobs is not None:
-            decision_draft = draft.decision_logprobs.exp()
-            decision_target = normalise_logprobs(score.decision_log_product).exp()
-        else:
-            decision_draft, decision_target = draft_probs, sampled_target
+        draft_probs, sampled_target, decision_draft, decision_target = _distributions(
+            run, draft, target_logprobs, score
+        )
         target = rule_target(
             prepared.rule,
             prepared.request.lenience,
@@ -664,6 +656,21 @@ def _verdict(
         score.voters,
         rejected,
     )
+
+
+def _distributions(
+    run: _Run, draft: DraftResult, target_logprobs: torch.Tensor, score: ScoreResult
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a sampled verdict decides on: the draft q and the target P as sampled
+    (tempered, filtered), and the decision q and P the cascade rules defer on
+    (temperature 1, unfiltered; the sampled ones when the round asked for none)."""
+    draft_probs = draft.logprobs.exp()
+    sampled_target = filter_logprobs(target_logprobs, run.prepared.sampling).exp()
+    if draft.decision_logprobs is None:
+        return draft_probs, sampled_target, draft_probs, sampled_target
+    decision_draft = draft.decision_logprobs.exp()
+    decision_target = normalise_logprobs(score.decision_log_product).exp()
+    return draft_probs, sampled_target, decision_draft, decision_target
 
 
 def _leading_true(mask: torch.Tensor) -> int:

@@ -116,5 +116,5 @@ class LocalRedis:
     def __enter__(self) -> LocalRedis:
         return self.start()
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *_exc_info) -> None:
         self.stop()
