@@ -273,8 +273,10 @@ class SessionRunner:
         if prepared is None:
             if request.seed is None and record.seed is not None:
                 request = replace(request, seed=record.seed)
-            drafts = request.rule != Rule.VERIFIER_ONLY
-            if request.draft_head is None and record.draft_head is not None and drafts:
+            # The session's draft head, for a turn that drafts with a head (prompt lookup
+            # takes none, verifier_only does not draft).
+            head_drafts = request.rule != Rule.VERIFIER_ONLY and request.drafter != "ngram"
+            if request.draft_head is None and record.draft_head is not None and head_drafts:
                 request = replace(request, draft_head=record.draft_head)
             context = None
             if kind == "chat":

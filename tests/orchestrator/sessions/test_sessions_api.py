@@ -88,6 +88,25 @@ def test_a_second_turn_prefills_only_the_new_tokens(stack, tokenizer, options):
     assert second.text == fresh.text
 
 
+def test_each_turn_may_pick_its_drafter(stack):
+    """A session's draft head carries over to turns that draft with a head, never to one
+    that drafts by prompt lookup or does not draft."""
+    generation = stack.generation()
+    first = generation.Generate(chat([user("hi")], drafter="head", **GREEDY), timeout=30)
+    for drafter, rule in (("ngram", "exact"), ("auto", "verifier_only"), ("head", "exact")):
+        turn = generation.Generate(
+            chat(
+                [user("more")],
+                session_id=first.session_id,
+                drafter=drafter,
+                rule=rule,
+                temperature=0.0,
+            ),
+            timeout=30,
+        )
+        assert turn.draft_head == (first.draft_head if drafter == "head" else "")
+
+
 def test_text_sessions_append_prompts(stack):
     generation = stack.generation()
     options = generation_pb2.DecodingOptions(max_new_tokens=4, seed=3, temperature=0.0)
