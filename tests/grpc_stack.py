@@ -58,6 +58,7 @@ class Stack:
     servers: dict[str, Any] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
     channels: list[grpc.Channel] = field(default_factory=list)
+    workers: dict[str, Any] = field(default_factory=dict)  # service name -> its stub class
 
     def start_services(self) -> Stack:
         """The trunk service ("trunk") and one service per shard ("jury0", ...)."""
@@ -74,6 +75,18 @@ class Stack:
         """A client of the stack's sessions (each server gets its own)."""
         return RedisStore(self.redis_url, prefix=self.prefix, settings=self.sessions)
 
+    def load_record(self, session_id: str):
+        """The session's record as Redis holds it now (None once it is gone)."""
+
+        async def read():
+            store = self.store()
+            try:
+                return await store.load(session_id)
+            finally:
+                await store.close()
+
+        return self.loop.run(read())
+
     def start_replica(self, name: str, heads: list[str] | None = None) -> str:
         """One more trunk replica (`heads` None) or jury replica, named `name`; its port."""
         limits = {
@@ -85,6 +98,9 @@ class Stack:
         options = ServiceOptions(self.checkpoint, heads=heads, **limits)
         running = self.loop.run(serve_worker(spec, options))
         self.servers[name], self.addresses[name] = running, f"127.0.0.1:{running.port}"
+        self.workers[name] = (
+            internal_pb2_grpc.TrunkStub if heads is None else internal_pb2_grpc.JuryStub
+        )
         return running.port
 
     def start_orchestrator(
@@ -123,7 +139,7 @@ class Stack:
 
     @property
     def embedded(self) -> bool:
-        return "orchestrator" in self.servers and "trunk" not in self.servers
+        return "orchestrator" in self.servers and not self.workers
 
     @property
     def holders(self) -> list[str]:
@@ -141,10 +157,11 @@ class Stack:
         return generation_pb2_grpc.GenerationStub(self.channel(name))
 
     def active_sessions(self, name: str) -> int:
+        """Sessions a worker holds: a trunk or jury service by its name, or in the
+        single-process server "trunk" or "jury"."""
         if self.embedded:  # the workers of the in-process backend
             return len(getattr(self.servicer.backend, name).sessions)
-        stub_class = internal_pb2_grpc.TrunkStub if name == "trunk" else internal_pb2_grpc.JuryStub
-        info = stub_class(self.channel(name)).Info(internal_pb2.InfoRequest(), timeout=5)
+        info = self.workers[name](self.channel(name)).Info(internal_pb2.InfoRequest(), timeout=5)
         return info.limits.active_sessions
 
     def stop_server(self, name: str) -> None:

@@ -10,7 +10,6 @@ import pytest
 
 from orchestrator.discovery import KubernetesDiscovery, StaticDiscovery, ready_addresses
 from orchestrator.sessions.store import StoreSettings
-from protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from tests.grpc_stack import Stack, wait_for
 from tests.orchestrator.fake_kubernetes import FakeKubernetes
 from tests.orchestrator.sessions.test_sessions_api import GREEDY, chat, user
@@ -78,14 +77,6 @@ def test_ready_addresses_reads_slices_as_the_api_says():
     }
 
 
-def held(stack: Stack, name: str) -> int:
-    stub_class = (
-        internal_pb2_grpc.TrunkStub if name.startswith("trunk") else internal_pb2_grpc.JuryStub
-    )
-    info = stub_class(stack.channel(name)).Info(internal_pb2.InfoRequest(), timeout=5)
-    return info.limits.active_sessions
-
-
 def test_sessions_are_placed_kept_and_moved(fake, jury_checkpoint, redis_url):
     stack = Stack(str(jury_checkpoint), [], redis_url)
     stack.sessions = StoreSettings(ttl_s=60, lease_s=2)
@@ -110,18 +101,16 @@ def test_sessions_are_placed_kept_and_moved(fake, jury_checkpoint, redis_url):
         first = generation.Generate(chat([user("one")], **GREEDY), timeout=30)
         second = generation.Generate(chat([user("two")], **GREEDY), timeout=30)
         # Spread: the two sessions sit on different trunk replicas and jury replicas.
-        assert sorted(held(stack, n) for n in trunks) == [0, 1, 1]
-        assert sorted(held(stack, n) for n in shards) == [1, 1]
+        assert sorted(stack.active_sessions(n) for n in trunks) == [0, 1, 1]
+        assert sorted(stack.active_sessions(n) for n in shards) == [1, 1]
         by_port = {f"127.0.0.1:{port}": name for name, port in trunks.items()}
-        home = by_port[
-            stack.loop.run(_record(stack, first.session_id)).replicas["trunk"].split("@")[0]
-        ]
+        home = by_port[stack.load_record(first.session_id).replicas["trunk"].split("@")[0]]
         # Kept: the next turn goes back to the same replicas and reuses their caches.
         again = generation.Generate(
             chat([user("more")], session_id=first.session_id, **GREEDY), timeout=30
         )
         assert again.stats.reused_tokens > 0
-        assert sorted(held(stack, n) for n in trunks) == [0, 1, 1]
+        assert sorted(stack.active_sessions(n) for n in trunks) == [0, 1, 1]
         # Moved: its trunk replica leaves; the next turn re-prefills elsewhere, same output.
         fake.delete_endpoint("trunk", trunks[home])
         stack.stop_server(home)
@@ -140,9 +129,7 @@ def test_sessions_are_placed_kept_and_moved(fake, jury_checkpoint, redis_url):
         assert moved.stats.reused_tokens == 0
         assert list(moved.token_ids) == list(fresh.token_ids)
         # A replica that is down but still listed ready: the call fails over at once.
-        other = by_port[
-            stack.loop.run(_record(stack, second.session_id)).replicas["trunk"].split("@")[0]
-        ]
+        other = by_port[stack.load_record(second.session_id).replicas["trunk"].split("@")[0]]
         assert other != home
         stack.stop_server(other)
         moved_again = generation.Generate(
@@ -154,11 +141,3 @@ def test_sessions_are_placed_kept_and_moved(fake, jury_checkpoint, redis_url):
         assert list(moved_again.token_ids) == list(fresh_again.token_ids)
     finally:
         stack.close()
-
-
-async def _record(stack: Stack, session_id: str):
-    store = stack.store()
-    try:
-        return await store.load(session_id)
-    finally:
-        await store.close()

@@ -60,17 +60,6 @@ def spawn_orchestrator(stack: Stack):
     return child, channel, generation_pb2_grpc.GenerationStub(channel)
 
 
-def load(stack: Stack, session_id: str):
-    async def read():
-        store = stack.store()
-        try:
-            return await store.load(session_id)
-        finally:
-            await store.close()
-
-    return stack.loop.run(read())
-
-
 def assert_between_rounds(record) -> None:
     """The record is as of a round's end: its tokens are context plus what was generated."""
     generation = record.generation
@@ -104,7 +93,7 @@ def test_a_killed_orchestrator_s_request_resumes_on_another(stack, options):
             next(stream)
         child.process.send_signal(signal.SIGKILL)
         child.process.wait()
-        interrupted = load(stack, session.session_id)
+        interrupted = stack.load_record(session.session_id)
         assert_between_rounds(interrupted)
         assert not interrupted.generation.finished  # it really was cut mid-generation
         # The survivor waits out the dead owner's lease, then goes on from its last round.
@@ -130,7 +119,7 @@ def test_a_frozen_owner_is_fenced_off_when_it_wakes(stack):
         stream = frozen.GenerateStream(request, timeout=60)
         next(stream)
         os.kill(child.process.pid, signal.SIGSTOP)
-        stale_cache = load(stack, session.session_id).cache_id
+        stale_cache = stack.load_record(session.session_id).cache_id
         resumed = survivor.Generate(request, timeout=60)  # takes over once the lease ran out
         os.kill(child.process.pid, signal.SIGCONT)
         with pytest.raises(grpc.RpcError) as raised:
@@ -142,7 +131,7 @@ def test_a_frozen_owner_is_fenced_off_when_it_wakes(stack):
         child.process.kill()
         child.process.wait()
     assert list(resumed.token_ids) == list(reference.token_ids)
-    record = load(stack, session.session_id)
+    record = stack.load_record(session.session_id)
     assert record.cache_id != stale_cache  # the new owner never read the stale caches
     assert record.result["output"]["token_ids"] == list(reference.token_ids)
     assert record.owner == "" and record.generation.finished
@@ -169,7 +158,7 @@ def test_redis_killed_mid_generation(jury_checkpoint, tmp_path, persistent):
         assert "Redis at" in raised.value.details()
         redis = LocalRedis(port=redis.port, data_dir=redis.data_dir).start()
         if persistent:
-            assert_between_rounds(load(stack, session.session_id))
+            assert_between_rounds(stack.load_record(session.session_id))
             resumed = generation.Generate(request, timeout=60)
             assert list(resumed.token_ids) == list(reference.token_ids)
         else:
@@ -204,7 +193,7 @@ def test_two_orchestrators_racing_on_one_session(stack):
     losers = [r for r in results if isinstance(r, grpc.RpcError)]
     assert len(winners) == len(losers) == 1
     assert losers[0].code() == grpc.StatusCode.ABORTED and "busy" in losers[0].details()
-    record = load(stack, session.session_id)
+    record = stack.load_record(session.session_id)
     winner = winners[0]
     assert record.generation.progress.generated == list(winner.token_ids)
     assert record.tokens == record.tokens[: winner.prompt_tokens] + list(winner.token_ids)

@@ -211,7 +211,7 @@ def test_lost_caches_are_rebuilt_from_the_record(stack):
     re-prefills everything, with the same tokens as a fresh session."""
     generation = stack.generation()
     first = generation.Generate(chat([user("remember")], **GREEDY), timeout=30)
-    record = stack.loop.run(_load(stack, first.session_id))
+    record = stack.load_record(first.session_id)
     if stack.embedded:
         stack.servicer.backend.trunk.release(record.cache_id)
     else:
@@ -227,14 +227,6 @@ def test_lost_caches_are_rebuilt_from_the_record(stack):
     assert second.stats.reused_tokens == 0
 
 
-async def _load(stack, session_id):
-    store = stack.store()
-    try:
-        return await store.load(session_id)
-    finally:
-        await store.close()
-
-
 def test_close_session_ends_a_stream_and_frees_every_cache(stack):
     generation = stack.generation()
     stream = generation.GenerateStream(
@@ -247,7 +239,7 @@ def test_close_session_ends_a_stream_and_frees_every_cache(stack):
         list(stream)
     assert raised.value.code() == grpc.StatusCode.ABORTED
     assert wait_for(lambda: all(stack.active_sessions(n) == held[n] - 1 for n in stack.holders))
-    assert stack.loop.run(_load(stack, session_id)) is None
+    assert stack.load_record(session_id) is None
     with pytest.raises(grpc.RpcError) as raised:
         generation.Generate(chat([user("hi")], session_id=session_id), timeout=10)
     assert raised.value.code() == grpc.StatusCode.NOT_FOUND
