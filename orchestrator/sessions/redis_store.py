@@ -21,7 +21,8 @@ scripts touch a session's keys and the shared expiry index).
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as redis
@@ -34,6 +35,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from orchestrator.sessions.record import SessionRecord, pack_tokens, unpack_tokens
 from orchestrator.sessions.store import Acquired, SessionBusy, SessionStore, StoreSettings
 from serving.errors import ServiceUnavailable, SessionConflict, SessionExists, SessionNotFound
+
+T = TypeVar("T")
 
 _NOW = """
 local t = redis.call('TIME')
@@ -177,19 +180,20 @@ class RedisStore(SessionStore):
         session = f"{self.prefix}session:{session_id}"
         return [session, f"{session}:rounds", f"{self.prefix}expiry"]
 
-    async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+    async def _call(self, command: Awaitable[T]) -> T:
+        """A Redis command's reply; any failure is `ServiceUnavailable` naming Redis."""
         try:
-            return await self._scripts[name](keys=keys, args=args)
+            return await command
         except (RedisConnectionError, RedisTimeoutError, OSError) as error:
             raise ServiceUnavailable(f"{self.where} is unavailable: {error}") from None
         except RedisError as error:
             raise ServiceUnavailable(f"{self.where} refused a command: {error}") from None
 
+    async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        return await self._call(self._scripts[name](keys=keys, args=args))
+
     async def ping(self) -> None:
-        try:
-            await self._client.ping()
-        except (RedisError, OSError) as error:
-            raise ServiceUnavailable(f"{self.where} is unavailable: {error}") from None
+        await self._call(self._client.ping())
 
     async def create(self, record: SessionRecord, owner: str) -> None:
         session, _rounds, expiry = self._keys(record.session_id)
@@ -236,10 +240,7 @@ class RedisStore(SessionStore):
         return Acquired(record, bool(took_over))
 
     async def load(self, session_id: str) -> SessionRecord | None:
-        try:
-            fields = await self._client.hgetall(self._keys(session_id)[0])
-        except (RedisError, OSError) as error:
-            raise ServiceUnavailable(f"{self.where} is unavailable: {error}") from None
+        fields = await self._call(self._client.hgetall(self._keys(session_id)[0]))
         if not fields:
             return None
         record = SessionRecord.from_document(
@@ -290,10 +291,7 @@ class RedisStore(SessionStore):
             record.owner = ""
 
     async def rounds(self, session_id: str) -> list[Any]:
-        try:
-            items = await self._client.lrange(self._keys(session_id)[1], 0, -1)
-        except (RedisError, OSError) as error:
-            raise ServiceUnavailable(f"{self.where} is unavailable: {error}") from None
+        items = await self._call(self._client.lrange(self._keys(session_id)[1], 0, -1))
         return [json.loads(item) for item in items]
 
     async def delete(self, session_id: str) -> str | None:
