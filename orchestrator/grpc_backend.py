@@ -119,7 +119,10 @@ class GrpcBackend(DecodingBackend):
                 discovery.wait_ready(connect_timeout_s)
             except TimeoutError as error:
                 raise ServiceUnavailable(str(error)) from None
-            first = {c.name: self._connect(c, discovery.ready(c.name)[0]) for c in self.components}
+            first = {
+                c.name: self._connect(c, discovery.ready(c.name)[0], checked=False)
+                for c in self.components
+            }
             self.info = self._check_layout(first)
         except BaseException:
             self.close()
@@ -136,8 +139,9 @@ class GrpcBackend(DecodingBackend):
     def components(self) -> list[_Component]:
         return [self.trunk, *self.shards]
 
-    def _connect(self, component: _Component, address: str) -> _Replica:
-        """A replica, connected and checked against the layout (once per address)."""
+    def _connect(self, component: _Component, address: str, checked: bool = True) -> _Replica:
+        """A replica, connected and (`checked`) checked against the layout, once per
+        address; the first replicas define the layout (`_check_layout`)."""
         with self._lock:
             known = component.replicas.get(address)
         if known is not None:
@@ -153,7 +157,7 @@ class GrpcBackend(DecodingBackend):
             channel.close()
             raise ServiceUnavailable(f"{name} did not answer Info: {error.details()}") from None
         replica = _Replica(name, address, channel, stub, info, info.epoch)
-        if hasattr(self, "info"):
+        if checked:
             try:
                 self._check_replica(component, replica)
             except LayoutError:
