@@ -24,8 +24,9 @@ $(STAMP): pyproject.toml
 
 protos: setup $(PROTO_OUT)
 
-protos/hydrajury/v1/%_pb2.py: protos/hydrajury/v1/%.proto $(PROTO_SRC)
-	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $<
+# The build hook's generator (setup.py), writing into the source tree.
+$(PROTO_OUT): $(PROTO_SRC) setup.py
+	$(PY) -c 'import setup; setup.generate_protos(setup.ROOT)'
 
 lint: setup
 	$(PY) -m ruff check .
@@ -48,17 +49,17 @@ chart: $(HELM)
 	@$(HELM) template hydra-jury deploy/helm/hydra-jury
 
 model: setup
-	$(PY) -m hydra_model.build.demo --out $(MODEL_DIR)
+	$(PY) -m hydra_jury.hydra_model.build.demo --out $(MODEL_DIR)
 
 # The local stack: trunk, two jury shards and the orchestrator on 127.0.0.1:50050, with
 # the sessions in a private redis-server stopped with the stack.
 run: model protos
-	$(PY) -m orchestrator.cli up --checkpoint $(MODEL_DIR)
+	$(PY) -m hydra_jury.orchestrator.cli up --checkpoint $(MODEL_DIR)
 
 # The single-process server: the same API from one process, for one machine. Sessions
 # live in $HYDRA_JURY_REDIS_URL if set, else in a private redis-server stopped with it.
 serve: model protos
-	$(PY) -m orchestrator.cli serve --checkpoint $(MODEL_DIR)
+	$(PY) -m hydra_jury.orchestrator.cli serve --checkpoint $(MODEL_DIR)
 
 bench-model: model
 	$(PY) bench/bench_model.py --checkpoint $(MODEL_DIR)

@@ -1,16 +1,37 @@
-"""Build hook: generates the gRPC code from `protos/hydrajury/v1/*.proto` while building,
-so that `pip install .`, wheels and sdists carry it without `make protos` (the generated
-code is never committed). Everything else is declared in pyproject.toml."""
+"""Build hook and package map.
+
+- The project's top-level folders (`poe/`, `orchestrator/`, ...) install as subpackages of
+  one namespace, `hydra_jury` (`hydra_jury.poe`, `hydra_jury.orchestrator`, ...), so the
+  wheel claims no generic top-level name such as `protos` or `workers`.
+- The gRPC code is generated from `protos/hydrajury/v1/*.proto` while building, so that
+  `pip install .`, wheels and sdists carry it without `make protos` (the generated code is
+  never committed).
+
+Everything else is declared in pyproject.toml."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_namespace_packages, setup
 from setuptools.command.build_py import build_py
 from setuptools.command.sdist import sdist
 
 ROOT = Path(__file__).resolve().parent
+NAMESPACE = "hydra_jury"
+# The folders that make up the installed package; bench/ and tests/ are not installed.
+FOLDERS = (
+    "protos",
+    "poe",
+    "hydra_model",
+    "workers",
+    "serving",
+    "trunk_service",
+    "jury_service",
+    "orchestrator",
+)
 PROTO_DIR = Path("protos/hydrajury/v1")
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
@@ -28,24 +49,41 @@ def generated_files(out_dir: Path) -> list[Path]:
     ]
 
 
+def package_map() -> tuple[list[str], dict[str, str]]:
+    """Every package under the namespace, and the folder each top-level one comes from."""
+    packages, package_dir = [], {}
+    for folder in FOLDERS:
+        package_dir[f"{NAMESPACE}.{folder}"] = folder
+        packages += [f"{NAMESPACE}.{folder}"]
+        packages += [f"{NAMESPACE}.{folder}.{name}" for name in find_namespace_packages(folder)]
+    return packages, package_dir
+
+
 def generate_protos(out_dir: Path) -> None:
-    """The same command as `make protos`, writing under `out_dir` (the generated modules
-    import each other as `protos.hydrajury.v1.*`, so the project root is the include
-    root)."""
+    """Writes the generated modules into `out_dir`/protos/hydrajury/v1 (what `make protos`
+    does with the project root as `out_dir`).
+
+    The project root is mapped to the import path `hydra_jury/`, so that the .proto files
+    import each other as `hydra_jury/protos/hydrajury/v1/*.proto` and the generated modules
+    as `hydra_jury.protos.hydrajury.v1.*`, their installed names."""
     # Imported here: grpcio-tools is a build requirement, not needed to read this file.
     from grpc_tools import protoc
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    arguments = [
-        "grpc_tools.protoc",
-        f"--proto_path={ROOT}",
-        f"--python_out={out_dir}",
-        f"--pyi_out={out_dir}",
-        f"--grpc_python_out={out_dir}",
-        *(str(ROOT / proto) for proto in proto_files()),
-    ]
-    if protoc.main(arguments) != 0:
-        raise RuntimeError(f"protoc failed on {PROTO_DIR}/*.proto (arguments: {arguments})")
+    with tempfile.TemporaryDirectory() as staging:
+        arguments = [
+            "grpc_tools.protoc",
+            f"--proto_path={NAMESPACE}={ROOT}",
+            f"--python_out={staging}",
+            f"--pyi_out={staging}",
+            f"--grpc_python_out={staging}",
+            *(str(ROOT / proto) for proto in proto_files()),
+        ]
+        if protoc.main(arguments) != 0:
+            raise RuntimeError(f"protoc failed on {PROTO_DIR}/*.proto (arguments: {arguments})")
+        target = out_dir / PROTO_DIR
+        target.mkdir(parents=True, exist_ok=True)
+        for generated in (Path(staging) / NAMESPACE / PROTO_DIR).iterdir():
+            shutil.copyfile(generated, target / generated.name)
 
 
 class BuildPyWithProtos(build_py):
@@ -55,12 +93,12 @@ class BuildPyWithProtos(build_py):
 
     def run(self) -> None:
         super().run()
-        generate_protos(ROOT if self.editable_mode else Path(self.build_lib))
+        generate_protos(ROOT if self.editable_mode else Path(self.build_lib) / NAMESPACE)
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
         # Listed even before the first build, when the source tree has no generated code.
         outputs = super().get_outputs(include_bytecode)
-        generated = [str(path) for path in generated_files(Path(self.build_lib))]
+        generated = [str(path) for path in generated_files(Path(self.build_lib) / NAMESPACE)]
         return outputs + [path for path in generated if path not in outputs]
 
 
@@ -77,4 +115,10 @@ class SdistWithProtos(sdist):
         generate_protos(Path(base_dir))
 
 
-setup(cmdclass={"build_py": BuildPyWithProtos, "sdist": SdistWithProtos})
+if __name__ == "__main__":  # pip's build backend runs this file as __main__
+    packages, package_dir = package_map()
+    setup(
+        packages=packages,
+        package_dir=package_dir,
+        cmdclass={"build_py": BuildPyWithProtos, "sdist": SdistWithProtos},
+    )

@@ -22,14 +22,13 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-
-from hydra_model import HydraModel
-from orchestrator.convert import request_to_pb
-from orchestrator.engine import Engine
-from orchestrator.launcher import LocalStack
-from orchestrator.local_backend import LocalBackend
-from orchestrator.request import GenerationRequest
-from protos.hydrajury.v1 import generation_pb2_grpc
+from hydra_jury.hydra_model import HydraModel
+from hydra_jury.orchestrator.convert import request_to_pb
+from hydra_jury.orchestrator.engine import Engine
+from hydra_jury.orchestrator.launcher import LocalStack
+from hydra_jury.orchestrator.local_backend import LocalBackend
+from hydra_jury.orchestrator.request import GenerationRequest
+from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
 
 PARAGRAPH = (
     "The harbour town wakes early. Fishing boats leave before dawn, and by seven the "

@@ -18,12 +18,11 @@ import time
 from contextlib import contextmanager
 
 import torch
-
-from hydra_model import HeadStack, HydraModel, Trunk
-from orchestrator.engine import Engine
-from orchestrator.local_backend import LocalBackend
-from orchestrator.request import GenerationRequest
-from workers.sessions import SessionLimits
+from hydra_jury.hydra_model import HeadStack, HydraModel, Trunk
+from hydra_jury.orchestrator.engine import Engine
+from hydra_jury.orchestrator.local_backend import LocalBackend
+from hydra_jury.orchestrator.request import GenerationRequest
+from hydra_jury.workers.sessions import SessionLimits
 
 PROMPT = "Write a short story about a robot who learns to paint."
 MODES = [

@@ -20,15 +20,14 @@ import time
 
 import grpc
 import torch
-
-from hydra_model import HydraModel
-from orchestrator.engine import Engine
-from orchestrator.grpc_backend import GrpcBackend
-from orchestrator.launcher import LocalStack
-from orchestrator.local_backend import LocalBackend
-from orchestrator.request import GenerationRequest
-from protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
-from workers.sessions import SessionLimits
+from hydra_jury.hydra_model import HydraModel
+from hydra_jury.orchestrator.engine import Engine
+from hydra_jury.orchestrator.grpc_backend import GrpcBackend
+from hydra_jury.orchestrator.launcher import LocalStack
+from hydra_jury.orchestrator.local_backend import LocalBackend
+from hydra_jury.orchestrator.request import GenerationRequest
+from hydra_jury.protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
+from hydra_jury.workers.sessions import SessionLimits
 
 PROMPT = "Write a short story about a robot who learns to paint."
 MODES = [

@@ -10,9 +10,8 @@ import argparse
 import time
 
 import torch
-
-from hydra_model import HydraModel
-from hydra_model.build.demo import demo_gguf_path
+from hydra_jury.hydra_model import HydraModel
+from hydra_jury.hydra_model.build.demo import demo_gguf_path
 
 PROMPT = "Write a short story about a robot who learns to paint."
 

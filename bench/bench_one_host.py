@@ -29,11 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-
-from orchestrator.convert import request_to_pb
-from orchestrator.launcher import LocalStack, start_child
-from orchestrator.request import GenerationRequest
-from protos.hydrajury.v1 import generation_pb2_grpc
+from hydra_jury.orchestrator.convert import request_to_pb
+from hydra_jury.orchestrator.launcher import LocalStack, start_child
+from hydra_jury.orchestrator.request import GenerationRequest
+from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
 
 PROMPT = "Write a short story about a robot who learns to paint."
 MODES = {
@@ -55,10 +54,10 @@ def request(mode: str, new_tokens: int) -> GenerationRequest:
 
 def worker(checkpoint: str, mode: str, new_tokens: int) -> None:
     """The in-process side: a warm-up, then one measured generation, as JSON."""
-    from hydra_model import HydraModel
-    from orchestrator.engine import Engine
-    from orchestrator.local_backend import LocalBackend
-    from workers.sessions import SessionLimits
+    from hydra_jury.hydra_model import HydraModel
+    from hydra_jury.orchestrator.engine import Engine
+    from hydra_jury.orchestrator.local_backend import LocalBackend
+    from hydra_jury.workers.sessions import SessionLimits
 
     model = HydraModel.load(checkpoint)
     engine = Engine(LocalBackend(model, limits=SessionLimits(1, 1024)), model.load_tokenizer())
@@ -126,7 +125,7 @@ def main() -> None:
         [
             sys.executable,
             "-m",
-            "orchestrator.cli",
+            "hydra_jury.orchestrator.cli",
             "serve",
             "--checkpoint",
             checkpoint,

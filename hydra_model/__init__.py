@@ -8,11 +8,11 @@
 - `build/`: offline tooling (checkpoint builder, sources, LoRA merge, demo, describe)
 """
 
-from hydra_model.checkpoint import CheckpointError
-from hydra_model.heads import HeadStack
-from hydra_model.kv_cache import CacheError, KVCache, KVCachePool
-from hydra_model.model import HydraModel
-from hydra_model.trunk import Trunk
+from hydra_jury.hydra_model.checkpoint import CheckpointError
+from hydra_jury.hydra_model.heads import HeadStack
+from hydra_jury.hydra_model.kv_cache import CacheError, KVCache, KVCachePool
+from hydra_jury.hydra_model.model import HydraModel
+from hydra_jury.hydra_model.trunk import Trunk
 
 __all__ = [
     "CacheError",

@@ -15,10 +15,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-
-from hydra_model.config import DecoderConfig
-from hydra_model.kv_cache import KVCache
-from hydra_model.rope import RotaryTable
+from hydra_jury.hydra_model.config import DecoderConfig
+from hydra_jury.hydra_model.kv_cache import KVCache
+from hydra_jury.hydra_model.rope import RotaryTable
 
 
 def layer_tensor_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from hydra_model.checkpoint import (
+from hydra_jury.hydra_model.checkpoint import (
     DTYPES,
     HEAD_SHAPE_NOTE,
     TRUNK_FILE,
@@ -19,11 +18,11 @@ from hydra_model.checkpoint import (
     read_tensors,
     split_layers,
 )
-from hydra_model.heads import HeadStack
-from hydra_model.kv_cache import KVCache, KVCachePool
-from hydra_model.layers import LayerStack
-from hydra_model.rope import RotaryTable
-from hydra_model.trunk import Trunk
+from hydra_jury.hydra_model.heads import HeadStack
+from hydra_jury.hydra_model.kv_cache import KVCache, KVCachePool
+from hydra_jury.hydra_model.layers import LayerStack
+from hydra_jury.hydra_model.rope import RotaryTable
+from hydra_jury.hydra_model.trunk import Trunk
 
 
 def resolve_dtype(name: str) -> torch.dtype:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from hydra_model.config import DecoderConfig
+from hydra_jury.hydra_model.config import DecoderConfig
 
 
 def inverse_frequencies(config: DecoderConfig) -> torch.Tensor:

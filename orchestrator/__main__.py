@@ -1,4 +1,5 @@
-"""`python -m orchestrator`: the public Generation service (see `hydra-jury orchestrator`)."""
+"""`python -m hydra_jury.orchestrator`: the public Generation service (see
+`hydra-jury orchestrator`)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import asyncio
 import logging
 import sys
 
-from orchestrator.config import OrchestratorConfig
-from serving.errors import EXPECTED_FAILURES, failure_line
+from hydra_jury.orchestrator.config import OrchestratorConfig
+from hydra_jury.serving.errors import EXPECTED_FAILURES, failure_line
 
 
-def build_parser(prog: str = "python -m orchestrator") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m hydra_jury.orchestrator") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog)
     parser.description = (
         "Serve hydrajury.v1.Generation: run the speculative PoE loop over a "
@@ -54,8 +55,8 @@ def build_parser(prog: str = "python -m orchestrator") -> argparse.ArgumentParse
 
 
 async def _serve(config: OrchestratorConfig) -> None:
-    from orchestrator.server import serve_orchestrator
-    from orchestrator.sessions.redis_store import RedisStore
+    from hydra_jury.orchestrator.server import serve_orchestrator
+    from hydra_jury.orchestrator.sessions.redis_store import RedisStore
 
     store = RedisStore(
         config.redis_url, prefix=config.redis_key_prefix, settings=config.store_settings()
@@ -73,7 +74,7 @@ async def _serve(config: OrchestratorConfig) -> None:
     await running.serve_until_signal("orchestrator", config.listen, config.grace_s)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m orchestrator") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m hydra_jury.orchestrator") -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = build_parser(prog).parse_args(argv)
     overrides = {

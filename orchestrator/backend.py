@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from serving.errors import DeadlineExceeded
-from workers.calls import (
+from hydra_jury.serving.errors import DeadlineExceeded
+from hydra_jury.workers.calls import (
     DraftCall,
     DraftResult,
     HiddenStates,

@@ -22,10 +22,9 @@ from dataclasses import replace
 from typing import TextIO
 
 import grpc
-
-from orchestrator.convert import request_to_pb
-from orchestrator.request import GenerationRequest
-from protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
+from hydra_jury.orchestrator.convert import request_to_pb
+from hydra_jury.orchestrator.request import GenerationRequest
+from hydra_jury.protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
 
 COMMANDS = ("/reset", "/metrics", "/session", "/quit")
 

@@ -7,12 +7,12 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from hydra_model.checkpoint import DTYPES
-from orchestrator.config import REDIS_URL_VARIABLE
-from serving.errors import EXPECTED_FAILURES, failure_line
+from hydra_jury.hydra_model.checkpoint import DTYPES
+from hydra_jury.orchestrator.config import REDIS_URL_VARIABLE
+from hydra_jury.serving.errors import EXPECTED_FAILURES, failure_line
 
 if TYPE_CHECKING:  # the command modules import torch: only when a command runs
-    from orchestrator.request import GenerationRequest
+    from hydra_jury.orchestrator.request import GenerationRequest
 
 CONNECT_TIMEOUT_S = 10.0  # `chat`: how long a server may take to answer at all
 
@@ -67,7 +67,7 @@ def _add_build(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_build(args: argparse.Namespace) -> int:
-    from hydra_model.build.builder import BuildOptions, build_checkpoint
+    from hydra_jury.hydra_model.build.builder import BuildOptions, build_checkpoint
 
     options = BuildOptions(
         source=args.source,
@@ -91,7 +91,7 @@ def _add_inspect(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from hydra_model.build.describe import describe_checkpoint
+    from hydra_jury.hydra_model.build.describe import describe_checkpoint
 
     print(describe_checkpoint(args.checkpoint))
     return 0
@@ -99,8 +99,8 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 def _add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     """The decoding options of a request (`generate` and `chat`)."""
-    from poe import RULES
-    from workers.calls import MAX_GAMMA
+    from hydra_jury.poe import RULES
+    from hydra_jury.workers.calls import MAX_GAMMA
 
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument(
@@ -158,7 +158,7 @@ def _decoding_request(
     messages: list[dict[str, str]] | None = None,
 ) -> GenerationRequest:
     """The request the decoding flags of `_add_decoding_flags` describe."""
-    from orchestrator.request import GenerationRequest
+    from hydra_jury.orchestrator.request import GenerationRequest
 
     return GenerationRequest(
         prompt=prompt,
@@ -253,11 +253,11 @@ def _generate_local(args: argparse.Namespace, request: GenerationRequest) -> int
     import contextlib
     import json
 
-    from hydra_model import HydraModel
-    from orchestrator.engine import Engine
-    from orchestrator.local_backend import LocalBackend
-    from orchestrator.sessions.memory_store import MemoryStore
-    from orchestrator.sessions.runner import SessionRunner
+    from hydra_jury.hydra_model import HydraModel
+    from hydra_jury.orchestrator.engine import Engine
+    from hydra_jury.orchestrator.local_backend import LocalBackend
+    from hydra_jury.orchestrator.sessions.memory_store import MemoryStore
+    from hydra_jury.orchestrator.sessions.runner import SessionRunner
 
     model = HydraModel.load(args.checkpoint, dtype=args.dtype, device=args.device)
     runner = SessionRunner(Engine(LocalBackend(model), model.load_tokenizer()), MemoryStore())
@@ -284,9 +284,8 @@ def _generate_local(args: argparse.Namespace, request: GenerationRequest) -> int
 def _generate_remote(args: argparse.Namespace, request: GenerationRequest) -> int:
     import grpc
     from google.protobuf.json_format import MessageToJson
-
-    from orchestrator.convert import request_to_pb
-    from protos.hydrajury.v1 import generation_pb2_grpc
+    from hydra_jury.orchestrator.convert import request_to_pb
+    from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
 
     message = request_to_pb(request, session_id=args.session or "")
     message.request_id = args.request_id or ""
@@ -332,9 +331,8 @@ def _add_chat(commands: argparse._SubParsersAction) -> None:
 
 def _run_chat(args: argparse.Namespace) -> int:
     import grpc
-
-    from orchestrator.chat import Chat
-    from protos.hydrajury.v1 import generation_pb2_grpc
+    from hydra_jury.orchestrator.chat import Chat
+    from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
 
     if args.system and args.session:
         raise ValueError("--system opens a new session; a continued session keeps its own")
@@ -364,9 +362,18 @@ def _run_chat(args: argparse.Namespace) -> int:
 # The worker services are found by name: the CLI is the one place that starts every
 # component, and the orchestrator package never imports a service package.
 SERVER_COMMANDS = {
-    "trunk": ("serve the trunk and drafter heads (gRPC)", "trunk_service.server:TRUNK_SERVICE"),
-    "jury": ("serve a shard of verifier heads (gRPC)", "jury_service.server:JURY_SERVICE"),
-    "orchestrator": ("serve the public Generation API (gRPC)", "orchestrator.__main__:main"),
+    "trunk": (
+        "serve the trunk and drafter heads (gRPC)",
+        "hydra_jury.trunk_service.server:TRUNK_SERVICE",
+    ),
+    "jury": (
+        "serve a shard of verifier heads (gRPC)",
+        "hydra_jury.jury_service.server:JURY_SERVICE",
+    ),
+    "orchestrator": (
+        "serve the public Generation API (gRPC)",
+        "hydra_jury.orchestrator.__main__:main",
+    ),
 }
 
 
@@ -427,7 +434,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_session_store_flags(parser: argparse.ArgumentParser) -> None:
-    from orchestrator.sessions.store import StoreSettings
+    from hydra_jury.orchestrator.sessions.store import StoreSettings
 
     defaults = StoreSettings()
     parser.add_argument(
@@ -459,12 +466,12 @@ def _run_serve(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    from orchestrator.server import serve_embedded
-    from orchestrator.sessions.redis_server import LocalRedis
-    from orchestrator.sessions.redis_store import RedisStore
-    from orchestrator.sessions.store import StoreSettings
-    from serving.model_thread import set_compute_threads
-    from workers.sessions import SessionLimits
+    from hydra_jury.orchestrator.server import serve_embedded
+    from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
+    from hydra_jury.orchestrator.sessions.redis_store import RedisStore
+    from hydra_jury.orchestrator.sessions.store import StoreSettings
+    from hydra_jury.serving.model_thread import set_compute_threads
+    from hydra_jury.workers.sessions import SessionLimits
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # Checked before anything starts: a bad setting is one line, not a half-started server.
@@ -501,8 +508,8 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from orchestrator.launcher import LocalStack
-    from orchestrator.sessions.redis_store import redacted
+    from hydra_jury.orchestrator.launcher import LocalStack
+    from hydra_jury.orchestrator.sessions.redis_store import redacted
 
     stack = LocalStack(
         args.checkpoint,
@@ -532,7 +539,7 @@ def _run_server(name: str, argv: list[str]) -> int:
     prog = f"hydra-jury {name}"
     if callable(entry):
         return entry(argv, prog=prog)
-    from serving.worker_service import service_main
+    from hydra_jury.serving.worker_service import service_main
 
     return service_main(entry, argv, prog=prog)
 

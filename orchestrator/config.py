@@ -24,14 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from orchestrator.discovery import (
+from hydra_jury.orchestrator.discovery import (
     Discovery,
     KubernetesDiscovery,
     StaticDiscovery,
     component_names,
 )
-from orchestrator.sessions.store import StoreSettings
+from hydra_jury.orchestrator.sessions.store import StoreSettings
 
 REDIS_URL_VARIABLE = "HYDRA_JURY_REDIS_URL"  # below the config file and the flags
 DISCOVERY_MODES = ("static", "kubernetes")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from orchestrator.output import GenerationOutput, RoundOutput, TokenRecord
-from orchestrator.request import GenerationRequest, RequestError
-from protos.hydrajury.v1 import generation_pb2
+from hydra_jury.orchestrator.output import GenerationOutput, RoundOutput, TokenRecord
+from hydra_jury.orchestrator.request import GenerationRequest, RequestError
+from hydra_jury.protos.hydrajury.v1 import generation_pb2
 
 _OPTIONAL_FIELDS = ("max_new_tokens", "gamma", "beta", "temperature", "top_p", "seed")
 _PLAIN_FIELDS = ("ignore_eos", "lenience", "top_k", "min_p", "epsilon", "contrastive_alpha")

@@ -27,11 +27,10 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
-
-from orchestrator.auto import AutoState, CostModel
-from orchestrator.backend import DecodingBackend
-from orchestrator.detokenizer import IncrementalDetokenizer
-from orchestrator.output import (
+from hydra_jury.orchestrator.auto import AutoState, CostModel
+from hydra_jury.orchestrator.backend import DecodingBackend
+from hydra_jury.orchestrator.detokenizer import IncrementalDetokenizer
+from hydra_jury.orchestrator.output import (
     FinishReason,
     GenerationOutput,
     Progress,
@@ -39,8 +38,13 @@ from orchestrator.output import (
     TokenKind,
     TokenRecord,
 )
-from orchestrator.request import Drafter, GenerationRequest, PreparedRequest, prepare_request
-from poe import (
+from hydra_jury.orchestrator.request import (
+    Drafter,
+    GenerationRequest,
+    PreparedRequest,
+    prepare_request,
+)
+from hydra_jury.poe import (
     RequestStats,
     Rule,
     acceptance_probs,
@@ -62,7 +66,7 @@ from poe import (
     uniforms,
     validity_radius,
 )
-from workers.calls import (
+from hydra_jury.workers.calls import (
     DraftCall,
     DraftResult,
     HiddenStates,
@@ -70,7 +74,7 @@ from workers.calls import (
     ScoreCall,
     ScoreResult,
 )
-from workers.errors import PositionError
+from hydra_jury.workers.errors import PositionError
 
 
 @dataclass

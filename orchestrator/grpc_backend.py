@@ -32,20 +32,19 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
-
-from orchestrator.backend import DecodingBackend, ModelInfo
-from orchestrator.discovery import Discovery, StaticDiscovery
-from poe import combine_partials
-from protos.codec import CodecError
-from protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
-from serving import internal_wire as wire
-from serving.errors import (
+from hydra_jury.orchestrator.backend import DecodingBackend, ModelInfo
+from hydra_jury.orchestrator.discovery import Discovery, StaticDiscovery
+from hydra_jury.poe import combine_partials
+from hydra_jury.protos.codec import CodecError
+from hydra_jury.protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
+from hydra_jury.serving import internal_wire as wire
+from hydra_jury.serving.errors import (
     InternalServiceError,
     ServiceUnavailable,
     error_from_status,
 )
-from serving.server import CHANNEL_OPTIONS
-from workers.calls import (
+from hydra_jury.serving.server import CHANNEL_OPTIONS
+from hydra_jury.workers.calls import (
     DraftCall,
     DraftResult,
     HiddenStates,
@@ -54,7 +53,7 @@ from workers.calls import (
     ScoreCall,
     ScoreResult,
 )
-from workers.errors import PositionError
+from hydra_jury.workers.errors import PositionError
 
 Result = TypeVar("Result")
 

@@ -18,8 +18,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from hydra_model.checkpoint import read_manifest
-from orchestrator.sessions.redis_server import LocalRedis
+from hydra_jury.hydra_model.checkpoint import read_manifest
+from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
 
 LISTENING = re.compile(r"listening on (\S+?):(\d+)")
 
@@ -113,7 +113,7 @@ class LocalStack:
             "trunk",
             [
                 *python,
-                "trunk_service",
+                "hydra_jury.trunk_service",
                 "--checkpoint",
                 self.checkpoint,
                 "--listen",
@@ -128,7 +128,7 @@ class LocalStack:
                 f"jury{i}",
                 [
                     *python,
-                    "jury_service",
+                    "hydra_jury.jury_service",
                     "--checkpoint",
                     self.checkpoint,
                     "--heads",
@@ -144,7 +144,7 @@ class LocalStack:
         ]
         command = [
             *python,
-            "orchestrator",
+            "hydra_jury.orchestrator",
             "--checkpoint",
             self.checkpoint,
             "--trunk",

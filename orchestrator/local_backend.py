@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from hydra_model import HydraModel
-from orchestrator.backend import DecodingBackend, ModelInfo
-from serving.errors import InternalServiceError
-from serving.model_thread import ModelThread
-from serving.server import new_epoch
-from workers.calls import (
+from hydra_jury.hydra_model import HydraModel
+from hydra_jury.orchestrator.backend import DecodingBackend, ModelInfo
+from hydra_jury.serving.errors import InternalServiceError
+from hydra_jury.serving.model_thread import ModelThread
+from hydra_jury.serving.server import new_epoch
+from hydra_jury.workers.calls import (
     DraftCall,
     DraftResult,
     HiddenStates,
@@ -26,10 +26,10 @@ from workers.calls import (
     ScoreCall,
     ScoreResult,
 )
-from workers.errors import InvalidArgument
-from workers.jury import JuryWorker
-from workers.sessions import SessionLimits
-from workers.trunk import TrunkWorker
+from hydra_jury.workers.errors import InvalidArgument
+from hydra_jury.workers.jury import JuryWorker
+from hydra_jury.workers.sessions import SessionLimits
+from hydra_jury.workers.trunk import TrunkWorker
 
 T = TypeVar("T")
 

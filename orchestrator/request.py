@@ -13,12 +13,12 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from orchestrator.backend import ModelInfo
-from poe import RULES, Rule, SamplingParams, choice, random_seed, validate_rule
-from poe.contrastive import validate_alpha
-from poe.randomness import MAX_SEED
-from workers.calls import MAX_BETA, MAX_GAMMA
-from workers.errors import InvalidArgument
+from hydra_jury.orchestrator.backend import ModelInfo
+from hydra_jury.poe import RULES, Rule, SamplingParams, choice, random_seed, validate_rule
+from hydra_jury.poe.contrastive import validate_alpha
+from hydra_jury.poe.randomness import MAX_SEED
+from hydra_jury.workers.calls import MAX_BETA, MAX_GAMMA
+from hydra_jury.workers.errors import InvalidArgument
 
 
 class RequestError(InvalidArgument):

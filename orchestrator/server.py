@@ -17,25 +17,24 @@ import logging
 import time
 
 import grpc
-
-from hydra_model import HydraModel
-from hydra_model.checkpoint import checkpoint_fingerprint, read_manifest
-from orchestrator.backend import DecodingBackend
-from orchestrator.convert import output_to_pb, request_from_pb, round_to_pb
-from orchestrator.discovery import Discovery
-from orchestrator.engine import Engine
-from orchestrator.grpc_backend import GrpcBackend, LayoutError
-from orchestrator.local_backend import LocalBackend
-from orchestrator.metrics import OrchestratorMetrics
-from orchestrator.request import RequestError
-from orchestrator.sessions.runner import SessionRunner
-from orchestrator.sessions.store import SessionStore
-from poe import RULES
-from protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
-from serving.model_thread import ModelThread, start_model_thread
-from serving.server import GrpcServer, RunningServer
-from workers.calls import MAX_GAMMA
-from workers.sessions import SessionLimits
+from hydra_jury.hydra_model import HydraModel
+from hydra_jury.hydra_model.checkpoint import checkpoint_fingerprint, read_manifest
+from hydra_jury.orchestrator.backend import DecodingBackend
+from hydra_jury.orchestrator.convert import output_to_pb, request_from_pb, round_to_pb
+from hydra_jury.orchestrator.discovery import Discovery
+from hydra_jury.orchestrator.engine import Engine
+from hydra_jury.orchestrator.grpc_backend import GrpcBackend, LayoutError
+from hydra_jury.orchestrator.local_backend import LocalBackend
+from hydra_jury.orchestrator.metrics import OrchestratorMetrics
+from hydra_jury.orchestrator.request import RequestError
+from hydra_jury.orchestrator.sessions.runner import SessionRunner
+from hydra_jury.orchestrator.sessions.store import SessionStore
+from hydra_jury.poe import RULES
+from hydra_jury.protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
+from hydra_jury.serving.model_thread import ModelThread, start_model_thread
+from hydra_jury.serving.server import GrpcServer, RunningServer
+from hydra_jury.workers.calls import MAX_GAMMA
+from hydra_jury.workers.sessions import SessionLimits
 
 log = logging.getLogger("hydra_jury.orchestrator")
 SERVICE_NAME = "hydrajury.v1.Generation"

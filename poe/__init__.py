@@ -10,10 +10,10 @@ Modules
 - drafting: prompt-lookup (n-gram) drafts and point-mass draft distributions.
 """
 
-from poe.contrastive import contrastive_logprobs
-from poe.drafting import ngram_draft, point_mass_logprobs
-from poe.filters import SamplingParams, filter_logprobs
-from poe.metrics import (
+from hydra_jury.poe.contrastive import contrastive_logprobs
+from hydra_jury.poe.drafting import ngram_draft, point_mass_logprobs
+from hydra_jury.poe.filters import SamplingParams, filter_logprobs
+from hydra_jury.poe.metrics import (
     RequestStats,
     entropy,
     reached_positions,
@@ -22,8 +22,8 @@ from poe.metrics import (
     suppression_score,
     validity_radius,
 )
-from poe.randomness import PURPOSES, categorical, choice, random_seed, uniforms
-from poe.rules import (
+from hydra_jury.poe.randomness import PURPOSES, categorical, choice, random_seed, uniforms
+from hydra_jury.poe.rules import (
     RULES,
     Rule,
     acceptance_probs,
@@ -33,7 +33,7 @@ from poe.rules import (
     rule_target,
     validate_rule,
 )
-from poe.target import (
+from hydra_jury.poe.target import (
     combine_partials,
     draft_logprobs,
     effective_temperature,

@@ -18,8 +18,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from poe._checks import check_float, check_same_shape
+from hydra_jury.poe._checks import check_float, check_same_shape
 
 
 def validate_alpha(alpha: float) -> None:

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from poe._checks import check_float
+from hydra_jury.poe._checks import check_float
 
 
 @dataclass(frozen=True)

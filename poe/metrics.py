@@ -22,8 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
-
-from poe._checks import check_float, check_long, check_rows
+from hydra_jury.poe._checks import check_float, check_long, check_rows
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:

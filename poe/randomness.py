@@ -27,8 +27,7 @@ import os
 
 import numpy as np
 import torch
-
-from poe._checks import check_float, check_long, check_rows
+from hydra_jury.poe._checks import check_float, check_long, check_rows
 
 PURPOSES: dict[str, int] = {
     "draft_head": 0,  # which drafter head a request uses (`choice`, position -1)

@@ -25,8 +25,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-
-from poe._checks import check_float, check_same_shape
+from hydra_jury.poe._checks import check_float, check_same_shape
 
 
 def effective_temperature(temperature: float) -> float:

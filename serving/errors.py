@@ -25,9 +25,8 @@ calling), so it becomes `InternalServiceError`: INTERNAL for the public client.
 from __future__ import annotations
 
 import grpc
-
-from protos.codec import CodecError
-from workers.errors import CapacityError, InvalidArgument, PositionError
+from hydra_jury.protos.codec import CodecError
+from hydra_jury.workers.errors import CapacityError, InvalidArgument, PositionError
 
 
 class ServiceUnavailable(RuntimeError):

@@ -10,11 +10,10 @@ model's dtype, distributions as float32. Tensors are decoded with every size che
 from __future__ import annotations
 
 import torch
-
-from poe import SamplingParams
-from protos.codec import optional_tensor_to_pb, tensor_from_pb, tensor_to_pb
-from protos.hydrajury.v1 import internal_pb2, tensor_pb2
-from workers.calls import (
+from hydra_jury.poe import SamplingParams
+from hydra_jury.protos.codec import optional_tensor_to_pb, tensor_from_pb, tensor_to_pb
+from hydra_jury.protos.hydrajury.v1 import internal_pb2, tensor_pb2
+from hydra_jury.workers.calls import (
     DraftCall,
     DraftResult,
     HiddenStates,
@@ -23,7 +22,7 @@ from workers.calls import (
     ScoreCall,
     ScoreResult,
 )
-from workers.errors import InvalidArgument
+from hydra_jury.workers.errors import InvalidArgument
 
 # --- hidden states ---------------------------------------------------------------------
 

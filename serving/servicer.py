@@ -11,12 +11,12 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, Self, TypeVar
 
-from hydra_model import HydraModel
-from protos.codec import dtype_name
-from protos.hydrajury.v1 import internal_pb2
-from serving.model_thread import ModelThread
-from serving.server import new_epoch
-from workers.errors import InvalidArgument
+from hydra_jury.hydra_model import HydraModel
+from hydra_jury.protos.codec import dtype_name
+from hydra_jury.protos.hydrajury.v1 import internal_pb2
+from hydra_jury.serving.model_thread import ModelThread
+from hydra_jury.serving.server import new_epoch
+from hydra_jury.workers.errors import InvalidArgument
 
 log = logging.getLogger("hydra_jury.service")
 

@@ -18,15 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-
-from hydra_model import HydraModel
-from hydra_model.checkpoint import DTYPES, read_manifest
-from serving.errors import EXPECTED_FAILURES, failure_line
-from serving.model_thread import ModelThread, set_compute_threads, start_model_thread
-from serving.server import GrpcServer, RunningServer
-from serving.servicer import WorkerServicer
-from workers.errors import InvalidArgument
-from workers.sessions import SessionLimits
+from hydra_jury.hydra_model import HydraModel
+from hydra_jury.hydra_model.checkpoint import DTYPES, read_manifest
+from hydra_jury.serving.errors import EXPECTED_FAILURES, failure_line
+from hydra_jury.serving.model_thread import ModelThread, set_compute_threads, start_model_thread
+from hydra_jury.serving.server import GrpcServer, RunningServer
+from hydra_jury.serving.servicer import WorkerServicer
+from hydra_jury.workers.errors import InvalidArgument
+from hydra_jury.workers.sessions import SessionLimits
 
 log = logging.getLogger("hydra_jury.service")
 

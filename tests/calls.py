@@ -4,9 +4,14 @@ them (one helper each)."""
 from __future__ import annotations
 
 import torch
-
-from poe import SamplingParams
-from workers.calls import DraftCall, HiddenStates, JuryPrefillCall, PrefillCall, ScoreCall
+from hydra_jury.poe import SamplingParams
+from hydra_jury.workers.calls import (
+    DraftCall,
+    HiddenStates,
+    JuryPrefillCall,
+    PrefillCall,
+    ScoreCall,
+)
 
 
 def prefill(session: str, start: int, tokens) -> PrefillCall:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
 
-from orchestrator.sessions.redis_server import LocalRedis
 from tests.models import build_hydra, build_jury_checkpoint, save_hf_model
 
 # Fixtures that start real trunk and jury services (start_trunk, start_jury, trunk, jury).
@@ -62,7 +62,7 @@ def jury_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def jury_model(jury_checkpoint):
     """The whole jury checkpoint loaded once, for calling the runtime and workers directly."""
-    from hydra_model import HydraModel
+    from hydra_jury.hydra_model import HydraModel
 
     return HydraModel.load(jury_checkpoint)
 

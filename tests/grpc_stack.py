@@ -15,16 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-
-from jury_service.server import JURY_SERVICE
-from orchestrator.discovery import Discovery, StaticDiscovery
-from orchestrator.server import serve_embedded, serve_orchestrator
-from orchestrator.sessions.redis_store import RedisStore
-from orchestrator.sessions.store import StoreSettings
-from protos.hydrajury.v1 import generation_pb2_grpc, internal_pb2, internal_pb2_grpc
-from serving.worker_service import ServiceOptions, serve_worker
-from trunk_service.server import TRUNK_SERVICE
-from workers.sessions import SessionLimits
+from hydra_jury.jury_service.server import JURY_SERVICE
+from hydra_jury.orchestrator.discovery import Discovery, StaticDiscovery
+from hydra_jury.orchestrator.server import serve_embedded, serve_orchestrator
+from hydra_jury.orchestrator.sessions.redis_store import RedisStore
+from hydra_jury.orchestrator.sessions.store import StoreSettings
+from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc, internal_pb2, internal_pb2_grpc
+from hydra_jury.serving.worker_service import ServiceOptions, serve_worker
+from hydra_jury.trunk_service.server import TRUNK_SERVICE
+from hydra_jury.workers.sessions import SessionLimits
 
 
 class BackgroundLoop:

@@ -115,7 +115,7 @@ def fine_tune_top_layers(base: Path, out: Path, trunk_layers: int, seed: int, sc
 def build_hydra(
     source: Path, out: Path, *, trunk_layers: int = 2, heads: int = 3, **options
 ) -> Path:
-    from hydra_model.build.builder import BuildOptions, build_checkpoint
+    from hydra_jury.hydra_model.build.builder import BuildOptions, build_checkpoint
 
     build_checkpoint(
         BuildOptions(

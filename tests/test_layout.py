@@ -1,7 +1,8 @@
 """Imports go one way (ARCHITECTURE.md, "Layout"): poe ← hydra_model ← workers ←
 {trunk_service, jury_service, the in-process backend}; serving is used by every server;
 protos is data only; the orchestrator imports no service package; no server imports the
-offline tooling in hydra_model.build."""
+offline tooling in hydra_model.build; every folder is imported under the one installed
+namespace, `hydra_jury`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+NAMESPACE = "hydra_jury"
 PROJECT = {
     "poe",
     "hydra_model",
@@ -56,18 +58,38 @@ def sources(package: str) -> list[Path]:
     ]
 
 
+def project_module(module: str) -> str | None:
+    """`hydra_jury.poe.rules` → `poe.rules`; None for anything outside the project."""
+    prefix = f"{NAMESPACE}."
+    return module.removeprefix(prefix) if module.startswith(prefix) else None
+
+
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_imports_go_one_way(package):
     wrong = []
     for path in sources(package):
-        for module in imported_modules(path):
+        relative = str(path.relative_to(REPO))
+        for module in filter(None, map(project_module, imported_modules(path))):
             top = module.split(".")[0]
             if top in PROJECT and top != package and top not in ALLOWED[package]:
-                wrong.append(f"{path.relative_to(REPO)} imports {module}")
-            relative = str(path.relative_to(REPO))
+                wrong.append(f"{relative} imports {module}")
             if module.startswith("hydra_model.build") and not relative.startswith(BUILD_USERS):
                 wrong.append(f"{relative} imports the offline tooling {module}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_project_modules_are_imported_by_their_installed_names():
+    """A bare `import poe` works from a checkout but not from the wheel, which installs
+    the folders only as `hydra_jury.*`."""
+    everything = [*PROJECT, "bench", "tests"]
+    bare = [
+        f"{path.relative_to(REPO)} imports {module}"
+        for folder in everything
+        for path in sources(folder)
+        for module in imported_modules(path)
+        if module.split(".")[0] in PROJECT
+    ]
+    assert not bare, "\n".join(bare)
 
 
 def test_no_module_shadows_the_standard_library():
@@ -88,7 +110,7 @@ def test_every_package_is_installed(tmp_path):
     import subprocess
     import sys
 
-    packages = ", ".join(sorted({*ALLOWED, "hydra_model.build"}))
+    packages = ", ".join(f"{NAMESPACE}.{name}" for name in sorted({*ALLOWED, "hydra_model.build"}))
     result = subprocess.run(
         [sys.executable, "-c", f"import {packages}"],
         cwd=tmp_path,

@@ -15,6 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PROTO_PACKAGE = "protos/hydrajury/v1"
 PROTOS = sorted(path.stem for path in (REPO / PROTO_PACKAGE).glob("*.proto"))
+NAMESPACE = "hydra_jury"
 # What a fresh checkout lacks: environments, build outputs, caches and generated code.
 NOT_SOURCE = shutil.ignore_patterns(
     ".git",
@@ -49,15 +50,25 @@ def test_the_wheel_carries_protos_and_generated_code(wheel):
     assert {"generation", "internal", "tensor"} <= set(PROTOS)
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {
-        f"{PROTO_PACKAGE}/{stem}{suffix}"
+        f"{NAMESPACE}/{PROTO_PACKAGE}/{stem}{suffix}"
         for stem in PROTOS
         for suffix in (".proto", "_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
     }
     assert expected <= names, sorted(expected - names)
     entry_points = next(name for name in names if name.endswith(".dist-info/entry_points.txt"))
     assert (
-        "hydra-jury = orchestrator.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+        f"hydra-jury = {NAMESPACE}.orchestrator.cli:main"
+        in zipfile.ZipFile(wheel).read(entry_points).decode()
     )
+
+
+def test_the_wheel_claims_one_top_level_name(wheel):
+    """Every module installs under `hydra_jury`: no generic `protos` or `workers` in
+    site-packages."""
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert {top for top in tops if not top.endswith(".dist-info")} == {NAMESPACE}
+    folders = {name.split("/")[1] for name in zipfile.ZipFile(wheel).namelist()}
+    assert {"protos", "poe", "hydra_model", "workers", "serving", "orchestrator"} <= folders
 
 
 def test_an_unpacked_wheel_imports_the_servers_and_the_cli(wheel, tmp_path):
@@ -69,6 +80,7 @@ def test_an_unpacked_wheel_imports_the_servers_and_the_cli(wheel, tmp_path):
         "orchestrator.server",
         "orchestrator.cli",
     ]
+    modules = [f"{NAMESPACE}.{module}" for module in modules]
     # The unpacked copy goes first on the path, ahead of the editable install's finder.
     script = (
         f"import importlib, sys; sys.path.insert(0, {str(tmp_path)!r}); "

@@ -9,12 +9,11 @@ import shlex
 from pathlib import Path
 
 import pytest
-
-from jury_service.server import JURY_SERVICE
-from orchestrator.__main__ import build_parser as orchestrator_parser
-from orchestrator.cli import build_parser
-from serving.worker_service import build_parser as service_parser
-from trunk_service.server import TRUNK_SERVICE
+from hydra_jury.jury_service.server import JURY_SERVICE
+from hydra_jury.orchestrator.__main__ import build_parser as orchestrator_parser
+from hydra_jury.orchestrator.cli import build_parser
+from hydra_jury.serving.worker_service import build_parser as service_parser
+from hydra_jury.trunk_service.server import TRUNK_SERVICE
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()

@@ -18,15 +18,15 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from hydra_jury.jury_service.server import JURY_SERVICE
+from hydra_jury.poe import SamplingParams
+from hydra_jury.protos.codec import tensor_from_pb, tensor_to_pb
+from hydra_jury.protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc, tensor_pb2
+from hydra_jury.serving.internal_wire import sampling_to_pb
+from hydra_jury.serving.worker_service import ServiceOptions, serve_worker
+from hydra_jury.trunk_service.server import TRUNK_SERVICE
 
-from jury_service.server import JURY_SERVICE
-from poe import SamplingParams
-from protos.codec import tensor_from_pb, tensor_to_pb
-from protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc, tensor_pb2
-from serving.internal_wire import sampling_to_pb
-from serving.worker_service import ServiceOptions, serve_worker
 from tests.grpc_stack import BackgroundLoop
-from trunk_service.server import TRUNK_SERVICE
 
 Code = grpc.StatusCode
 GREEDY = SamplingParams(temperature=0.0)

@@ -8,14 +8,14 @@ the call (`workers.calls`) or the worker, so a bad request never opens a session
 
 from __future__ import annotations
 
-from hydra_model import HydraModel
-from protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
-from serving import internal_wire as wire
-from serving.model_thread import ModelThread
-from serving.servicer import WorkerServicer
-from serving.worker_service import WorkerServiceSpec
-from workers.sessions import SessionLimits
-from workers.trunk import TrunkWorker
+from hydra_jury.hydra_model import HydraModel
+from hydra_jury.protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
+from hydra_jury.serving import internal_wire as wire
+from hydra_jury.serving.model_thread import ModelThread
+from hydra_jury.serving.servicer import WorkerServicer
+from hydra_jury.serving.worker_service import WorkerServiceSpec
+from hydra_jury.workers.sessions import SessionLimits
+from hydra_jury.workers.trunk import TrunkWorker
 
 
 class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):

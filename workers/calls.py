@@ -25,10 +25,9 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
-
-from poe import SamplingParams
-from poe.randomness import MAX_SEED
-from workers.errors import InvalidArgument
+from hydra_jury.poe import SamplingParams
+from hydra_jury.poe.randomness import MAX_SEED
+from hydra_jury.workers.errors import InvalidArgument
 
 MAX_GAMMA = 16  # draft tokens per round: the services' and the orchestrator's limit
 MAX_BETA = 100.0  # largest verifier inverse temperature

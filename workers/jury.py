@@ -12,12 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from hydra_model import HydraModel, KVCache
-from poe import draft_logprobs, partial_log_product
-from workers.calls import HiddenStates, JuryPrefillCall, ScoreCall, ScoreResult
-from workers.errors import InvalidArgument
-from workers.sessions import SessionLimits, SessionTable, check_capacity, check_start
+from hydra_jury.hydra_model import HydraModel, KVCache
+from hydra_jury.poe import draft_logprobs, partial_log_product
+from hydra_jury.workers.calls import HiddenStates, JuryPrefillCall, ScoreCall, ScoreResult
+from hydra_jury.workers.errors import InvalidArgument
+from hydra_jury.workers.sessions import SessionLimits, SessionTable, check_capacity, check_start
 
 
 @dataclass

@@ -22,7 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from workers.errors import CapacityError, InvalidArgument, PositionError, UnknownSessionError
+from hydra_jury.workers.errors import (
+    CapacityError,
+    InvalidArgument,
+    PositionError,
+    UnknownSessionError,
+)
 
 State = TypeVar("State")
 

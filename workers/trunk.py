@@ -13,12 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from hydra_model import HeadStack, HydraModel, KVCache
-from poe import categorical, draft_logprobs, filter_logprobs
-from workers.calls import DraftCall, DraftResult, HiddenStates, PrefillCall, check_sampling
-from workers.errors import InvalidArgument
-from workers.sessions import SessionLimits, SessionTable, check_capacity, check_start
+from hydra_jury.hydra_model import HeadStack, HydraModel, KVCache
+from hydra_jury.poe import categorical, draft_logprobs, filter_logprobs
+from hydra_jury.workers.calls import (
+    DraftCall,
+    DraftResult,
+    HiddenStates,
+    PrefillCall,
+    check_sampling,
+)
+from hydra_jury.workers.errors import InvalidArgument
+from hydra_jury.workers.sessions import SessionLimits, SessionTable, check_capacity, check_start
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from hydra_model.checkpoint import (
+from hydra_jury.hydra_model.checkpoint import (
     DTYPES,
     FORMAT_VERSION,
     HEADS_DIR,
@@ -27,9 +27,9 @@ from hydra_model.checkpoint import (
     HeadSpec,
     Manifest,
 )
-from hydra_model.layers import layer_tensor_shapes
-from hydra_model.build.lora import lora_deltas
-from hydra_model.build.sources import SourceError, SourceModel, load_source
+from hydra_jury.hydra_model.layers import layer_tensor_shapes
+from hydra_jury.hydra_model.build.lora import lora_deltas
+from hydra_jury.hydra_model.build.sources import SourceError, SourceModel, load_source
 
 
 class BuildError(ValueError):

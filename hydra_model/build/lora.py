@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from hydra_model.build.sources import SourceError
+from hydra_jury.hydra_model.build.sources import SourceError
 
 _LORA_NAME = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn\.|mlp\.)?(\w+)\.lora_([AB])"

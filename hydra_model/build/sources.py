@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from hydra_model.config import DecoderConfig
+from hydra_jury.hydra_model.config import DecoderConfig
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn\.|mlp\.)?(.+)$")
 _TOP_LEVEL = {

@@ -8,9 +8,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.sessions.record import SessionRecord
-from orchestrator.sessions.store import Acquired, SessionBusy, SessionStore, StoreSettings
-from serving.errors import SessionConflict, SessionExists, SessionNotFound
+from hydra_jury.orchestrator.sessions.record import SessionRecord
+from hydra_jury.orchestrator.sessions.store import (
+    Acquired,
+    SessionBusy,
+    SessionStore,
+    StoreSettings,
+)
+from hydra_jury.serving.errors import SessionConflict, SessionExists, SessionNotFound
 
 
 def _now_ms() -> int:

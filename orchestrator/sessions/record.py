@@ -22,9 +22,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-
-from orchestrator.output import Progress
-from workers.errors import InvalidArgument
+from hydra_jury.orchestrator.output import Progress
+from hydra_jury.workers.errors import InvalidArgument
 
 SESSION_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces

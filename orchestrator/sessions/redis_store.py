@@ -26,15 +26,24 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as redis
+from hydra_jury.orchestrator.sessions.record import SessionRecord, pack_tokens, unpack_tokens
+from hydra_jury.orchestrator.sessions.store import (
+    Acquired,
+    SessionBusy,
+    SessionStore,
+    StoreSettings,
+)
+from hydra_jury.serving.errors import (
+    ServiceUnavailable,
+    SessionConflict,
+    SessionExists,
+    SessionNotFound,
+)
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from orchestrator.sessions.record import SessionRecord, pack_tokens, unpack_tokens
-from orchestrator.sessions.store import Acquired, SessionBusy, SessionStore, StoreSettings
-from serving.errors import ServiceUnavailable, SessionConflict, SessionExists, SessionNotFound
 
 T = TypeVar("T")
 

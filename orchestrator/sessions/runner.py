@@ -35,10 +35,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
-from orchestrator.engine import Engine, Generation
-from orchestrator.output import GenerationOutput, RoundOutput, token_record_from_dict
-from orchestrator.request import GenerationRequest, PreparedRequest, RequestError, prompt_tokens
-from orchestrator.sessions.record import (
+from hydra_jury.orchestrator.engine import Engine, Generation
+from hydra_jury.orchestrator.output import GenerationOutput, RoundOutput, token_record_from_dict
+from hydra_jury.orchestrator.request import (
+    GenerationRequest,
+    PreparedRequest,
+    RequestError,
+    prompt_tokens,
+)
+from hydra_jury.orchestrator.sessions.record import (
     GenerationRecord,
     SessionRecord,
     check_request_id,
@@ -47,9 +52,9 @@ from orchestrator.sessions.record import (
     new_cache_id,
     new_session_id,
 )
-from orchestrator.sessions.store import SessionBusy, SessionStore
-from poe import Rule
-from serving.errors import SessionConflict, SessionNotFound
+from hydra_jury.orchestrator.sessions.store import SessionBusy, SessionStore
+from hydra_jury.poe import Rule
+from hydra_jury.serving.errors import SessionConflict, SessionNotFound
 
 log = logging.getLogger("hydra_jury.sessions")
 T = TypeVar("T")

@@ -19,8 +19,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.sessions.record import SessionRecord
-from serving.errors import SessionConflict
+from hydra_jury.orchestrator.sessions.record import SessionRecord
+from hydra_jury.serving.errors import SessionConflict
 
 
 class SessionBusy(SessionConflict):

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from hydra_model import HydraModel
-from hydra_model.build.demo import demo_gguf_path, ensure_demo_checkpoint
+from hydra_jury.hydra_model import HydraModel
+from hydra_jury.hydra_model.build.demo import demo_gguf_path, ensure_demo_checkpoint
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 24

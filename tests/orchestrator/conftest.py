@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from orchestrator.engine import Engine
-from orchestrator.local_backend import LocalBackend
-from workers.sessions import SessionLimits
+from hydra_jury.orchestrator.engine import Engine
+from hydra_jury.orchestrator.local_backend import LocalBackend
+from hydra_jury.workers.sessions import SessionLimits
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,9 @@ equal to non-speculative PoE whatever it chooses."""
 from __future__ import annotations
 
 import pytest
+from hydra_jury.orchestrator.auto import AutoState, Choice, CostModel, LinearCost, expected_tokens
+from hydra_jury.orchestrator.request import GenerationRequest
 
-from orchestrator.auto import AutoState, Choice, CostModel, LinearCost, expected_tokens
-from orchestrator.request import GenerationRequest
 from tests.orchestrator.test_engine import REPEATING
 
 

@@ -13,15 +13,15 @@ import time
 
 import grpc
 import pytest
+from hydra_jury.orchestrator.__main__ import main as orchestrator_main
+from hydra_jury.orchestrator.cli import main
+from hydra_jury.orchestrator.config import REDIS_URL_VARIABLE, ConfigFileError, OrchestratorConfig
+from hydra_jury.orchestrator.convert import request_from_pb, request_to_pb
+from hydra_jury.orchestrator.launcher import LocalStack, start_child
+from hydra_jury.orchestrator.request import GenerationRequest
+from hydra_jury.orchestrator.sessions.redis_store import RedisStore
+from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
 
-from orchestrator.__main__ import main as orchestrator_main
-from orchestrator.cli import main
-from orchestrator.config import REDIS_URL_VARIABLE, ConfigFileError, OrchestratorConfig
-from orchestrator.convert import request_from_pb, request_to_pb
-from orchestrator.launcher import LocalStack, start_child
-from orchestrator.request import GenerationRequest
-from orchestrator.sessions.redis_store import RedisStore
-from protos.hydrajury.v1 import generation_pb2_grpc
 from tests.grpc_stack import Stack
 
 
@@ -193,7 +193,7 @@ def test_a_silent_hung_child_does_not_block_the_launcher():
 
 def test_the_single_process_server_runs_from_the_command_line(jury_checkpoint, engine, capsys):
     command = [
-        *(sys.executable, "-m", "orchestrator.cli", "serve"),
+        *(sys.executable, "-m", "hydra_jury.orchestrator.cli", "serve"),
         *("--checkpoint", str(jury_checkpoint), "--listen", "127.0.0.1:0"),
         *("--max-session-tokens", "128", "--threads", "1"),
     ]

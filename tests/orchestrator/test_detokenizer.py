@@ -6,8 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from orchestrator.detokenizer import IncrementalDetokenizer
+from hydra_jury.orchestrator.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

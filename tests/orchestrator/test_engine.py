@@ -8,14 +8,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-from orchestrator.backend import ModelInfo
-from orchestrator.cli import main
-from orchestrator.engine import Engine
-from orchestrator.local_backend import LocalBackend
-from orchestrator.request import GenerationRequest, RequestError
-from poe import RULES
-from workers.sessions import SessionLimits
+from hydra_jury.orchestrator.backend import ModelInfo
+from hydra_jury.orchestrator.cli import main
+from hydra_jury.orchestrator.engine import Engine
+from hydra_jury.orchestrator.local_backend import LocalBackend
+from hydra_jury.orchestrator.request import GenerationRequest, RequestError
+from hydra_jury.poe import RULES
+from hydra_jury.workers.sessions import SessionLimits
 
 PROMPTS = ["hi", "the cat sat", "abc, xyz!"]
 

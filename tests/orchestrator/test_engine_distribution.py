@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hydra_jury.hydra_model import HydraModel
+from hydra_jury.orchestrator.engine import Engine
+from hydra_jury.orchestrator.local_backend import LocalBackend
+from hydra_jury.orchestrator.request import GenerationRequest
+from hydra_jury.workers.sessions import SessionLimits
 
-from hydra_model import HydraModel
-from orchestrator.engine import Engine
-from orchestrator.local_backend import LocalBackend
-from orchestrator.request import GenerationRequest
 from tests.models import build_jury_checkpoint, next_token_logits
 from tests.statistics import assert_fits
-from workers.sessions import SessionLimits
 
 pytestmark = pytest.mark.slow  # 30,000 generations: about a minute and a half on 2 cores
 

@@ -10,13 +10,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from hydra_jury.orchestrator.grpc_backend import GrpcBackend, LayoutError
+from hydra_jury.orchestrator.request import GenerationRequest
+from hydra_jury.protos.hydrajury.v1 import generation_pb2
+from hydra_jury.serving import internal_wire as wire
+from hydra_jury.workers.errors import InvalidArgument
 
-from orchestrator.grpc_backend import GrpcBackend, LayoutError
-from orchestrator.request import GenerationRequest
-from protos.hydrajury.v1 import generation_pb2
-from serving import internal_wire as wire
 from tests.grpc_stack import Stack, retry_busy, wait_for
-from workers.errors import InvalidArgument
 
 ALL_HEADS = ["head0", "head1", "head2", "head3"]
 CONTRASTIVE = {"contrastive_alpha": 0.1, "contrastive_amateur": "head3"}

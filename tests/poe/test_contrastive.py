@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-
-from poe import contrastive_logprobs
+from hydra_jury.poe import contrastive_logprobs
 
 
 def test_the_worked_example():

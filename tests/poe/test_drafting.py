@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from poe import acceptance_probs, ngram_draft, point_mass_logprobs, residual_probs
+from hydra_jury.poe import acceptance_probs, ngram_draft, point_mass_logprobs, residual_probs
 
 
 def test_the_latest_occurrence_of_the_longest_suffix_is_continued():

@@ -2,8 +2,7 @@ import math
 
 import pytest
 import torch
-
-from poe.metrics import (
+from hydra_jury.poe.metrics import (
     RequestStats,
     entropy,
     stability_margin,

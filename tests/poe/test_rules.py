@@ -3,11 +3,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
-
-from poe.filters import SamplingParams, filter_logprobs
-from poe.randomness import categorical, uniforms
-from poe.rules import (
+from hydra_jury.poe.filters import SamplingParams, filter_logprobs
+from hydra_jury.poe.randomness import categorical, uniforms
+from hydra_jury.poe.rules import (
     RULES,
     acceptance_probs,
     greedy_verdict,
@@ -15,7 +13,8 @@ from poe.rules import (
     rule_target,
     validate_rule,
 )
-from poe.target import draft_logprobs, target_logprobs
+from hydra_jury.poe.target import draft_logprobs, target_logprobs
+from scipy.stats import chisquare
 
 LENIENCE = {
     "exact": 0.0,

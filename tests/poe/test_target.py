@@ -1,15 +1,14 @@
 import numpy as np
 import pytest
 import torch
-from scipy.special import log_softmax
-
-from poe.target import (
+from hydra_jury.poe.target import (
     combine_partials,
     draft_logprobs,
     normalise_logprobs,
     partial_log_product,
     target_logprobs,
 )
+from scipy.special import log_softmax
 
 
 def reference_target_logprobs(verifier_logits: torch.Tensor, temperature: float, beta: float):

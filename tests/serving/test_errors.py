@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
-
-from orchestrator.request import RequestError
-from protos.codec import CodecError
-from serving.errors import (
+from hydra_jury.orchestrator.request import RequestError
+from hydra_jury.protos.codec import CodecError
+from hydra_jury.serving.errors import (
     CallCancelled,
     DeadlineExceeded,
     InternalServiceError,
@@ -17,7 +16,12 @@ from serving.errors import (
     error_from_status,
     status_for,
 )
-from workers.errors import CapacityError, InvalidArgument, PositionError, UnknownSessionError
+from hydra_jury.workers.errors import (
+    CapacityError,
+    InvalidArgument,
+    PositionError,
+    UnknownSessionError,
+)
 
 Code = grpc.StatusCode
 

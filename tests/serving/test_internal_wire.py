@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hydra_jury.poe import SamplingParams
+from hydra_jury.protos.hydrajury.v1 import internal_pb2
+from hydra_jury.serving import internal_wire as wire
+from hydra_jury.workers.calls import DraftResult, HiddenStates, ScoreResult
+from hydra_jury.workers.errors import InvalidArgument
 
-from poe import SamplingParams
-from protos.hydrajury.v1 import internal_pb2
-from serving import internal_wire as wire
 from tests import calls
-from workers.calls import DraftResult, HiddenStates, ScoreResult
-from workers.errors import InvalidArgument
 
 SAMPLING = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, epsilon=0.01)
 

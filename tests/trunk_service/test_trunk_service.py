@@ -6,8 +6,10 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
+from hydra_jury.protos.hydrajury.v1 import internal_pb2, tensor_pb2
+from hydra_jury.workers.sessions import SessionLimits
+from hydra_jury.workers.trunk import TrunkWorker
 
-from protos.hydrajury.v1 import internal_pb2, tensor_pb2
 from tests import calls
 from tests.worker_services import (
     GREEDY,
@@ -20,8 +22,6 @@ from tests.worker_services import (
     prefill_request,
     sampling_to_pb,
 )
-from workers.sessions import SessionLimits
-from workers.trunk import TrunkWorker
 
 Code = grpc.StatusCode
 

@@ -6,13 +6,18 @@ import time
 
 import pytest
 import torch
+from hydra_jury.poe import SamplingParams
+from hydra_jury.workers.errors import (
+    CapacityError,
+    InvalidArgument,
+    PositionError,
+    UnknownSessionError,
+)
+from hydra_jury.workers.jury import JuryWorker
+from hydra_jury.workers.sessions import SessionLimits
+from hydra_jury.workers.trunk import TrunkWorker
 
-from poe import SamplingParams
 from tests import calls
-from workers.errors import CapacityError, InvalidArgument, PositionError, UnknownSessionError
-from workers.jury import JuryWorker
-from workers.sessions import SessionLimits
-from workers.trunk import TrunkWorker
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -8,10 +8,10 @@ import time
 
 import grpc
 import pytest
+from hydra_jury.orchestrator.sessions.record import common_prefix
+from hydra_jury.orchestrator.sessions.store import StoreSettings
+from hydra_jury.protos.hydrajury.v1 import generation_pb2, internal_pb2, internal_pb2_grpc
 
-from orchestrator.sessions.record import common_prefix
-from orchestrator.sessions.store import StoreSettings
-from protos.hydrajury.v1 import generation_pb2, internal_pb2, internal_pb2_grpc
 from tests.grpc_stack import Stack, retry_busy, wait_for
 
 GREEDY = {"temperature": 0.0, "gamma": 3}
@@ -264,7 +264,7 @@ def test_expired_sessions_release_their_caches(jury_checkpoint, redis_url):
 
 
 def test_requests_fail_fast_when_redis_is_down(jury_checkpoint):
-    from orchestrator.sessions.redis_server import LocalRedis
+    from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
 
     redis = LocalRedis().start()
     stack = Stack(str(jury_checkpoint), [], redis.url).start_embedded()

@@ -8,10 +8,9 @@ import time
 import uuid
 
 import pytest
-
-from orchestrator.output import Progress
-from orchestrator.sessions.memory_store import MemoryStore
-from orchestrator.sessions.record import (
+from hydra_jury.orchestrator.output import Progress
+from hydra_jury.orchestrator.sessions.memory_store import MemoryStore
+from hydra_jury.orchestrator.sessions.record import (
     GenerationRecord,
     SessionRecord,
     common_prefix,
@@ -19,9 +18,14 @@ from orchestrator.sessions.record import (
     pack_tokens,
     unpack_tokens,
 )
-from orchestrator.sessions.redis_store import RedisStore, redacted
-from orchestrator.sessions.store import SessionBusy, StoreSettings
-from serving.errors import ServiceUnavailable, SessionConflict, SessionExists, SessionNotFound
+from hydra_jury.orchestrator.sessions.redis_store import RedisStore, redacted
+from hydra_jury.orchestrator.sessions.store import SessionBusy, StoreSettings
+from hydra_jury.serving.errors import (
+    ServiceUnavailable,
+    SessionConflict,
+    SessionExists,
+    SessionNotFound,
+)
 
 
 @pytest.fixture(params=["redis", "memory"])
