@@ -4,12 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_DIR ?= var/models/smollm2-hydra
+DRAFT_DIR ?= var/models/smollm2-draft
 PROTO_SRC := $(wildcard protos/hydrajury/v1/*.proto)
 PROTO_OUT := $(PROTO_SRC:.proto=_pb2.py)
 
 HELM := var/tools/helm
 
-.PHONY: setup protos test test-fast lint chart model run serve bench bench-model bench-one-host bench-drafters clean
+.PHONY: setup protos test test-fast lint chart model draft-model run serve bench bench-model bench-one-host bench-drafters clean
 
 setup: $(STAMP)
 
@@ -50,6 +51,11 @@ chart: $(HELM)
 
 model: setup
 	$(PY) -m hydra_jury.hydra_model.build.demo --out $(MODEL_DIR)
+
+# The demo draft model: SmolLM2's first 8 layers, a cheap causal LM for speculative
+# decoding (skipped when already there).
+draft-model: setup
+	$(PY) -m hydra_jury.hydra_model.build.demo --draft --out $(DRAFT_DIR)
 
 # The local stack: trunk, two jury shards and the orchestrator on 127.0.0.1:50050, with
 # the sessions in a private redis-server stopped with the stack.

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.orchestrator.convert import request_to_pb
 from hydra_jury.orchestrator.engine import Engine

@@ -18,6 +18,7 @@ import time
 from contextlib import contextmanager
 
 import torch
+
 from hydra_jury.hydra_model import HeadStack, HydraModel, Trunk
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.local_backend import LocalBackend

@@ -20,6 +20,7 @@ import time
 
 import grpc
 import torch
+
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.grpc_backend import GrpcBackend

@@ -10,6 +10,7 @@ import argparse
 import time
 
 import torch
+
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.build.demo import demo_gguf_path
 

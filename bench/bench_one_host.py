@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+
 from hydra_jury.orchestrator.convert import request_to_pb
 from hydra_jury.orchestrator.launcher import LocalStack, start_child
 from hydra_jury.orchestrator.request import GenerationRequest

@@ -5,10 +5,12 @@
   preallocated caches
 - `trunk`, `heads`: the `Trunk` and the `HeadStack`
 - `checkpoint`, `model`: the checkpoint format and a loaded `HydraModel`
+- `draft_model`: a separate small causal LM that drafts (`DraftModel`)
 - `build/`: offline tooling (checkpoint builder, sources, LoRA merge, demo, describe)
 """
 
 from hydra_jury.hydra_model.checkpoint import CheckpointError
+from hydra_jury.hydra_model.draft_model import DraftCache, DraftModel
 from hydra_jury.hydra_model.heads import HeadStack
 from hydra_jury.hydra_model.kv_cache import CacheError, KVCache, KVCachePool
 from hydra_jury.hydra_model.model import HydraModel
@@ -17,6 +19,8 @@ from hydra_jury.hydra_model.trunk import Trunk
 __all__ = [
     "CacheError",
     "CheckpointError",
+    "DraftCache",
+    "DraftModel",
     "HeadStack",
     "HydraModel",
     "KVCache",

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+
 from hydra_jury.hydra_model.config import ConfigError, DecoderConfig
 from hydra_jury.hydra_model.layers import layer_tensor_shapes
-from safetensors import safe_open
 
 FORMAT_VERSION = 1
 MANIFEST = "hydra.json"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from hydra_jury.hydra_model.kv_cache import KVCache
 from hydra_jury.hydra_model.layers import LayerStack, rms_norm
 from hydra_jury.hydra_model.rope import RotaryTable

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
 from hydra_jury.hydra_model.config import DecoderConfig
 from hydra_jury.hydra_model.kv_cache import KVCache
 from hydra_jury.hydra_model.rope import RotaryTable

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from hydra_jury.hydra_model.checkpoint import (
     DTYPES,
     HEAD_SHAPE_NOTE,

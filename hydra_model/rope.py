@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from hydra_jury.hydra_model.config import DecoderConfig
 
 

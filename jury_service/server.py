@@ -17,9 +17,8 @@ from hydra_jury.protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from hydra_jury.serving import internal_wire as wire
 from hydra_jury.serving.model_thread import ModelThread
 from hydra_jury.serving.servicer import WorkerServicer
-from hydra_jury.serving.worker_service import WorkerServiceSpec
+from hydra_jury.serving.worker_service import ServiceOptions, WorkerServiceSpec
 from hydra_jury.workers.jury import JuryWorker
-from hydra_jury.workers.sessions import SessionLimits
 
 
 class JuryServicer(WorkerServicer, internal_pb2_grpc.JuryServicer):
@@ -57,9 +56,9 @@ class JuryServicer(WorkerServicer, internal_pb2_grpc.JuryServicer):
 
 
 def _build_servicer(
-    model: HydraModel, heads: list[str], limits: SessionLimits, thread: ModelThread
+    model: HydraModel, heads: list[str], options: ServiceOptions, thread: ModelThread
 ) -> JuryServicer:
-    return JuryServicer(JuryWorker(model, limits=limits), thread)
+    return JuryServicer(JuryWorker(model, limits=options.limits), thread)
 
 
 JURY_SERVICE = WorkerServiceSpec(

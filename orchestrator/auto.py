@@ -4,25 +4,27 @@ which drafter and how far, to maximise the expected tokens per second.
 Inputs
 - costs (shared by every request of the engine, measured): seconds of a one-pass round
   against the positions it verifies (the pending token and k drafts: a trunk forward and
-  a jury call over k + 1 positions), and of a head-drafted round against γ (γ trunk and
-  draft-head steps, a jury call over γ positions). Each is a line fitted by exponentially
-  decayed least squares over recent rounds, so it follows the machine as load changes;
-  until a kind has been measured at two sizes its line is a prior scaled from what is
-  known.
-- acceptance (measured): how often a draft token is kept, for n-gram and head drafts —
-  decayed counts over the request's rounds, starting from the engine's pooled counts
-  over earlier requests (how well a head drafts is mostly a property of the checkpoint),
-  or from a prior before any.
+  a jury call over k + 1 positions), of a head-drafted round against γ (γ trunk and
+  draft-head steps, a jury call over γ positions), and of a draft-model round against γ
+  (γ draft-model steps, then a one-pass check of γ + 1 positions). Each is a line
+  fitted by exponentially decayed least squares over recent rounds, so it follows the
+  machine as load changes; until a kind has been measured at two sizes its line is a
+  prior scaled from what is known.
+- acceptance (measured): how often a draft token is kept, per drafter — decayed counts
+  over the request's rounds, starting from the engine's pooled counts over earlier
+  requests (how well a head or a draft model drafts is mostly a property of the
+  models), or from a prior before any.
 
-Expected tokens of a round with acceptance α: a one-pass round with k drafts commits
-(1 − α^(k+1)) / (1 − α) tokens (the replacement or the bonus included), a head round
-with γ drafts (1 − α^γ) / (1 − α), a plain step 1. The choice is the largest expected
-tokens over predicted seconds.
+Expected tokens of a round with acceptance α: a one-pass round with k drafts (n-gram or
+draft model) commits (1 − α^(k+1)) / (1 − α) tokens (the replacement or the bonus
+included), a head round with γ drafts (1 − α^γ) / (1 − α), a plain step 1. The choice
+is the largest expected tokens over predicted seconds.
 
 Head drafts are candidates under greedy decoding only. There every choice gives the
-same tokens; under sampling the candidates are n-gram drafts and plain steps, which
-(by the coupling of `Engine._accept_coupled`) give the tokens of non-speculative
-sampling. So with the exact rule the automatic mode changes the speed, never the output.
+same tokens; under sampling the candidates are n-gram and draft-model drafts and plain
+steps, which (by the coupling of `Engine._accept_coupled`) give the tokens of
+non-speculative sampling. So with the exact rule the automatic mode changes the speed,
+never the output.
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ from dataclasses import dataclass, field
 # (a trunk step and a draft-head step each) plus one jury call.
 HEAD_STEP_PRIOR = 0.6
 VERIFY_POSITION_PRIOR = 0.05  # an extra verified position, in plain steps (batched)
-PRIOR_ACCEPTANCE = {"ngram": 0.5, "head": 0.7}
+MODEL_STEP_PRIOR = 0.3  # a draft-model step, in plain steps (a smaller model)
+PRIOR_ACCEPTANCE = {"ngram": 0.5, "head": 0.7, "model": 0.5}
 PRIOR_WEIGHT = 2.0  # pseudo-positions behind the acceptance prior
 ACCEPTANCE_DECAY = 0.9  # per round: recent rounds count more
-EXPLORE_EVERY = 16  # rounds: a greedy request tries a head round this often
+EXPLORE_EVERY = 16  # rounds: a request tries each drafting model this often
+EXPLORE_AT = {"head": 8, "model": 12}  # at these rounds of every EXPLORE_EVERY
 
 
 class LinearCost:
@@ -77,18 +81,22 @@ class LinearCost:
 
 
 class CostModel:
-    """What an engine's requests measure for each other: the costs of the two kinds of
-    rounds, and the acceptance of each drafter pooled over requests."""
+    """What an engine's requests measure for each other: the costs of the three kinds
+    of rounds ("verify", "head", "model"), and the acceptance of each drafter pooled
+    over requests."""
 
     def __init__(self) -> None:
-        self.verify = LinearCost()
-        self.head = LinearCost()
+        self.lines = {kind: LinearCost() for kind in ("verify", "head", "model")}
         self.acceptance = {d: Acceptance.prior(d) for d in PRIOR_ACCEPTANCE}
         self._lock = threading.Lock()
 
+    @property
+    def verify(self) -> LinearCost:
+        return self.lines["verify"]
+
     def observe(self, kind: str, positions: int, seconds: float) -> None:
         with self._lock:
-            (self.head if kind == "head" else self.verify).observe(positions, seconds)
+            self.lines[kind].observe(positions, seconds)
 
     def observe_acceptance(self, drafter: str, reached: int, kept: int) -> None:
         with self._lock:
@@ -103,25 +111,25 @@ class CostModel:
                 for drafter, counts in self.acceptance.items()
             }
 
+    def known(self, kind: str) -> bool:
+        with self._lock:
+            return self.lines[kind].known
+
     def predict(self, kind: str, positions: int) -> float:
         """Predicted seconds of a round (relative units before any measurement)."""
         with self._lock:
             plain = self.verify.mean() if self.verify.known else 1.0
-            if kind == "head":
-                line = self.head.line()
-                if line is not None:
-                    return line[0] + line[1] * positions
-                if self.head.known:  # one size seen: scale it by γ
-                    return (
-                        self.head.mean()
-                        * (0.5 + HEAD_STEP_PRIOR * positions)
-                        / (0.5 + HEAD_STEP_PRIOR * max(self.head.sizes))
-                    )
-                return plain * (1 + HEAD_STEP_PRIOR * positions)
-            line = self.verify.line()
+            cost = self.lines[kind]
+            line = cost.line()
             if line is not None:
                 return line[0] + line[1] * positions
-            return plain * (1 + VERIFY_POSITION_PRIOR * (positions - 1))
+            if kind == "verify":
+                return plain * (1 + VERIFY_POSITION_PRIOR * (positions - 1))
+            # A drafted round: γ steps of its drafter and a jury call.
+            step = HEAD_STEP_PRIOR if kind == "head" else MODEL_STEP_PRIOR
+            if cost.known:  # one size seen: scale it by γ
+                return cost.mean() * (0.5 + step * positions) / (0.5 + step * max(cost.sizes))
+            return plain * (1 + step * positions)
 
 
 @dataclass
@@ -153,8 +161,8 @@ def expected_tokens(acceptance: float, drafts: int, bonus: bool) -> float:
 
 @dataclass(frozen=True)
 class Choice:
-    drafter: str  # "none" (a plain step), "ngram" or "head"
-    drafts: int  # k n-gram drafts or γ head drafts
+    drafter: str  # "none" (a plain step), "ngram", "head" or "model"
+    drafts: int  # k n-gram drafts, or γ head or draft-model drafts
 
 
 @dataclass
@@ -170,23 +178,31 @@ class AutoState:
     def starting(cls, costs: CostModel) -> AutoState:
         return cls(costs.starting_acceptance())
 
-    def choose(self, costs: CostModel, ngram_drafts: int, head_cap: int, greedy: bool) -> Choice:
+    def choose(
+        self, costs: CostModel, ngram_drafts: int, head_cap: int, greedy: bool, model_cap: int = 0
+    ) -> Choice:
         """The best round: `ngram_drafts` tokens are on offer from prompt lookup; head
-        drafts (greedy only) up to `head_cap`."""
+        drafts (greedy only) up to `head_cap`; draft-model drafts up to `model_cap` (0:
+        no draft model)."""
         best, best_rate = Choice("none", 0), 1.0 / costs.predict("verify", 1)
         alpha = self.acceptance["ngram"].rate
         for k in range(1, ngram_drafts + 1):
             rate = expected_tokens(alpha, k, bonus=True) / costs.predict("verify", k + 1)
             if rate > best_rate:
                 best, best_rate = Choice("ngram", k), rate
-        if greedy and head_cap > 0:
-            if not costs.head.known or self.rounds % EXPLORE_EVERY == EXPLORE_EVERY // 2:
-                return Choice("head", head_cap)  # measure it now and then
-            alpha = self.acceptance["head"].rate
-            for gamma in range(1, head_cap + 1):
-                rate = expected_tokens(alpha, gamma, bonus=False) / costs.predict("head", gamma)
+        # (drafter, the most it may draft, whether its rounds end with a bonus token)
+        drafted = [("head", head_cap if greedy else 0, False), ("model", model_cap, True)]
+        for drafter, cap, bonus in drafted:
+            if cap <= 0:
+                continue
+            explore = self.rounds % EXPLORE_EVERY == EXPLORE_AT[drafter]
+            if not costs.known(drafter) or explore:
+                return Choice(drafter, cap)  # measure it now and then
+            alpha = self.acceptance[drafter].rate
+            for gamma in range(1, cap + 1):
+                rate = expected_tokens(alpha, gamma, bonus) / costs.predict(drafter, gamma)
                 if rate > best_rate:
-                    best, best_rate = Choice("head", gamma), rate
+                    best, best_rate = Choice(drafter, gamma), rate
         return best
 
     def observe(self, costs: CostModel, choice: Choice, reached: int, kept: int) -> None:
@@ -198,9 +214,9 @@ class AutoState:
     def inputs(self, costs: CostModel) -> dict[str, float]:
         """What the choices are made from, for the request's statistics."""
         return {
-            "ngram_acceptance": self.acceptance["ngram"].rate,
-            "head_acceptance": self.acceptance["head"].rate,
+            **{f"{drafter}_acceptance": counts.rate for drafter, counts in self.acceptance.items()},
             "plain_step_s": costs.predict("verify", 1),
             "verify_position_s": costs.predict("verify", 2) - costs.predict("verify", 1),
             "head_round_4_s": costs.predict("head", 4),
+            "model_round_4_s": costs.predict("model", 4),
         }

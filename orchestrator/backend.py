@@ -38,6 +38,7 @@ class ModelInfo:
     vocab_size: int
     context_length: int  # positions a session may reach (model and worker limits)
     eos_token_ids: tuple[int, ...]
+    draft_model: str = ""  # the trunk's draft model, described ("": none)
 
 
 class DecodingBackend(ABC):

@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import TextIO
 
 import grpc
+
 from hydra_jury.orchestrator.convert import request_to_pb
 from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc

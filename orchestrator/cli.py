@@ -41,6 +41,12 @@ def _add_build(commands: argparse._SubParsersAction) -> None:
         help="layers 0..K-1 form the shared trunk; the rest are per head",
     )
     parser.add_argument(
+        "--layers",
+        type=int,
+        metavar="N",
+        help="keep only the first N layers of SRC (an early-exit model, e.g. a draft model)",
+    )
+    parser.add_argument(
         "--heads", type=int, required=True, metavar="N", help="number of heads of role llm"
     )
     parser.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory")
@@ -79,6 +85,7 @@ def _run_build(args: argparse.Namespace) -> int:
         uncertainty_head=args.uncertainty_head,
         dtype=args.dtype,
         force=args.force,
+        layers=args.layers,
     )
     build_checkpoint(options, log=lambda line: print(line, file=sys.stderr, flush=True))
     return 0
@@ -197,6 +204,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     where.add_argument("--local", action="store_true", help="run the engine in-process")
     where.add_argument("--address", metavar="HOST:PORT", help="a server's Generation API")
     parser.add_argument("--checkpoint", metavar="DIR", help="the checkpoint (with --local)")
+    _add_draft_model_flag(parser, "with --local: ")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="deadline (--address)")
     parser.add_argument(
         "--session",
@@ -253,14 +261,20 @@ def _generate_local(args: argparse.Namespace, request: GenerationRequest) -> int
     import contextlib
     import json
 
-    from hydra_jury.hydra_model import HydraModel
+    from hydra_jury.hydra_model import DraftModel, HydraModel
     from hydra_jury.orchestrator.engine import Engine
     from hydra_jury.orchestrator.local_backend import LocalBackend
     from hydra_jury.orchestrator.sessions.memory_store import MemoryStore
     from hydra_jury.orchestrator.sessions.runner import SessionRunner
 
     model = HydraModel.load(args.checkpoint, dtype=args.dtype, device=args.device)
-    runner = SessionRunner(Engine(LocalBackend(model), model.load_tokenizer()), MemoryStore())
+    draft_model = None
+    if args.draft_model:
+        draft_model = DraftModel.load(
+            _resolved_draft_model(args.draft_model), dtype=args.dtype, device=args.device
+        )
+    backend = LocalBackend(model, draft_model=draft_model)
+    runner = SessionRunner(Engine(backend, model.load_tokenizer()), MemoryStore())
 
     async def generate() -> None:
         summary = None
@@ -284,6 +298,7 @@ def _generate_local(args: argparse.Namespace, request: GenerationRequest) -> int
 def _generate_remote(args: argparse.Namespace, request: GenerationRequest) -> int:
     import grpc
     from google.protobuf.json_format import MessageToJson
+
     from hydra_jury.orchestrator.convert import request_to_pb
     from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
 
@@ -331,6 +346,7 @@ def _add_chat(commands: argparse._SubParsersAction) -> None:
 
 def _run_chat(args: argparse.Namespace) -> int:
     import grpc
+
     from hydra_jury.orchestrator.chat import Chat
     from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
 
@@ -400,7 +416,41 @@ def _add_services(commands: argparse._SubParsersAction) -> None:
         help=f"keep the sessions in this Redis (default ${REDIS_URL_VARIABLE}, else a private "
         "redis-server, stopped with the stack)",
     )
+    _add_draft_model_flag(parser, "on the trunk service: ")
     parser.set_defaults(handler=_run_up)
+
+
+def _add_draft_model_flag(parser: argparse.ArgumentParser, where: str = "") -> None:
+    parser.add_argument(
+        "--draft-model",
+        metavar="PATH",
+        help=f"{where}a small causal LM with the checkpoint's tokenizer, for drafter 'model': "
+        "a Hydra checkpoint (its trunk and first head), a Hugging Face model directory or "
+        "a .gguf file (converted once into $HYDRA_JURY_CACHE or ~/.cache/hydra-jury)",
+    )
+
+
+def _resolved_draft_model(source: str) -> str:
+    """The Hydra checkpoint of the draft model `source` (converted once and cached when
+    it is a Hugging Face directory or GGUF file)."""
+    from hydra_jury.hydra_model.build.draft import default_draft_cache, resolve_draft_model
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    return str(resolve_draft_model(source, default_draft_cache(), log=log))
+
+
+def _with_resolved_draft_model(argv: list[str]) -> list[str]:
+    """A service's arguments with the value of --draft-model resolved to a checkpoint
+    (the service itself only loads Hydra checkpoints)."""
+    resolved = list(argv)
+    for index, argument in enumerate(argv):
+        if argument == "--draft-model" and index + 1 < len(argv):
+            resolved[index + 1] = _resolved_draft_model(argv[index + 1])
+        elif argument.startswith("--draft-model="):
+            resolved[index] = "--draft-model=" + _resolved_draft_model(argument.split("=", 1)[1])
+    return resolved
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
@@ -429,6 +479,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--threads", type=int, help="CPU threads for model compute")
     parser.add_argument("--grace-s", type=float, default=5.0, help="graceful shutdown time")
+    _add_draft_model_flag(parser)
     _add_session_store_flags(parser)
     parser.set_defaults(handler=_run_serve)
 
@@ -478,6 +529,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     settings = StoreSettings(ttl_s=args.session_ttl_s, lease_s=args.session_lease_s)
     set_compute_threads(args.threads)
     limits = SessionLimits(args.max_sessions, args.max_session_tokens)
+    draft_model = _resolved_draft_model(args.draft_model) if args.draft_model else None
 
     async def serve(store: RedisStore) -> None:
         running = await serve_embedded(
@@ -487,6 +539,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             limits=limits,
             dtype=args.dtype,
             device=args.device,
+            draft_model=draft_model,
             metrics_port=args.metrics_port,
             metrics_address=args.metrics_address,
             max_concurrency=args.max_concurrency,
@@ -518,6 +571,7 @@ def _run_up(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         shard_threads=args.shard_threads,
         redis_url=args.redis_url or os.environ.get(REDIS_URL_VARIABLE),
+        draft_model=_resolved_draft_model(args.draft_model) if args.draft_model else None,
     )
     try:
         address = stack.start()
@@ -541,6 +595,12 @@ def _run_server(name: str, argv: list[str]) -> int:
         return entry(argv, prog=prog)
     from hydra_jury.serving.worker_service import service_main
 
+    if entry.hosts_draft_model:
+        try:
+            argv = _with_resolved_draft_model(argv)
+        except EXPECTED_FAILURES as error:
+            print(failure_line(prog, error), file=sys.stderr)
+            return 2
     return service_main(entry, argv, prog=prog)
 
 

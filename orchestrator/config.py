@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from hydra_jury.orchestrator.discovery import (
     Discovery,
     KubernetesDiscovery,

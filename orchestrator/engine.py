@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
+
 from hydra_jury.orchestrator.auto import AutoState, CostModel
 from hydra_jury.orchestrator.backend import DecodingBackend
 from hydra_jury.orchestrator.detokenizer import IncrementalDetokenizer
@@ -90,7 +91,7 @@ class _Verdict:
     voters: tuple[str, ...] = ()
     rejected: int | None = None  # the draft token the replacement took the place of
     bonus: bool = False  # a one-pass round kept every draft and drew one more token
-    drafter: str = "none"  # who drafted: "head", "ngram", "none" (a plain step)
+    drafter: str = "none"  # who drafted: "head", "ngram", "model", "none" (a plain step)
 
 
 @dataclass
@@ -248,10 +249,13 @@ class Engine:
         remaining = prepared.request.max_new_tokens - len(run.generated)
         if prepared.drafter == Drafter.AUTO:
             return self._auto_round(run, timings, remaining)
+        # One-pass rounds commit up to k + 1 tokens: room for the bonus under the limit.
         if prepared.drafter == Drafter.NGRAM:
-            # k + 1 tokens can be committed: leave room for the bonus under the limit.
             drafts = ngram_draft(run.committed, min(prepared.gamma, remaining - 1))
-            return self._verify_round(run, timings, drafts)
+            return self._ngram_round(run, timings, drafts)
+        if prepared.drafter == Drafter.MODEL:
+            gamma = min(prepared.gamma, remaining - 1)
+            return self._model_round(run, timings, gamma, coupled=False)
         gamma = 1 if prepared.rule == Rule.VERIFIER_ONLY else min(prepared.gamma, remaining)
         return self._head_round(run, timings, gamma)
 
@@ -262,12 +266,19 @@ class Engine:
         began = time.perf_counter()
         drafts = ngram_draft(run.committed, min(prepared.gamma, remaining - 1))
         head_cap = min(prepared.gamma, remaining) if prepared.draft_head else 0
-        choice = run.auto.choose(self.costs, len(drafts), head_cap, prepared.sampling.greedy)
+        model_cap = min(prepared.gamma, remaining - 1) if self.backend.info.draft_model else 0
+        choice = run.auto.choose(
+            self.costs, len(drafts), head_cap, prepared.sampling.greedy, model_cap
+        )
         if choice.drafter == "head":
             verdict = self._head_round(run, timings, choice.drafts)
             kind, positions = "head", choice.drafts
+        elif choice.drafter == "model":
+            # Coupled under sampling: every choice gives the tokens of a plain step.
+            verdict = self._model_round(run, timings, choice.drafts, coupled=True)
+            kind, positions = "model", choice.drafts
         else:
-            verdict = self._verify_round(run, timings, drafts[: choice.drafts])
+            verdict = self._ngram_round(run, timings, drafts[: choice.drafts])
             kind, positions = "verify", choice.drafts + 1
         self.costs.observe(kind, positions, time.perf_counter() - began)
         reached = reached_positions(verdict.drafted, verdict.accepted)
@@ -290,18 +301,22 @@ class Engine:
         verdict.drafter = "head"
         return verdict
 
-    def _draft(self, run: _Run, timings: dict[str, float], gamma: int) -> DraftResult:
+    def _draft(
+        self, run: _Run, timings: dict[str, float], gamma: int, draft_model: bool = False
+    ) -> DraftResult:
         prepared = run.prepared
+        plain = prepared.rule == Rule.VERIFIER_ONLY or draft_model
         call = DraftCall(
             run.session,
             run.start,
             run.committed[-1],
             gamma,
-            None if prepared.rule == Rule.VERIFIER_ONLY else prepared.draft_head,
+            None if plain else prepared.draft_head,
             prepared.sampling,
             prepared.seed,
             # Cascade rules decide with temperature-1, unfiltered distributions.
             with_decision=prepared.rule.is_cascade and not prepared.sampling.greedy,
+            draft_model=draft_model,
         )
         began = time.perf_counter()
         draft = self.backend.draft(call)
@@ -310,27 +325,47 @@ class Engine:
         run.stats.head_evaluations += draft.head_evaluations
         return draft
 
-    def _verify_round(self, run: _Run, timings: dict[str, float], drafts: list[int]) -> _Verdict:
-        """Outside draft tokens checked in one pass: one trunk forward over the pending
-        token and the k drafts (k+1 positions), one jury call scoring them, acceptance
-        left to right against point-mass draft distributions, and — when all k are kept
-        — a bonus token drawn from the target at the last position. No draft: a plain
-        step that samples from the target."""
+    def _ngram_round(self, run: _Run, timings: dict[str, float], drafts: list[int]) -> _Verdict:
+        """Prompt-lookup drafts (point masses), checked in one pass; the trunk forward
+        over the pending token and the k drafts is this round's only trunk call. No
+        draft: a plain step."""
         prepared = run.prepared
         began = time.perf_counter()
         tokens = torch.tensor([run.committed[-1], *drafts])
         hidden = self.backend.trunk_forward(PrefillCall(run.session, run.start, tokens))
         timings["draft_s"] = time.perf_counter() - began
         run.stats.trunk_steps += len(tokens)
+        draft_tokens = torch.tensor(drafts, dtype=torch.long)
+        point_mass = point_mass_logprobs(draft_tokens, self.backend.info.vocab_size)
         with_decision = prepared.rule.is_cascade and not prepared.sampling.greedy
-        score = self._score(run, hidden, with_decision, timings)
+        draft = DraftResult(draft_tokens, point_mass, point_mass if with_decision else None, hidden)
+        return self._check_in_one_pass(run, timings, draft, "ngram", coupled=True)
+
+    def _model_round(
+        self, run: _Run, timings: dict[str, float], gamma: int, *, coupled: bool
+    ) -> _Verdict:
+        """γ drafts from the trunk service's draft model, which then runs the trunk over
+        the pending token and the drafts in the same call; checked in one pass. With
+        `coupled`, sampled drafts are kept only where a plain step would draw them."""
+        if gamma == 0:  # no room for a draft under the token limit: a plain step
+            return self._ngram_round(run, timings, [])
+        draft = self._draft(run, timings, gamma, draft_model=True)
+        return self._check_in_one_pass(run, timings, draft, "model", coupled)
+
+    def _check_in_one_pass(
+        self, run: _Run, timings: dict[str, float], draft: DraftResult, drafter: str, coupled: bool
+    ) -> _Verdict:
+        """Outside draft tokens checked in one pass: `draft.hidden` holds the trunk
+        outputs of the pending token and the k drafts (k+1 positions); one jury call
+        scores them, acceptance runs left to right and — when all k are kept — a bonus
+        token is drawn from the target at the last position. No draft: a plain step that
+        samples from the target."""
+        prepared = run.prepared
+        score = self._score(run, draft.hidden, draft.decision_logprobs is not None, timings)
         target_logprobs = normalise_logprobs(score.log_product)  # [k + 1, V]
-        k = len(drafts)
+        k = len(draft.tokens)
         if k == 0:
             return self._sample_target(run, target_logprobs, score)
-        draft_tokens = torch.tensor(drafts)
-        point_mass = point_mass_logprobs(draft_tokens, self.backend.info.vocab_size)
-        draft = DraftResult(draft_tokens, point_mass, point_mass if with_decision else None, hidden)
         decision = score.decision_log_product
         checked = replace(
             score,
@@ -339,13 +374,13 @@ class Engine:
         )
         if prepared.sampling.greedy:
             accept = self._accept_greedy
-        elif prepared.rule == Rule.LENIENT:  # keeps more than π(d): not a coupling
-            accept = self._accept_sampled
-        else:
+        elif coupled and prepared.rule != Rule.LENIENT:  # lenient keeps more than π(d)
             accept = self._accept_coupled
+        else:
+            accept = self._accept_sampled
         verdict = accept(run, draft, target_logprobs[:k], checked)
         verdict.target_probs = target_logprobs.exp()  # every row: the bonus's metrics too
-        verdict.drafter = "ngram"
+        verdict.drafter = drafter
         if verdict.accepted == k:
             verdict.tokens.append(self._draw(run, target_logprobs[k:], run.start + 1 + k))
             verdict.kinds.append(TokenKind.BONUS)
@@ -455,15 +490,17 @@ class Engine:
     def _accept_coupled(
         run: _Run, draft: DraftResult, target_logprobs: torch.Tensor, score: ScoreResult
     ) -> _Verdict:
-        """Point-mass drafts, sampled: at each draft position, the token a plain step
-        would draw there — from the rule's target π, keyed by the position — is compared
-        with the draft token; drafts are kept while they are equal, and the first draw
-        that differs is the replacement. A draft token d is kept with probability π(d),
-        its acceptance probability min(1, π(d)/q(d)) under a point mass q, and a draw
-        that differs is distributed as π without d, renormalised: the residual
-        (π − q)⁺. So the rule is exact, and the tokens are the very tokens of drawing
-        from π without drafting (for the exact rule: non-speculative PoE with the same
-        seed), whatever was drafted."""
+        """Sampled drafts checked by coupling: at each draft position, the token a plain
+        step would draw there — from the rule's target π, keyed by the position — is
+        compared with the draft token; drafts are kept while they are equal, and the
+        first draw that differs is the replacement. Every committed token is that draw,
+        so the tokens are the very tokens of drawing from π without drafting (for the
+        exact rule: non-speculative PoE with the same seed), whatever was drafted, and
+        the rule is exact for any draft distribution q. For a point mass (n-gram drafts)
+        it is also the best acceptance: d is kept with probability π(d) = min(1,
+        π(d)/q(d)). For a full q (the draft model) it keeps d with probability π(d),
+        less than min(1, π(d)/q(d)); only the automatic mode uses it there, so that its
+        choice of drafter never changes a seeded request's tokens."""
         prepared = run.prepared
         gamma = len(draft.tokens)
         draft_probs, sampled_target, decision_draft, decision_target = _distributions(

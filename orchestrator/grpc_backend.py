@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
+
 from hydra_jury.orchestrator.backend import DecodingBackend, ModelInfo
 from hydra_jury.orchestrator.discovery import Discovery, StaticDiscovery
 from hydra_jury.poe import combine_partials
@@ -227,6 +228,7 @@ class GrpcBackend(DecodingBackend):
             vocab_size=model.vocab_size,
             context_length=min(model.context_length, *limits),
             eos_token_ids=tuple(model.eos_token_ids),
+            draft_model=trunk.info.draft_model,
         )
 
     # --- placement -------------------------------------------------------------------

@@ -78,6 +78,7 @@ class LocalStack:
     extra_service_args: list[str] = field(default_factory=list)
     shard_threads: int | None = None  # CPU threads of each jury shard (default: torch's)
     redis_url: str | None = None  # the sessions' Redis; None: a private one per start
+    draft_model: str | None = None  # the trunk's draft model (a Hydra checkpoint)
     children: list[Child] = field(default_factory=list)
     redis: LocalRedis | None = None  # the private Redis, once started
 
@@ -118,6 +119,7 @@ class LocalStack:
                 self.checkpoint,
                 "--listen",
                 f"{self.host}:{self._port(1)}",
+                *(["--draft-model", self.draft_model] if self.draft_model else []),
                 *self.extra_service_args,
             ],
             timeout_s,

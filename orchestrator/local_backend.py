@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from hydra_jury.hydra_model import HydraModel
+from hydra_jury.hydra_model import DraftModel, HydraModel
 from hydra_jury.orchestrator.backend import DecodingBackend, ModelInfo
 from hydra_jury.serving.errors import InternalServiceError
 from hydra_jury.serving.model_thread import ModelThread
@@ -43,11 +43,14 @@ class LocalBackend(DecodingBackend):
         model: HydraModel,
         *,
         drafter_heads: list[str] | None = None,
+        draft_model: DraftModel | None = None,
         limits: SessionLimits | None = None,
         thread: ModelThread | None = None,
     ) -> None:
         super().__init__()
-        self.trunk = TrunkWorker(model, drafter_heads=drafter_heads, limits=limits)
+        self.trunk = TrunkWorker(
+            model, drafter_heads=drafter_heads, draft_model=draft_model, limits=limits
+        )
         self.jury = JuryWorker(model, limits=limits)
         self._thread = thread
         self._epoch = new_epoch()
@@ -60,6 +63,7 @@ class LocalBackend(DecodingBackend):
             vocab_size=config.vocab_size,
             context_length=self.trunk.max_session_tokens,
             eos_token_ids=config.eos_token_ids,
+            draft_model=draft_model.description if draft_model is not None else "",
         )
 
     def place(self, cache: str, stored: dict[str, str]) -> dict[str, str]:

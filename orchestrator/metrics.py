@@ -15,9 +15,10 @@ draft position i = draft_position_accepted_total / draft_position_reached_total.
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
 from hydra_jury.orchestrator.output import RoundOutput
 from hydra_jury.poe import reached_positions
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 

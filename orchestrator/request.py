@@ -29,9 +29,10 @@ class Drafter(StrEnum):
     AUTO = "auto"  # chosen per round from measured costs and acceptance (`orchestrator.auto`)
     HEAD = "head"  # a head on the trunk drafts, one trunk step per draft token
     NGRAM = "ngram"  # prompt lookup; the draft is checked in one trunk + jury pass
+    MODEL = "model"  # the trunk service's draft model; checked in one pass, like ngram
 
 
-DEFAULT_GAMMA = 4  # draft length of the head and n-gram drafters when unset
+DEFAULT_GAMMA = 4  # draft length of the head, n-gram and model drafters when unset
 AUTO_GAMMA = 8  # the most the automatic mode drafts in a round when gamma is unset
 
 
@@ -127,9 +128,9 @@ def prepare_request(
             f"{info.context_length - len(tokens)} new tokens fit"
         )
     seed = random_seed() if request.seed is None else request.seed
-    drafter = _drafter(request, rule)
+    drafter = _drafter(request, rule, info)
     draft_head = None
-    if drafter != Drafter.NGRAM:
+    if drafter not in (Drafter.NGRAM, Drafter.MODEL):
         draft_head = _draft_head(request, rule, info, seed)
     amateur = _amateur(request, rule, info)
     # Outside a head's own rounds no head drafts: every head is a juror. The automatic
@@ -142,7 +143,7 @@ def prepare_request(
     )
 
 
-def _drafter(request: GenerationRequest, rule: Rule) -> Drafter:
+def _drafter(request: GenerationRequest, rule: Rule, info: ModelInfo) -> Drafter:
     if request.drafter not in DRAFTERS:
         raise RequestError(
             f"unknown drafter {request.drafter!r}; choose one of {', '.join(DRAFTERS)}"
@@ -162,6 +163,10 @@ def _drafter(request: GenerationRequest, rule: Rule) -> Drafter:
     if request.draft_head is not None:
         raise RequestError(
             f"drafter {str(drafter)!r} drafts without a head: leave draft_head unset"
+        )
+    if drafter == Drafter.MODEL and not info.draft_model:
+        raise RequestError(
+            "drafter 'model': the trunk hosts no draft model (start it with --draft-model DIR)"
         )
     return drafter
 

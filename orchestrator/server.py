@@ -17,7 +17,8 @@ import logging
 import time
 
 import grpc
-from hydra_jury.hydra_model import HydraModel
+
+from hydra_jury.hydra_model import DraftModel, HydraModel
 from hydra_jury.hydra_model.checkpoint import checkpoint_fingerprint, read_manifest
 from hydra_jury.orchestrator.backend import DecodingBackend
 from hydra_jury.orchestrator.convert import output_to_pb, request_from_pb, round_to_pb
@@ -110,6 +111,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             context_length=info.context_length,
             trunk=self.backend.trunk_address,
             jury_shards=self.backend.jury_addresses,
+            draft_model=info.draft_model,
         )
 
     async def CreateSession(self, request, context):
@@ -248,16 +250,21 @@ async def serve_embedded(
     limits: SessionLimits | None = None,
     dtype: str | None = None,
     device: str = "cpu",
+    draft_model: str | None = None,
     metrics_port: int | None = None,
     metrics_address: str = "127.0.0.1",
     max_concurrency: int = 32,
 ) -> RunningServer:
     """The single-process server: the whole model loaded here, the same Generation
-    service over the in-process backend. All compute runs on one model thread."""
+    service over the in-process backend. All compute runs on one model thread.
+    `draft_model`: a Hydra checkpoint used as the draft model (drafter "model")."""
 
     def build(thread: ModelThread) -> tuple[HydraModel, LocalBackend]:
         model = HydraModel.load(checkpoint, dtype=dtype, device=device)
-        return model, LocalBackend(model, limits=limits, thread=thread)
+        draft = None
+        if draft_model:
+            draft = DraftModel.load(draft_model, dtype=dtype, device=device)
+        return model, LocalBackend(model, draft_model=draft, limits=limits, thread=thread)
 
     # Loaded and built on the model thread: one OpenMP team (see serving.model_thread).
     model, backend = await start_model_thread("model", build)

@@ -18,6 +18,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+
 from hydra_jury.poe._checks import check_float, check_same_shape
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from hydra_jury.poe._checks import check_float
 
 

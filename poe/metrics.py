@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
+
 from hydra_jury.poe._checks import check_float, check_long, check_rows
 
 

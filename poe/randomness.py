@@ -27,6 +27,7 @@ import os
 
 import numpy as np
 import torch
+
 from hydra_jury.poe._checks import check_float, check_long, check_rows
 
 PURPOSES: dict[str, int] = {

@@ -43,6 +43,7 @@ import numbers
 from enum import StrEnum
 
 import torch
+
 from hydra_jury.poe._checks import check_float, check_long, check_rows, check_same_shape
 
 

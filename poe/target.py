@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
 from hydra_jury.poe._checks import check_float, check_same_shape
 
 

@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+
 from hydra_jury.protos.hydrajury.v1 import tensor_pb2
 
 # dtypes a tensor may travel in, named as torch names them (`torch.float32` → "float32").

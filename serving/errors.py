@@ -25,6 +25,7 @@ calling), so it becomes `InternalServiceError`: INTERNAL for the public client.
 from __future__ import annotations
 
 import grpc
+
 from hydra_jury.protos.codec import CodecError
 from hydra_jury.workers.errors import CapacityError, InvalidArgument, PositionError
 

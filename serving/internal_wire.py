@@ -10,6 +10,7 @@ model's dtype, distributions as float32. Tensors are decoded with every size che
 from __future__ import annotations
 
 import torch
+
 from hydra_jury.poe import SamplingParams
 from hydra_jury.protos.codec import optional_tensor_to_pb, tensor_from_pb, tensor_to_pb
 from hydra_jury.protos.hydrajury.v1 import internal_pb2, tensor_pb2
@@ -78,6 +79,7 @@ def draft_call_to_pb(call: DraftCall) -> internal_pb2.DraftRequest:
         sampling=sampling_to_pb(call.sampling),
         seed=call.seed,
         with_decision=call.with_decision,
+        draft_model=call.draft_model,
     )
 
 
@@ -88,10 +90,10 @@ def draft_call_from_pb(request: internal_pb2.DraftRequest) -> DraftCall:
         sampling = SamplingParams(
             message.temperature, message.top_k, message.top_p, message.min_p, message.epsilon
         )
-    elif draft_head is None:
+    elif draft_head is None and not request.draft_model:
         sampling = SamplingParams()  # unused: nothing is drafted
     else:
-        raise InvalidArgument("sampling: required when a draft_head is given")
+        raise InvalidArgument("sampling: required when drafting")
     return DraftCall(
         request.session,
         request.start,
@@ -101,6 +103,7 @@ def draft_call_from_pb(request: internal_pb2.DraftRequest) -> DraftCall:
         sampling,
         request.seed,
         request.with_decision,
+        request.draft_model,
     )
 
 
@@ -126,7 +129,7 @@ def draft_result_from_pb(
 ) -> DraftResult:
     """The result of `call`; the hidden states stay a message, forwarded to the jury."""
     rows = len(response.tokens)
-    drafting = call.draft_head is not None
+    drafting = call.draft_head is not None or call.draft_model
     decision = drafting and call.with_decision
     return DraftResult(
         torch.tensor(list(response.tokens), dtype=torch.long),

@@ -15,6 +15,7 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from hydra_jury.serving.errors import detail_for, status_for
 
 log = logging.getLogger("hydra_jury")

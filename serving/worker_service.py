@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.checkpoint import DTYPES, read_manifest
 from hydra_jury.serving.errors import EXPECTED_FAILURES, failure_line
@@ -43,6 +44,7 @@ class ServiceOptions:
     reclaim_after_s: float = 1.0  # a full service drops its LRU session idle this long
     dtype: str | None = None  # None: the checkpoint's
     device: str = "cpu"
+    draft_model: str | Path | None = None  # the trunk's draft model (a Hydra checkpoint)
 
     @property
     def limits(self) -> SessionLimits:
@@ -60,9 +62,10 @@ class WorkerServiceSpec:
     heads_option: str  # the flag naming its heads
     heads_help: str
     load_trunk: bool
-    # (model with the chosen heads, the heads, limits, model thread) → the servicer
-    build_servicer: Callable[[HydraModel, list[str], SessionLimits, ModelThread], WorkerServicer]
+    # (model with the chosen heads, the heads, options, model thread) → the servicer
+    build_servicer: Callable[[HydraModel, list[str], ServiceOptions, ModelThread], WorkerServicer]
     add_servicer: Callable[[Any, grpc.aio.Server], None]
+    hosts_draft_model: bool = False  # takes --draft-model
 
 
 def llm_heads_in_order(checkpoint: str | Path, names: Sequence[str] | None, option: str):
@@ -95,7 +98,7 @@ async def serve_worker(spec: WorkerServiceSpec, options: ServiceOptions) -> Runn
             heads=heads,
             load_trunk=spec.load_trunk,
         )
-        return spec.build_servicer(model, heads, limits, thread)
+        return spec.build_servicer(model, heads, options, thread)
 
     # Loaded and built on the model thread: one OpenMP team (see serving.model_thread).
     servicer = await start_model_thread(spec.name.split()[0] + "-model", build)
@@ -109,13 +112,14 @@ async def serve_worker(spec: WorkerServiceSpec, options: ServiceOptions) -> Runn
         raise
     servicer.start_idle_eviction()
     log.info(
-        "%s: %s, heads %s, %d sessions of %d tokens, port %d",
+        "%s: %s, heads %s, %d sessions of %d tokens, port %d%s",
         spec.name,
         options.checkpoint,
         ",".join(heads),
         limits.max_sessions,
         servicer.worker.max_session_tokens,
         port,
+        f", draft model {options.draft_model}" if options.draft_model else "",
     )
     return RunningServer(server, port, servicer)
 
@@ -157,6 +161,14 @@ def build_parser(spec: WorkerServiceSpec, prog: str) -> argparse.ArgumentParser:
         help="when full, drop the least recently used session if idle this long "
         "(its orchestrator re-prefills it from the session record if it comes back)",
     )
+    if spec.hosts_draft_model:
+        parser.add_argument(
+            "--draft-model",
+            metavar="DIR",
+            help="a small causal LM with the same tokenizer, for drafter 'model': a Hydra "
+            "checkpoint whose trunk and first head form the LM (`hydra-jury` converts a "
+            "Hugging Face directory or GGUF file into one)",
+        )
     parser.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument(
@@ -198,6 +210,7 @@ def service_main(spec: WorkerServiceSpec, argv: list[str] | None = None, prog: s
                 reclaim_after_s=args.reclaim_after_s,
                 dtype=args.dtype,
                 device=args.device,
+                draft_model=getattr(args, "draft_model", None),
             )
             running = await serve_worker(spec, options)
         except EXPECTED_FAILURES as error:

@@ -4,6 +4,7 @@ them (one helper each)."""
 from __future__ import annotations
 
 import torch
+
 from hydra_jury.poe import SamplingParams
 from hydra_jury.workers.calls import (
     DraftCall,
@@ -49,3 +50,18 @@ def score(
     with_decision: bool = False,
 ) -> ScoreCall:
     return ScoreCall(session, start, hidden(states), tuple(jury), temperature, beta, with_decision)
+
+
+def model_draft(
+    session: str,
+    start: int,
+    pending: int,
+    gamma: int,
+    sampling: SamplingParams,
+    seed: int,
+    with_decision: bool = False,
+) -> DraftCall:
+    """Drafting with the trunk service's draft model (no head)."""
+    return DraftCall(
+        session, start, pending, gamma, None, sampling, seed, with_decision, draft_model=True
+    )

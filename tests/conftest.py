@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
 
-from tests.models import build_hydra, build_jury_checkpoint, save_hf_model
+from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
+from tests.models import build_draft_checkpoint, build_hydra, build_jury_checkpoint, save_hf_model
 
 # Fixtures that start real trunk and jury services (start_trunk, start_jury, trunk, jury).
 pytest_plugins = ["tests.worker_services"]
@@ -65,6 +65,20 @@ def jury_model(jury_checkpoint):
     from hydra_jury.hydra_model import HydraModel
 
     return HydraModel.load(jury_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def draft_checkpoint(jury_checkpoint) -> Path:
+    """A draft model for the jury checkpoint: the whole base model its heads were tuned
+    from (4 layers, as a trunk of 3 and one head), with the same tokenizer."""
+    return build_draft_checkpoint(jury_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def draft_model(draft_checkpoint):
+    from hydra_jury.hydra_model import DraftModel
+
+    return DraftModel.load(draft_checkpoint)
 
 
 @pytest.fixture(scope="session")

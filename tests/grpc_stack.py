@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+
 from hydra_jury.jury_service.server import JURY_SERVICE
 from hydra_jury.orchestrator.discovery import Discovery, StaticDiscovery
 from hydra_jury.orchestrator.server import serve_embedded, serve_orchestrator
@@ -51,6 +52,7 @@ class Stack:
     max_sessions: int = 4
     max_session_tokens: int = 128
     reclaim_after_s: float = 0.0  # tests run one request at a time: reclaim at once
+    draft_model: str | None = None  # the trunk's draft model (a Hydra checkpoint)
     sessions: StoreSettings = field(default_factory=StoreSettings)
     prefix: str = field(default_factory=lambda: f"test-{uuid.uuid4().hex[:8]}:")
     loop: BackgroundLoop = field(default_factory=BackgroundLoop)
@@ -94,7 +96,8 @@ class Stack:
             "reclaim_after_s": self.reclaim_after_s,
         }
         spec = TRUNK_SERVICE if heads is None else JURY_SERVICE
-        options = ServiceOptions(self.checkpoint, heads=heads, **limits)
+        draft_model = self.draft_model if heads is None else None
+        options = ServiceOptions(self.checkpoint, heads=heads, draft_model=draft_model, **limits)
         running = self.loop.run(serve_worker(spec, options))
         self.servers[name], self.addresses[name] = running, f"127.0.0.1:{running.port}"
         self.workers[name] = (
@@ -129,7 +132,13 @@ class Stack:
             self.max_sessions, self.max_session_tokens, reclaim_after_s=self.reclaim_after_s
         )
         running = self.loop.run(
-            serve_embedded(checkpoint=self.checkpoint, store=self.store(), limits=limits, **options)
+            serve_embedded(
+                checkpoint=self.checkpoint,
+                store=self.store(),
+                limits=limits,
+                draft_model=self.draft_model,
+                **options,
+            )
         )
         self.servers["orchestrator"] = running
         self.addresses["orchestrator"] = f"127.0.0.1:{running.port}"

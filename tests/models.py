@@ -147,6 +147,23 @@ def build_jury_checkpoint(root: Path, trunk_layers: int, **overrides) -> Path:
     return build_hydra(base, root / "hydra", trunk_layers=trunk_layers, heads=4, head_from=tunes)
 
 
+def build_draft_checkpoint(jury_checkpoint: Path) -> Path:
+    """A draft model for a `build_jury_checkpoint` checkpoint: the base model its heads
+    were tuned from, whole (every layer: a trunk of all but one and one head)."""
+    base = jury_checkpoint.parent / "base"
+    layers = load_hf_model(base).config.num_hidden_layers
+    return build_hydra(base, jury_checkpoint.parent / "draft", trunk_layers=layers - 1, heads=1)
+
+
+def draft_model_logits(draft, tokens: list[int]) -> torch.Tensor:
+    """[V] float64 next-token logits of a `DraftModel` after `tokens`, with fresh caches."""
+    from hydra_jury.hydra_model import DraftCache
+
+    model = draft.model
+    cache = DraftCache(model.trunk_cache(len(tokens)), model.head_cache(1, len(tokens)))
+    return draft.forward(torch.tensor(tokens), cache, 0)[-1].double()
+
+
 def next_token_logits(model, tokens: list[int]) -> torch.Tensor:
     """[H, V] float64 logits of every head of a loaded `HydraModel` for the token after
     `tokens`: a full forward pass with fresh caches, independent of the workers."""

@@ -9,6 +9,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+
 from hydra_jury.jury_service.server import JURY_SERVICE
 from hydra_jury.orchestrator.__main__ import build_parser as orchestrator_parser
 from hydra_jury.orchestrator.cli import build_parser

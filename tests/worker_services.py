@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+
 from hydra_jury.jury_service.server import JURY_SERVICE
 from hydra_jury.poe import SamplingParams
 from hydra_jury.protos.codec import tensor_from_pb, tensor_to_pb
@@ -25,7 +26,6 @@ from hydra_jury.protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc, tens
 from hydra_jury.serving.internal_wire import sampling_to_pb
 from hydra_jury.serving.worker_service import ServiceOptions, serve_worker
 from hydra_jury.trunk_service.server import TRUNK_SERVICE
-
 from tests.grpc_stack import BackgroundLoop
 
 Code = grpc.StatusCode

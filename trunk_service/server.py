@@ -8,13 +8,12 @@ the call (`workers.calls`) or the worker, so a bad request never opens a session
 
 from __future__ import annotations
 
-from hydra_jury.hydra_model import HydraModel
+from hydra_jury.hydra_model import DraftModel, HydraModel
 from hydra_jury.protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from hydra_jury.serving import internal_wire as wire
 from hydra_jury.serving.model_thread import ModelThread
 from hydra_jury.serving.servicer import WorkerServicer
-from hydra_jury.serving.worker_service import WorkerServiceSpec
-from hydra_jury.workers.sessions import SessionLimits
+from hydra_jury.serving.worker_service import ServiceOptions, WorkerServiceSpec
 from hydra_jury.workers.trunk import TrunkWorker
 
 
@@ -32,6 +31,7 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
             drafter_heads=self.worker.drafters,
             limits=self.limits_to_pb(),
             epoch=self.epoch,
+            draft_model=self.worker.draft_model.description if self.worker.draft_model else "",
         )
 
     async def Prefill(self, request, context) -> internal_pb2.TrunkPrefillResponse:
@@ -48,9 +48,15 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
 
 
 def _build_servicer(
-    model: HydraModel, heads: list[str], limits: SessionLimits, thread: ModelThread
+    model: HydraModel, heads: list[str], options: ServiceOptions, thread: ModelThread
 ) -> TrunkServicer:
-    return TrunkServicer(TrunkWorker(model, drafter_heads=heads, limits=limits), thread)
+    draft_model = None
+    if options.draft_model:
+        draft_model = DraftModel.load(
+            options.draft_model, dtype=options.dtype, device=options.device
+        )
+    worker = TrunkWorker(model, drafter_heads=heads, draft_model=draft_model, limits=options.limits)
+    return TrunkServicer(worker, thread)
 
 
 TRUNK_SERVICE = WorkerServiceSpec(
@@ -64,4 +70,5 @@ TRUNK_SERVICE = WorkerServiceSpec(
     load_trunk=True,
     build_servicer=_build_servicer,
     add_servicer=internal_pb2_grpc.add_TrunkServicer_to_server,
+    hosts_draft_model=True,
 )

@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
+
 from hydra_jury.poe import SamplingParams
 from hydra_jury.poe.randomness import MAX_SEED
 from hydra_jury.workers.errors import InvalidArgument
@@ -105,8 +106,10 @@ class JuryPrefillCall:
 
 @dataclass(frozen=True)
 class DraftCall:
-    """γ trunk + draft-head steps from the pending token at position `start`; without a
-    draft head (non-speculative decoding) one trunk step and no draft."""
+    """γ trunk + draft-head steps from the pending token at position `start`; with
+    `draft_model`, γ steps of the trunk service's draft model and then one trunk forward
+    over the pending token and the γ drafts (γ + 1 positions); with neither
+    (non-speculative decoding) one trunk step and no draft."""
 
     session: str
     start: int
@@ -116,12 +119,15 @@ class DraftCall:
     sampling: SamplingParams
     seed: int
     with_decision: bool = False  # also return the decision distributions
+    draft_model: bool = False  # draft with the draft model instead of a head
 
     def __post_init__(self) -> None:
         _check_session(self.session, self.start)
         if not 1 <= self.gamma <= MAX_GAMMA:
             raise InvalidArgument(f"gamma: must be in 1..{MAX_GAMMA}, got {self.gamma}")
-        if self.draft_head is None and self.gamma != 1:
+        if self.draft_model and self.draft_head is not None:
+            raise InvalidArgument("draft_head: must be empty when drafting with the draft model")
+        if self.draft_head is None and not self.draft_model and self.gamma != 1:
             raise InvalidArgument(
                 f"gamma: must be 1 without a draft_head (one trunk step), got {self.gamma}"
             )
@@ -164,7 +170,8 @@ class DraftResult:
     tokens: torch.Tensor  # [γ] long; empty when no draft head was asked for
     logprobs: torch.Tensor | None  # [γ, V] draft distributions, tempered and filtered
     decision_logprobs: torch.Tensor | None  # [γ, V] at temperature 1, unfiltered
-    hidden: HiddenStates  # trunk outputs of positions start..start+γ-1
+    # trunk outputs of positions start..start+γ-1 (start..start+γ with the draft model)
+    hidden: HiddenStates
     trunk_steps: int = 0  # trunk positions this call ran
     head_evaluations: int = 0  # draft-head positions of the round (not the catch-up)
 

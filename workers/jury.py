@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from hydra_jury.hydra_model import HydraModel, KVCache
 from hydra_jury.poe import draft_logprobs, partial_log_product
 from hydra_jury.workers.calls import HiddenStates, JuryPrefillCall, ScoreCall, ScoreResult

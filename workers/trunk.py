@@ -1,11 +1,14 @@
-"""The trunk worker: the trunk and the drafter heads, with per-session caches.
+"""The trunk worker: the trunk, the drafter heads and an optional draft model, with
+per-session caches.
 
-It runs the first half of a round (`DraftCall`): from the pending token, γ trunk steps,
-each followed by the session's draft head, which samples the next draft token. It keeps
-every trunk output (hidden state) of a session, so a draft head that has not seen some
-positions (a new session, a different drafter on a later turn) catches up from them
-without re-running the trunk. No gRPC here: the trunk service wraps this, and so does
-the in-process backend.
+It runs the first half of a round (`DraftCall`): from the pending token, either γ trunk
+steps, each followed by the session's draft head, which samples the next draft token;
+or γ steps of the draft model (a separate small LM) followed by one trunk forward over
+the pending token and the γ drafts (one-pass verification). It keeps every token and
+trunk output (hidden state) of a session, so a draft head or the draft model that has
+not seen some positions (a new session, another drafter on a later turn) catches up
+from them without re-running the trunk. No gRPC here: the trunk service wraps this,
+and so does the in-process backend.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from hydra_jury.hydra_model import HeadStack, HydraModel, KVCache
+
+from hydra_jury.hydra_model import DraftCache, DraftModel, HeadStack, HydraModel, KVCache
 from hydra_jury.poe import categorical, draft_logprobs, filter_logprobs
 from hydra_jury.workers.calls import (
     DraftCall,
@@ -29,19 +33,48 @@ from hydra_jury.workers.sessions import SessionLimits, SessionTable, check_capac
 @dataclass
 class TrunkCounters:
     """Work done, for tests and benchmarks: trunk calls and the positions they ran
-    (prefill and draft), and draft-head calls (drafting and catching up)."""
+    (prefill and draft), draft-head calls (drafting and catching up), and draft-model
+    calls and the positions they ran."""
 
     trunk_calls: int = 0
     trunk_positions: int = 0
     draft_head_calls: int = 0
+    draft_model_calls: int = 0
+    draft_model_positions: int = 0
+
+
+@dataclass
+class _DrafterCache:
+    """A drafter's cache (the draft head's or the draft model's) and the token of each
+    position it holds. A later turn or another continuation can replace tokens the
+    drafter has seen, so the cache is trusted only as far as its tokens agree with the
+    session's."""
+
+    cache: KVCache | DraftCache
+    tokens: torch.Tensor  # [capacity] long
+
+    def valid_up_to(self, tokens: torch.Tensor, start: int) -> int:
+        """Cuts the cache back to its longest prefix, at most `start` long, whose tokens
+        equal `tokens`; returns that length."""
+        held = min(self.cache.length, start)
+        differs = (self.tokens[:held] != tokens[:held]).nonzero()
+        if len(differs):
+            held = int(differs[0])
+        self.cache.truncate(held)
+        return held
+
+    def record(self, tokens: torch.Tensor, start: int) -> None:
+        self.tokens[start : start + len(tokens)] = tokens
 
 
 @dataclass
 class _Session:
     trunk: KVCache
+    tokens: torch.Tensor  # [capacity] long: the token of each processed position
     hidden: torch.Tensor  # [capacity, D] trunk output per processed position
-    draft_cache: KVCache
-    draft_head: int | None = None  # which head's keys/values draft_cache holds
+    draft: _DrafterCache  # of the draft head
+    draft_model: _DrafterCache | None
+    draft_head: int | None = None  # which head's keys/values the draft cache holds
 
 
 def check_token_ids(field: str, tokens: torch.Tensor, vocab_size: int) -> None:
@@ -59,6 +92,7 @@ class TrunkWorker:
         model: HydraModel,
         *,
         drafter_heads: list[str] | None = None,
+        draft_model: DraftModel | None = None,
         limits: SessionLimits | None = None,
     ) -> None:
         if model.trunk is None:
@@ -69,9 +103,17 @@ class TrunkWorker:
         for name in self.drafters:
             model.head_index(name)  # raises for an unknown head
         capacity = min(limits.max_session_tokens, model.context_length)
+        self.draft_model = draft_model
+        self._draft_model_pools = None
+        if draft_model is not None:
+            draft_model.check_compatible(model)
+            capacity = min(capacity, draft_model.model.context_length)
+            self._draft_model_pools = draft_model.pools(limits.max_sessions, capacity)
         self.max_session_tokens = capacity
         self._trunk_pool = model.trunk_pool(limits.max_sessions, capacity)
         self._draft_pool = model.head_pool(1, limits.max_sessions, capacity)
+        # Per slot: the tokens of the trunk, the draft head and the draft model.
+        self._tokens = torch.zeros(limits.max_sessions, 3, capacity, dtype=torch.long)
         self._hidden = torch.zeros(
             limits.max_sessions,
             capacity,
@@ -86,11 +128,22 @@ class TrunkWorker:
 
     def _new_session(self) -> _Session:
         trunk = self._trunk_pool.acquire()
-        return _Session(trunk, self._hidden[trunk.slot], self._draft_pool.acquire())
+        tokens = self._tokens[trunk.slot]
+        draft_model = None
+        if self._draft_model_pools is not None:
+            trunk_pool, head_pool = self._draft_model_pools
+            cache = DraftCache(trunk_pool.acquire(), head_pool.acquire())
+            draft_model = _DrafterCache(cache, tokens[2])
+        draft = _DrafterCache(self._draft_pool.acquire(), tokens[1])
+        return _Session(trunk, tokens[0], self._hidden[trunk.slot], draft, draft_model)
 
     def _free_session(self, session: _Session) -> None:
         self._trunk_pool.release(session.trunk)
-        self._draft_pool.release(session.draft_cache)
+        self._draft_pool.release(session.draft.cache)
+        if session.draft_model is not None:
+            trunk_pool, head_pool = self._draft_model_pools
+            trunk_pool.release(session.draft_model.cache.trunk)
+            head_pool.release(session.draft_model.cache.head)
 
     def release(self, session: str) -> bool:
         return self.sessions.release(session)
@@ -108,6 +161,7 @@ class TrunkWorker:
     def _trunk_step(self, state: _Session, tokens: torch.Tensor, start: int) -> torch.Tensor:
         state.trunk.truncate(start)
         hidden = self.model.trunk.forward(tokens, state.trunk, start)  # [T, D]
+        state.tokens[start : start + len(tokens)] = tokens.cpu()
         state.hidden[start : start + len(tokens)] = hidden
         self.counters.trunk_calls += 1
         self.counters.trunk_positions += len(tokens)
@@ -122,7 +176,13 @@ class TrunkWorker:
                 f"draft_head: {call.draft_head!r} is not a drafter of this service; "
                 f"drafters: {self.drafters}"
             )
-        check_capacity(call.start + call.gamma, self.max_session_tokens)
+        if call.draft_model and self.draft_model is None:
+            raise InvalidArgument(
+                "draft_model: this trunk service hosts no draft model (start it with "
+                "--draft-model DIR)"
+            )
+        # A draft-model round runs the trunk over the pending token and γ drafts.
+        check_capacity(call.start + call.gamma + call.draft_model, self.max_session_tokens)
 
     def draft(self, call: DraftCall) -> DraftResult:
         """Feeds the pending token (position `start`) and then each new draft token
@@ -132,6 +192,8 @@ class TrunkWorker:
         state = self.sessions.get(call.session, start=call.start)
         check_start(call.start, state.trunk.length, "the trunk")
         device = self.model.device
+        if call.draft_model:
+            return self._draft_with_model(state, call)
         if call.draft_head is None:
             hidden = self._trunk_step(
                 state, torch.tensor([call.pending], device=device), call.start
@@ -140,45 +202,89 @@ class TrunkWorker:
                 torch.empty(0, dtype=torch.long), None, None, HiddenStates(1, hidden), 1
             )
         head = self._catch_up_draft_head(state, self.model.head_index(call.draft_head), call.start)
-        sampling, token = call.sampling, call.pending
-        tokens, logprobs, decisions, hiddens = [], [], [], []
+        token = call.pending
+        draws, hiddens = _Draws(call), []
         for step in range(call.gamma):
             position = call.start + step
             hidden = self._trunk_step(state, torch.tensor([token], device=device), position)
-            logits = head.forward(hidden, state.draft_cache, position)[0]  # [1, V]
+            logits = head.forward(hidden, state.draft.cache, position)[0]  # [1, V]
+            state.draft.record(torch.tensor([token]), position)
             self.counters.draft_head_calls += 1
-            step_logprobs = draft_logprobs(logits, sampling.temperature)  # [1, V]
-            if sampling.greedy:
-                # Greedy reads the temperature-1 draft; filters never move its argmax.
-                token = int(step_logprobs[0].argmax())
-            else:
-                step_logprobs = filter_logprobs(step_logprobs, sampling)
-                draw_at = torch.tensor([position + 1])
-                token = int(categorical(step_logprobs.exp(), call.seed, draw_at, "draft")[0])
-            tokens.append(token)
-            logprobs.append(step_logprobs)
+            token = draws.draw(logits, position + 1)
             hiddens.append(hidden)
-            if call.with_decision:
-                decisions.append(draft_logprobs(logits, 1.0))
-        return DraftResult(
-            torch.tensor(tokens),
-            torch.cat(logprobs),
-            torch.cat(decisions) if call.with_decision else None,
+        return draws.result(
             HiddenStates(call.gamma, torch.cat(hiddens)),
             trunk_steps=call.gamma,
             head_evaluations=call.gamma,
         )
+
+    def _draft_with_model(self, state: _Session, call: DraftCall) -> DraftResult:
+        """γ draft tokens from the draft model (its cache first catches up on the kept
+        tokens it has not seen), then one trunk forward over the pending token and the
+        drafts: hidden states of positions start..start+γ for the jury."""
+        drafter = state.draft_model
+        held = drafter.valid_up_to(state.tokens, call.start)
+        feed = torch.cat([state.tokens[held : call.start], torch.tensor([call.pending])])
+        position, draws = held, _Draws(call)
+        for step in range(call.gamma):
+            logits = self.draft_model.forward(feed.to(self.model.device), drafter.cache, position)
+            drafter.record(feed, position)
+            self.counters.draft_model_calls += 1
+            self.counters.draft_model_positions += len(feed)
+            position += len(feed)
+            feed = torch.tensor([draws.draw(logits[-1:], call.start + step + 1)])
+        tokens = torch.tensor([call.pending, *draws.tokens], device=self.model.device)
+        hidden = self._trunk_step(state, tokens, call.start)
+        return draws.result(HiddenStates(len(tokens), hidden), trunk_steps=len(tokens))
 
     def _catch_up_draft_head(self, state: _Session, index: int, start: int) -> HeadStack:
         """The session's draft head, its cache brought to `start` from the kept hidden
         states (a different head than last time starts from scratch)."""
         head = self.model.heads.select(index)
         if state.draft_head != index:
-            state.draft_cache.truncate(0)
+            state.draft.cache.truncate(0)
             state.draft_head = index
-        held = min(state.draft_cache.length, start)
-        state.draft_cache.truncate(held)
+        held = state.draft.valid_up_to(state.tokens, start)
         if held < start:
-            head.forward(state.hidden[held:start], state.draft_cache, held)
+            head.forward(state.hidden[held:start], state.draft.cache, held)
+            state.draft.record(state.tokens[held:start], held)
             self.counters.draft_head_calls += 1
         return head
+
+
+class _Draws:
+    """The draft tokens of one call, drawn one at a time from a drafter's logits: the
+    argmax (greedy), or a draw from the tempered, filtered distribution keyed by
+    (seed, position, "draft")."""
+
+    def __init__(self, call: DraftCall) -> None:
+        self.call = call
+        self.tokens: list[int] = []
+        self.logprobs: list[torch.Tensor] = []
+        self.decisions: list[torch.Tensor] = []
+
+    def draw(self, logits: torch.Tensor, position: int) -> int:
+        """The token at `position` from next-token logits [1, V]."""
+        sampling = self.call.sampling
+        step_logprobs = draft_logprobs(logits, sampling.temperature)  # [1, V]
+        if sampling.greedy:
+            # Greedy reads the temperature-1 draft; filters never move its argmax.
+            token = int(step_logprobs[0].argmax())
+        else:
+            step_logprobs = filter_logprobs(step_logprobs, sampling)
+            draw_at = torch.tensor([position])
+            token = int(categorical(step_logprobs.exp(), self.call.seed, draw_at, "draft")[0])
+        self.tokens.append(token)
+        self.logprobs.append(step_logprobs)
+        if self.call.with_decision:
+            self.decisions.append(draft_logprobs(logits, 1.0))
+        return token
+
+    def result(self, hidden: HiddenStates, **work: int) -> DraftResult:
+        return DraftResult(
+            torch.tensor(self.tokens),
+            torch.cat(self.logprobs),
+            torch.cat(self.decisions) if self.call.with_decision else None,
+            hidden,
+            **work,
+        )

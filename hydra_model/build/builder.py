@@ -3,7 +3,9 @@
 Head i is, in this order: the top layers of the i-th `--head-from` checkpoint (a full
 fine-tune of the same architecture); then the base top layers with the next `--lora`
 adapter merged; then plain copies of the base top layers. An optional extra head of
-role `uncertainty` starts as a copy of the base top layers.
+role `uncertainty` starts as a copy of the base top layers. With `layers` set, only the
+source's first layers are kept (an early-exit model, e.g. a cheap draft model): the final
+norm and LM head then follow the last kept layer.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import json
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from hydra_jury.hydra_model.build.lora import lora_deltas
+from hydra_jury.hydra_model.build.sources import SourceError, SourceModel, load_source
 from hydra_jury.hydra_model.checkpoint import (
     DTYPES,
     FORMAT_VERSION,
@@ -27,9 +31,8 @@ from hydra_jury.hydra_model.checkpoint import (
     HeadSpec,
     Manifest,
 )
+from hydra_jury.hydra_model.config import DecoderConfig
 from hydra_jury.hydra_model.layers import layer_tensor_shapes
-from hydra_jury.hydra_model.build.lora import lora_deltas
-from hydra_jury.hydra_model.build.sources import SourceError, SourceModel, load_source
 
 
 class BuildError(ValueError):
@@ -47,6 +50,7 @@ class BuildOptions:
     uncertainty_head: bool = False
     dtype: str = "float32"
     force: bool = False
+    layers: int | None = None  # keep only the source's first N layers
 
 
 def _same_architecture(base: SourceModel, other: SourceModel) -> bool:
@@ -65,20 +69,27 @@ def _same_architecture(base: SourceModel, other: SourceModel) -> bool:
     return shape(base.config) == shape(other.config)
 
 
-def build_checkpoint(options: BuildOptions, log: Callable[[str], None] = print) -> Manifest:
+def build_checkpoint(
+    options: BuildOptions,
+    log: Callable[[str], None] = print,
+    *,
+    loaded: SourceModel | None = None,
+) -> Manifest:
+    """Writes the checkpoint; `loaded` is `options.source` already read by the caller
+    (reading a GGUF file dequantizes the whole model, so it is done once)."""
     out = Path(options.out)
     _check_options(options, out)
     dtype = DTYPES[options.dtype]
-    log(f"reading {options.source}")
-    try:
-        base = load_source(options.source)
-    except (SourceError, ValueError) as error:
-        raise BuildError(str(error)) from None
-    config = base.config
+    base = loaded
+    if base is None:
+        log(f"reading {options.source}")
+        base = read_source(options.source)
+    config = _kept_layers(base.config, options.layers)
     k = options.trunk_layers
     if not 1 <= k < config.num_layers:
+        kept = "the model has" if options.layers is None else "--layers keeps"
         raise BuildError(
-            f"--trunk-layers {k} is out of range: the model has "
+            f"--trunk-layers {k} is out of range: {kept} "
             f"{config.num_layers} layers, so it must be 1..{config.num_layers - 1}"
         )
     if base.save_tokenizer is None:
@@ -102,10 +113,7 @@ def build_checkpoint(options: BuildOptions, log: Callable[[str], None] = print) 
             log(f"head {index + 1}/{len(plan)} {name!r} ({role}): {kind} {origin}".rstrip())
             source = base
             if kind == "from":
-                try:
-                    source = load_source(origin)
-                except (SourceError, ValueError) as error:
-                    raise BuildError(str(error)) from None
+                source = read_source(origin)
                 if not _same_architecture(base, source):
                     raise BuildError(
                         f"--head-from {origin}: its architecture differs from "
@@ -148,7 +156,7 @@ def build_checkpoint(options: BuildOptions, log: Callable[[str], None] = print) 
             heads=tuple(specs),
             dtype=options.dtype,
             format_version=FORMAT_VERSION,
-            source=str(options.source),
+            source=_source_description(options.source, base.config, config),
         )
         (staging / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
         if out.exists():
@@ -159,6 +167,34 @@ def build_checkpoint(options: BuildOptions, log: Callable[[str], None] = print) 
             shutil.rmtree(staging)
     log(f"done: {out} ({_directory_bytes(out) / 2**20:.1f} MiB)")
     return manifest
+
+
+def read_source(source: str | Path) -> SourceModel:
+    """`load_source`, its errors as BuildError."""
+    try:
+        return load_source(source)
+    except (SourceError, ValueError) as error:
+        raise BuildError(str(error)) from None
+
+
+def _kept_layers(source: DecoderConfig, layers: int | None) -> DecoderConfig:
+    """The decoder config of the checkpoint: the source's, cut to `layers` if given."""
+    if layers is None:
+        return source
+    # Two at least: the trunk and each head need one layer.
+    if not 2 <= layers <= source.num_layers:
+        raise BuildError(
+            f"--layers {layers} is out of range: the model has {source.num_layers} "
+            f"layers, so it must be 2..{source.num_layers}"
+        )
+    return replace(source, num_layers=layers)
+
+
+def _source_description(source: str, full: DecoderConfig, kept: DecoderConfig) -> str:
+    # The manifest's config alone cannot tell an early-exit model from a small one.
+    if kept.num_layers == full.num_layers:
+        return str(source)
+    return f"{source} (first {kept.num_layers} of {full.num_layers} layers)"
 
 
 def _check_options(options: BuildOptions, out: Path) -> None:

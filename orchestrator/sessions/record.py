@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+
 from hydra_jury.orchestrator.output import Progress
 from hydra_jury.workers.errors import InvalidArgument
 

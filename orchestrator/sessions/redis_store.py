@@ -26,6 +26,12 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from hydra_jury.orchestrator.sessions.record import SessionRecord, pack_tokens, unpack_tokens
 from hydra_jury.orchestrator.sessions.store import (
     Acquired,
@@ -39,11 +45,6 @@ from hydra_jury.serving.errors import (
     SessionExists,
     SessionNotFound,
 )
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 T = TypeVar("T")
 

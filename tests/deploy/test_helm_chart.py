@@ -14,12 +14,12 @@ import subprocess
 
 import pytest
 import yaml
+from kubernetes_validate.utils import latest_version
+
 from hydra_jury.jury_service.server import JURY_SERVICE
 from hydra_jury.orchestrator.__main__ import build_parser as orchestrator_parser
 from hydra_jury.serving.worker_service import build_parser as service_parser
 from hydra_jury.trunk_service.server import TRUNK_SERVICE
-from kubernetes_validate.utils import latest_version
-
 from tests.deploy.conftest import CHART, RELEASE, manifests
 
 DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 import torch
-from hydra_jury.hydra_model import CheckpointError, HydraModel
 from safetensors.torch import load_file, save_file
 
+from hydra_jury.hydra_model import CheckpointError, HydraModel
 from tests.models import build_hydra, edit_manifest, save_hf_model
 
 

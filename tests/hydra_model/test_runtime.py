@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from hydra_jury.hydra_model import CacheError, HydraModel
 from hydra_jury.hydra_model.kv_cache import bytes_per_position
-
 from tests.conftest import FAMILY_VARIANTS
 from tests.models import load_hf_model
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.build.demo import demo_gguf_path, ensure_demo_checkpoint
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
+
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.protos.codec import tensor_to_pb
 from hydra_jury.protos.hydrajury.v1 import internal_pb2, tensor_pb2
 from hydra_jury.workers.jury import JuryWorker
 from hydra_jury.workers.sessions import SessionLimits
-
 from tests import calls
 from tests.worker_services import (
     HIDDEN_SIZE,

@@ -4,9 +4,9 @@ equal to non-speculative PoE whatever it chooses."""
 from __future__ import annotations
 
 import pytest
+
 from hydra_jury.orchestrator.auto import AutoState, Choice, CostModel, LinearCost, expected_tokens
 from hydra_jury.orchestrator.request import GenerationRequest
-
 from tests.orchestrator.test_engine import REPEATING
 
 
@@ -86,7 +86,7 @@ class FixedCosts(CostModel):
 
     def __init__(self, costs: CostModel) -> None:
         super().__init__()
-        self.verify, self.head = costs.verify, costs.head
+        self.lines = costs.lines
 
     def observe(self, kind: str, positions: int, seconds: float) -> None:
         return None

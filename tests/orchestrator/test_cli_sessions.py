@@ -12,13 +12,13 @@ from dataclasses import replace
 
 import grpc
 import pytest
+
 from hydra_jury.orchestrator import cli
 from hydra_jury.orchestrator.chat import Chat, metrics_lines
 from hydra_jury.orchestrator.cli import main
 from hydra_jury.orchestrator.convert import request_to_pb
 from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.protos.hydrajury.v1 import generation_pb2
-
 from tests.grpc_stack import Stack
 
 # Greedy and a fixed length: every answer is the same however often it is asked.

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from hydra_jury.orchestrator.request import GenerationRequest, RequestError
 
+from hydra_jury.orchestrator.request import GenerationRequest, RequestError
 from tests.models import next_token_logits
 from tests.statistics import assert_fits
 

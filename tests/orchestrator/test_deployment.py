@@ -13,6 +13,7 @@ import time
 
 import grpc
 import pytest
+
 from hydra_jury.orchestrator.__main__ import main as orchestrator_main
 from hydra_jury.orchestrator.cli import main
 from hydra_jury.orchestrator.config import REDIS_URL_VARIABLE, ConfigFileError, OrchestratorConfig
@@ -21,7 +22,6 @@ from hydra_jury.orchestrator.launcher import LocalStack, start_child
 from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.orchestrator.sessions.redis_store import RedisStore
 from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
-
 from tests.grpc_stack import Stack
 
 

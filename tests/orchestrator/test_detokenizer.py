@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from hydra_jury.orchestrator.detokenizer import IncrementalDetokenizer
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+
 from hydra_jury.orchestrator.discovery import KubernetesDiscovery, StaticDiscovery, ready_addresses
 from hydra_jury.orchestrator.sessions.store import StoreSettings
-
 from tests.grpc_stack import Stack, wait_for
 from tests.orchestrator.fake_kubernetes import FakeKubernetes
 from tests.orchestrator.sessions.test_sessions_api import GREEDY, chat, user

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+
 from hydra_jury.orchestrator.backend import ModelInfo
 from hydra_jury.orchestrator.cli import main
 from hydra_jury.orchestrator.engine import Engine
@@ -258,7 +259,8 @@ def test_every_rule_runs(engine, rule):
         ({"beta": 0.0}, r"beta must be in \(0, 100\]"),
         ({"stop": [""]}, "stop sequences must be non-empty strings"),
         ({"rule": "verifier_only", "draft_head": "head1"}, "does not draft"),
-        ({"drafter": "oracle"}, "unknown drafter 'oracle'; choose one of auto, head, ngram"),
+        ({"drafter": "oracle"}, "unknown drafter 'oracle'; choose one of auto, head, ngram, model"),
+        ({"drafter": "model"}, "drafter 'model': the trunk hosts no draft model"),
         ({"drafter": "ngram", "rule": "verifier_only"}, "conflicts with rule 'verifier_only'"),
         ({"drafter": "ngram", "rule": "drafter_only"}, "conflicts with rule 'drafter_only'"),
         ({"drafter": "ngram", "draft_head": "head1"}, "drafts without a head"),
@@ -503,3 +505,36 @@ def test_sampled_ngram_speculation_gives_the_non_speculative_tokens(engine, prom
         )
         assert output.token_ids == reference.token_ids, f"gamma={gamma}"
         assert output.stats["accepted"] > 0 and output.stats["rounds"] < 48
+
+
+@pytest.mark.parametrize("prompt", ["hello there", *REPEATING])
+def test_greedy_model_speculation_equals_non_speculative_poe(model_engine, prompt):
+    """Drafts from the draft model, checked in one pass: greedy output equals greedy
+    non-speculative PoE over the same jury (every head), token for token."""
+    reference = model_engine.generate(greedy(prompt, rule="verifier_only", draft_head=None))
+    for gamma in (1, 4, 8):
+        output = model_engine.generate(
+            greedy(prompt, gamma=gamma, drafter="model", draft_head=None)
+        )
+        assert output.token_ids == reference.token_ids, f"gamma={gamma}"
+        assert output.jury == ["head0", "head1", "head2", "head3"]  # no head drafts
+        # A plain step only where the token limit leaves no room for a draft.
+        assert output.stats["rounds_by_drafter"].get("none", 0) <= 1
+        kinds = {record.kind for record in output.tokens}
+        assert "draft" in kinds, kinds
+    assert "bonus" in kinds, kinds  # γ = 8 sometimes keeps every draft
+
+
+def test_sampled_model_speculation_is_seeded_and_keeps_drafts(model_engine):
+    options = {"temperature": 0.9, "top_p": 0.95, "seed": 23, "max_new_tokens": 40}
+    request = greedy("hello there", gamma=4, drafter="model", draft_head=None, **options)
+    first, again = model_engine.generate(request), model_engine.generate(request)
+    assert first.token_ids == again.token_ids  # same seed, same tokens
+    other = model_engine.generate(GenerationRequest(**{**vars(request), "seed": 24}))
+    assert other.token_ids != first.token_ids
+    assert first.stats["accepted"] > 0 and first.stats["rounds"] < 40
+
+
+def test_the_draft_model_is_described_in_the_model_info(model_engine, engine):
+    assert "4 layers" in model_engine.backend.info.draft_model
+    assert engine.backend.info.draft_model == ""

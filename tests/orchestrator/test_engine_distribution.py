@@ -21,13 +21,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra_jury.hydra_model import HydraModel
+
+from hydra_jury.hydra_model import DraftModel, HydraModel
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.workers.sessions import SessionLimits
-
-from tests.models import build_jury_checkpoint, next_token_logits
+from tests.models import (
+    build_draft_checkpoint,
+    build_jury_checkpoint,
+    draft_model_logits,
+    next_token_logits,
+)
 from tests.statistics import assert_fits
 
 pytestmark = pytest.mark.slow  # 30,000 generations: about a minute and a half on 2 cores
@@ -57,8 +62,14 @@ def small_model(tmp_path_factory) -> HydraModel:
 
 
 @pytest.fixture(scope="module")
-def small_engine(small_model) -> Engine:
-    backend = LocalBackend(small_model, limits=SessionLimits(1, 32))
+def small_draft(small_model) -> DraftModel:
+    """The small jury's base model, whole (two layers), as its draft model."""
+    return DraftModel.load(build_draft_checkpoint(small_model.directory))
+
+
+@pytest.fixture(scope="module")
+def small_engine(small_model, small_draft) -> Engine:
+    backend = LocalBackend(small_model, draft_model=small_draft, limits=SessionLimits(1, 32))
     return Engine(backend, small_model.load_tokenizer())
 
 
@@ -69,23 +80,34 @@ def exact_target(logits: torch.Tensor, names: list[str], temperature: float) -> 
 
 
 def cascade_diff_target(
-    logits: torch.Tensor, names: list[str], lenience: float
+    logits: torch.Tensor, names: list[str], lenience: float, draft_logits=None
 ) -> tuple[torch.Tensor, bool]:
-    """π = q when max q ≥ max P − λ, else P (temperature 1); also whether it deferred."""
+    """π = q when max q ≥ max P − λ, else P (temperature 1); also whether it deferred.
+    q is the draft head's, or the draft model's when its logits are given."""
     target = exact_target(logits, names, 1.0)
-    draft = torch.softmax(logits[names.index(DRAFT_HEAD)], -1)
+    if draft_logits is None:
+        draft_logits = logits[names.index(DRAFT_HEAD)]
+    draft = torch.softmax(draft_logits, -1)
     use_draft = bool(draft.max() >= target.max() - lenience)
     return (draft if use_draft else target), use_draft
 
 
-def joint_distribution(model, prompt, target_fn) -> tuple[torch.Tensor, list[bool]]:
-    """[V, V]: P(x1, x2) = π1(x1) · π2(x2 | x1)."""
-    first, deferred = target_fn(next_token_logits(model, prompt))
+def joint_distribution(model, prompt, target_fn, draft=None) -> tuple[torch.Tensor, list[bool]]:
+    """[V, V]: P(x1, x2) = π1(x1) · π2(x2 | x1). With a draft model, `target_fn` also
+    gets its logits."""
+
+    def target_after(context: list[int]):
+        logits = next_token_logits(model, context)
+        if draft is None:
+            return target_fn(logits)
+        return target_fn(logits, draft_model_logits(draft, context))
+
+    first, deferred = target_after(prompt)
     vocab = first.shape[0]
     joint = torch.zeros(vocab, vocab, dtype=torch.float64)
     decisions = [deferred]
     for x1 in range(vocab):
-        second, deferred = target_fn(next_token_logits(model, [*prompt, x1]))
+        second, deferred = target_after([*prompt, x1])
         joint[x1] = first[x1] * second
         decisions.append(deferred)
     return joint, decisions
@@ -212,6 +234,71 @@ def test_cascade_rule_samples_its_target(small_engine, small_model, gamma):
             "rule": "cascade_diff",
             "lenience": lenience,
             "gamma": gamma,
+            "max_new_tokens": 4,
+            "temperature": 1.0,
+        },
+    )
+    assert_fits(counts, joint, poe_joint)
+
+
+def test_model_drafts_checked_in_one_pass_sample_the_poe_target(
+    small_engine, small_model, small_draft
+):
+    """Draft-model drafts (full distributions) with one-pass verification and the bonus
+    token, top-k filtered at temperature 0.8."""
+    prompt = small_engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    temperature, top_k = 0.8, 12
+    names = small_model.head_names
+
+    def top_k_of(probs):
+        kept = torch.zeros_like(probs).scatter(0, probs.topk(top_k).indices, 1.0)
+        return probs * kept / (probs * kept).sum(), False
+
+    def target(logits, draft_logits):
+        return top_k_of(exact_target(logits, names, temperature))
+
+    def draft(logits, draft_logits):  # the mistake of keeping every draft token
+        return top_k_of(torch.softmax(draft_logits / temperature, -1))
+
+    joint, _ = joint_distribution(small_model, prompt, target, small_draft)
+    draft_joint, _ = joint_distribution(small_model, prompt, draft, small_draft)
+    counts = empirical(
+        small_engine,
+        {
+            "rule": "exact",
+            "drafter": "model",
+            "gamma": 3,
+            "max_new_tokens": 4,
+            "temperature": temperature,
+            "top_k": top_k,
+        },
+    )
+    assert_fits(counts, joint, draft_joint)
+
+
+def test_model_drafts_under_a_cascade_rule_sample_its_target(
+    small_engine, small_model, small_draft
+):
+    """The cascade's deferral decided on the draft model's distribution."""
+    prompt = small_engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    lenience = 0.1
+    names = small_model.head_names
+
+    def target(logits, draft_logits):
+        return cascade_diff_target(logits, names, lenience, draft_logits)
+
+    joint, deferred = joint_distribution(small_model, prompt, target, small_draft)
+    assert any(deferred) and not all(deferred)
+    poe_joint, _ = joint_distribution(
+        small_model, prompt, lambda logits: (exact_target(logits, names, 1.0), False)
+    )
+    counts = empirical(
+        small_engine,
+        {
+            "rule": "cascade_diff",
+            "lenience": lenience,
+            "drafter": "model",
+            "gamma": 2,
             "max_new_tokens": 4,
             "temperature": 1.0,
         },

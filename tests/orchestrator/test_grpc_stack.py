@@ -10,12 +10,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from hydra_jury.orchestrator.grpc_backend import GrpcBackend, LayoutError
 from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.protos.hydrajury.v1 import generation_pb2
 from hydra_jury.serving import internal_wire as wire
 from hydra_jury.workers.errors import InvalidArgument
-
 from tests.grpc_stack import Stack, retry_busy, wait_for
 
 ALL_HEADS = ["head0", "head1", "head2", "head3"]
@@ -47,6 +47,16 @@ CASES = [
     # prompt-lookup drafts checked in one pass (trunk forward, then every shard)
     {"rule": "exact", "temperature": 0.0, "gamma": 4, "drafter": "ngram"},
     {"rule": "cascade_chow", "lenience": 0.3, "temperature": 0.9, "gamma": 3, "drafter": "ngram"},
+    # the trunk's draft model: it drafts and runs the trunk in one call, every shard checks
+    {"rule": "exact", "temperature": 0.0, "gamma": 4, "drafter": "model"},
+    {"rule": "exact", "temperature": 0.9, "gamma": 3, "top_p": 0.9, "drafter": "model"},
+    {
+        "rule": "cascade_token_v2",
+        "lenience": 0.2,
+        "temperature": 1.0,
+        "gamma": 2,
+        "drafter": "model",
+    },
 ]
 
 
@@ -55,14 +65,17 @@ CASES = [
     params=[[ALL_HEADS], [["head0", "head1"], ["head2", "head3"]], "embedded"],
     ids=["one-shard", "two-shards", "single-process"],
 )
-def stack(request, jury_checkpoint, redis_url):
+def stack(request, jury_checkpoint, draft_checkpoint, redis_url):
     """The Generation API: the split stack with one or two jury shards, or the
-    single-process server; every test of this module runs on each."""
+    single-process server, each with a draft model; every test of this module runs on
+    each."""
+    draft_model = str(draft_checkpoint)
     if request.param == "embedded":
-        stack = Stack(str(jury_checkpoint), [], redis_url).start_embedded(metrics_port=0)
+        stack = Stack(str(jury_checkpoint), [], redis_url, draft_model=draft_model)
+        stack.start_embedded(metrics_port=0)
     else:
-        stack = Stack(str(jury_checkpoint), request.param, redis_url).start_services()
-        stack.start_orchestrator(metrics_port=0)
+        stack = Stack(str(jury_checkpoint), request.param, redis_url, draft_model=draft_model)
+        stack.start_services().start_orchestrator(metrics_port=0)
     yield stack
     stack.close()
 
@@ -75,7 +88,8 @@ def to_pb(prompt: str, **options) -> generation_pb2.GenerateRequest:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["rule"] + str(c["temperature"]) for c in CASES])
-def test_grpc_gives_the_in_process_tokens(stack, engine, case):
+def test_grpc_gives_the_in_process_tokens(stack, model_engine, case):
+    engine = model_engine  # the same checkpoint and draft model, in-process
     options = {"max_new_tokens": 24, "seed": 11, "ignore_eos": True, **case}
     expected = engine.generate(GenerationRequest(prompt="the cat", **options))
     response = stack.generation().Generate(to_pb("the cat", **options), timeout=30)
@@ -90,15 +104,24 @@ def test_grpc_gives_the_in_process_tokens(stack, engine, case):
     assert dict(first.votes) == expected.tokens[0].votes
 
 
-def test_the_automatic_mode_gives_the_non_speculative_tokens_over_grpc(stack, engine):
-    options = {"max_new_tokens": 24, "seed": 11, "ignore_eos": True, "temperature": 0.9}
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_the_automatic_mode_gives_the_non_speculative_tokens_over_grpc(stack, engine, temperature):
+    """With a draft model on the trunk the automatic mode has every drafter to choose
+    from (it tries the draft model early); the tokens stay non-speculative PoE's."""
+    options = {"max_new_tokens": 24, "seed": 11, "ignore_eos": True, "temperature": temperature}
     expected = engine.generate(
         GenerationRequest(prompt="abcabcab", rule="verifier_only", **options)
     )
     response = stack.generation().Generate(to_pb("abcabcab", **options), timeout=30)
     assert list(response.token_ids) == expected.token_ids
     assert sum(response.stats.rounds_by_drafter.values()) == response.stats.rounds
-    assert set(response.stats.auto_inputs) >= {"ngram_acceptance", "plain_step_s"}
+    assert response.stats.rounds_by_drafter["model"] > 0
+    assert set(response.stats.auto_inputs) >= {
+        "ngram_acceptance",
+        "model_acceptance",
+        "plain_step_s",
+        "model_round_4_s",
+    }
 
 
 def test_stream_delivers_the_unary_tokens_one_message_per_round(stack):
@@ -216,6 +239,7 @@ def test_info_and_metrics(stack):
     info = stack.generation().Info(generation_pb2.GenerationInfoRequest(), timeout=5)
     assert list(info.heads) == ALL_HEADS and info.max_gamma == 16
     assert list(info.jury_shards) == stack.jury_addresses
+    assert info.draft_model == "draft (llama, 4 layers)"
     stack.generation().Generate(to_pb("hi", max_new_tokens=8, seed=2), timeout=30)
     url = f"http://127.0.0.1:{stack.metrics_port}/metrics"
     text = urllib.request.urlopen(url, timeout=5).read().decode()

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from hydra_jury.poe import contrastive_logprobs
 
 

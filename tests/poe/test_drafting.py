@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from hydra_jury.poe import acceptance_probs, ngram_draft, point_mass_logprobs, residual_probs
 
 

@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+
 from hydra_jury.poe.filters import SamplingParams, filter_logprobs
 
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])

@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+
 from hydra_jury.poe.metrics import (
     RequestStats,
     entropy,

@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
 import torch
-from hydra_jury.poe.randomness import PURPOSES, categorical, choice, random_seed, uniforms
 from scipy.stats import chisquare, kstest
+
+from hydra_jury.poe.randomness import PURPOSES, categorical, choice, random_seed, uniforms
 
 SEED = 20240531
 

@@ -3,6 +3,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from scipy.stats import chisquare
+
 from hydra_jury.poe.filters import SamplingParams, filter_logprobs
 from hydra_jury.poe.randomness import categorical, uniforms
 from hydra_jury.poe.rules import (
@@ -14,7 +16,6 @@ from hydra_jury.poe.rules import (
     validate_rule,
 )
 from hydra_jury.poe.target import draft_logprobs, target_logprobs
-from scipy.stats import chisquare
 
 LENIENCE = {
     "exact": 0.0,

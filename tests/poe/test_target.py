@@ -1,6 +1,8 @@
 import numpy as np
 import pytest
 import torch
+from scipy.special import log_softmax
+
 from hydra_jury.poe.target import (
     combine_partials,
     draft_logprobs,
@@ -8,7 +10,6 @@ from hydra_jury.poe.target import (
     partial_log_product,
     target_logprobs,
 )
-from scipy.special import log_softmax
 
 
 def reference_target_logprobs(verifier_logits: torch.Tensor, temperature: float, beta: float):

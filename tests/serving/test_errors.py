@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
 from hydra_jury.orchestrator.request import RequestError
 from hydra_jury.protos.codec import CodecError
 from hydra_jury.serving.errors import (

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from hydra_jury.poe import SamplingParams
 from hydra_jury.protos.hydrajury.v1 import internal_pb2
 from hydra_jury.serving import internal_wire as wire
 from hydra_jury.workers.calls import DraftResult, HiddenStates, ScoreResult
 from hydra_jury.workers.errors import InvalidArgument
-
 from tests import calls
 
 SAMPLING = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, epsilon=0.01)
@@ -28,7 +28,7 @@ def test_trunk_calls_round_trip():
 
 def test_a_draft_without_sampling_options_needs_no_draft_head():
     request = internal_pb2.DraftRequest(session="s", gamma=2, draft_head="head0")
-    with pytest.raises(InvalidArgument, match="sampling: required when a draft_head is given"):
+    with pytest.raises(InvalidArgument, match="sampling: required when drafting"):
         wire.draft_call_from_pb(request)
 
 

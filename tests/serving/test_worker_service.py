@@ -14,12 +14,12 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from hydra_jury.orchestrator.launcher import start_child
 from hydra_jury.protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from hydra_jury.serving import internal_wire as wire
 from hydra_jury.serving.worker_service import ServiceOptions, serve_worker, service_main
 from hydra_jury.trunk_service.server import TRUNK_SERVICE
-
 from tests.worker_services import (
     assert_error,
     draft_request,

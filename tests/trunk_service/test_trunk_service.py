@@ -6,10 +6,10 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
+
 from hydra_jury.protos.hydrajury.v1 import internal_pb2, tensor_pb2
 from hydra_jury.workers.sessions import SessionLimits
 from hydra_jury.workers.trunk import TrunkWorker
-
 from tests import calls
 from tests.worker_services import (
     GREEDY,
@@ -130,7 +130,7 @@ BAD_REQUESTS = {
         "Draft",
         draft_request(start=0, sampling=None),
         Code.INVALID_ARGUMENT,
-        r"sampling: required when a draft_head is given",
+        r"sampling: required when drafting",
     ),
     "seed too large": (
         "Draft",

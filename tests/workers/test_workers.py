@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+
 from hydra_jury.poe import SamplingParams
 from hydra_jury.workers.errors import (
     CapacityError,
@@ -16,7 +17,6 @@ from hydra_jury.workers.errors import (
 from hydra_jury.workers.jury import JuryWorker
 from hydra_jury.workers.sessions import SessionLimits
 from hydra_jury.workers.trunk import TrunkWorker
-
 from tests import calls
 
 GREEDY = SamplingParams(temperature=0.0)

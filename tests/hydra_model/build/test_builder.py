@@ -1,5 +1,5 @@
 """Building checkpoints: heads from fine-tunes and LoRA adapters, the uncertainty head,
-overwrite protection, and the CLI."""
+early-exit checkpoints (`--layers`), overwrite protection, and the CLI."""
 
 from __future__ import annotations
 
@@ -128,11 +128,55 @@ def test_refuses_to_overwrite_without_force(base, tmp_path):
         ({"heads": 0}, "--heads must be at least 1"),
         ({"heads": 1, "lora": ["a", "b"]}, "only --heads 1"),
         ({"dtype": "int8"}, "--dtype 'int8'"),
+        (
+            {"layers": 1},
+            r"--layers 1 is out of range: the model has 4 layers, so it must be 2\.\.4",
+        ),
+        (
+            {"layers": 5},
+            r"--layers 5 is out of range: the model has 4 layers, so it must be 2\.\.4",
+        ),
+        (
+            {"layers": 3, "trunk_layers": 3},
+            r"--trunk-layers 3 is out of range: --layers keeps 3 layers, so it must be 1\.\.2",
+        ),
     ],
 )
 def test_bad_build_options(base, tmp_path, options, message):
     with pytest.raises(BuildError, match=message):
         build_hydra(base, tmp_path / "hydra", **options)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "olmo2"])
+@pytest.mark.parametrize(("layers", "trunk_layers"), [(2, 1), (3, 2), (3, 1)])
+def test_layers_keeps_the_first_layers(source_models, tmp_path, variant, layers, trunk_layers):
+    from transformers import AutoModelForCausalLM
+
+    source = source_models[variant]
+    out = build_hydra(source, tmp_path / "hydra", trunk_layers=trunk_layers, heads=2, layers=layers)
+    model = HydraModel.load(out)
+    assert model.config.num_layers == layers
+    assert model.manifest.trunk_layers == trunk_layers
+    assert model.manifest.source == f"{source} (first {layers} of 4 layers)"
+    # transformers' own early exit: the first layers, then the final norm and LM head.
+    truncated = AutoModelForCausalLM.from_pretrained(
+        str(source), num_hidden_layers=layers, dtype=torch.float32
+    ).eval()
+    assert len(truncated.model.layers) == layers
+    tokens = torch.arange(30) % 40
+    expected = reference(truncated, tokens)
+    assert (reference(load_hf_model(source), tokens) - expected).abs().max() > 1e-2
+    for head in range(2):
+        assert (head_logits(model, head, tokens) - expected).abs().max() <= TOLERANCE
+
+
+def test_layers_equal_to_the_source_changes_nothing(base, tmp_path):
+    out = build_hydra(base, tmp_path / "hydra", heads=1, layers=4)
+    model = HydraModel.load(out)
+    assert model.config.num_layers == 4 and model.manifest.source == str(base)
+    tokens = torch.arange(20) % 40
+    expected = reference(load_hf_model(base), tokens)
+    assert (head_logits(model, 0, tokens) - expected).abs().max() <= TOLERANCE
 
 
 def test_head_from_other_architecture_is_refused(base, tmp_path):
@@ -175,3 +219,14 @@ def test_cli_build_and_inspect(base, tmp_path, capsys):
         assert f"\n{name} " in text
     assert main(["inspect", str(tmp_path / "nowhere")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_cli_build_with_layers(base, tmp_path, capsys):
+    out = tmp_path / "hydra"
+    argv = ["build", "--from", str(base), "--heads", "1", "--out", str(out)]
+    assert main([*argv, "--layers", "3", "--trunk-layers", "2"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    assert "layers       3: trunk 0..1, heads 2..2" in capsys.readouterr().out
+    assert main([*argv, "--layers", "9", "--trunk-layers", "2", "--force"]) == 2
+    assert "--layers 9 is out of range" in capsys.readouterr().err

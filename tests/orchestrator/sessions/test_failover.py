@@ -11,11 +11,11 @@ import sys
 
 import grpc
 import pytest
+
 from hydra_jury.orchestrator.launcher import start_child
 from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
 from hydra_jury.orchestrator.sessions.store import StoreSettings
 from hydra_jury.protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
-
 from tests.grpc_stack import Stack
 from tests.orchestrator.sessions.test_sessions_api import GREEDY, SAMPLED, chat, user
 

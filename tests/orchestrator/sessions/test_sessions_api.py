@@ -8,10 +8,10 @@ import time
 
 import grpc
 import pytest
+
 from hydra_jury.orchestrator.sessions.record import common_prefix
 from hydra_jury.orchestrator.sessions.store import StoreSettings
 from hydra_jury.protos.hydrajury.v1 import generation_pb2, internal_pb2, internal_pb2_grpc
-
 from tests.grpc_stack import Stack, retry_busy, wait_for
 
 GREEDY = {"temperature": 0.0, "gamma": 3}
@@ -279,3 +279,14 @@ def test_requests_fail_fast_when_redis_is_down(jury_checkpoint):
     finally:
         stack.close()
         redis.stop()
+
+
+def test_drafter_model_without_a_draft_model_is_invalid_argument(stack):
+    with pytest.raises(grpc.RpcError) as raised:
+        stack.generation().Generate(chat([{"role": "user", "content": "hi"}], drafter="model"))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the trunk hosts no draft model (start it with --draft-model DIR)" in (
+        raised.value.details()
+    )
+    info = stack.generation().Info(generation_pb2.GenerationInfoRequest())
+    assert info.draft_model == ""

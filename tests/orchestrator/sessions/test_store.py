@@ -8,6 +8,7 @@ import time
 import uuid
 
 import pytest
+
 from hydra_jury.orchestrator.output import Progress
 from hydra_jury.orchestrator.sessions.memory_store import MemoryStore
 from hydra_jury.orchestrator.sessions.record import (

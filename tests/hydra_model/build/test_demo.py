@@ -1,0 +1,80 @@
+"""The demo draft model: built once per layer count (the logic on a tiny source standing in
+for the GGUF file), and the real SmolLM2 one is `transformers`' model cut to its first
+layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hydra_jury.hydra_model import HydraModel
+from hydra_jury.hydra_model.build import demo
+from hydra_jury.hydra_model.build.demo import DRAFT_LAYERS, demo_gguf_path, ensure_demo_draft
+from tests.models import save_hf_model
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture
+def tiny_demo(monkeypatch, tmp_path):
+    """A 4-layer Hugging Face directory in place of the SmolLM2 GGUF file."""
+    source = save_hf_model(tmp_path / "source", "llama", seed=8)
+    monkeypatch.setattr(demo, "demo_gguf_path", lambda: source)
+    return source
+
+
+def test_draft_is_built_once_per_layer_count(tiny_demo, tmp_path):
+    out = tmp_path / "draft"
+    lines: list[str] = []
+    ensure_demo_draft(out, layers=3, log=lines.append)
+    model = HydraModel.load(out)
+    assert model.config.num_layers == 3 and model.manifest.trunk_layers == 2
+    assert model.head_names == ["head0"]
+
+    built_at = (out / "hydra.json").stat().st_mtime_ns
+    lines.clear()
+    ensure_demo_draft(out, layers=3, log=lines.append)
+    assert lines == [f"{out}: demo draft model already built"]
+    assert (out / "hydra.json").stat().st_mtime_ns == built_at
+
+    lines.clear()
+    ensure_demo_draft(out, layers=2, log=lines.append)
+    assert lines[0] == f"{out}: rebuilding (it has 3 layers, not 2)"
+    assert HydraModel.load(out).config.num_layers == 2
+
+    (out / "trunk.safetensors").unlink()
+    lines.clear()
+    ensure_demo_draft(out, layers=2, log=lines.append)
+    assert lines[0].startswith(f"{out}: rebuilding (") and "trunk.safetensors" in lines[0]
+    HydraModel.load(out)
+
+
+def test_main_draft_flags(tiny_demo, tmp_path, capsys):
+    out = tmp_path / "draft"
+    assert demo.main(["--draft", "--layers", "3", "--out", str(out)]) == 0
+    assert HydraModel.load(out).config.num_layers == 3
+    assert demo.main(["--draft", "--layers", "9", "--out", str(out)]) == 2
+    assert "error: --layers 9 is out of range" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        demo.main(["--layers", "3"])
+    assert "--layers only applies to the draft model: add --draft" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_smollm2_draft_is_the_gguf_model_cut_short(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = ensure_demo_draft(tmp_path / "draft", log=lambda line: None)
+    model = HydraModel.load(out)
+    assert model.config.num_layers == DRAFT_LAYERS == 8
+    assert model.heads.shares_lm_head  # tied embedding, stored once
+    gguf = demo_gguf_path()
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, num_hidden_layers=DRAFT_LAYERS, dtype=torch.float32
+    ).eval()
+    tokens = torch.tensor(model.load_tokenizer()("The capital of France is")["input_ids"])
+    hidden = model.trunk.forward(tokens, model.trunk_cache(64), 0)
+    got = model.heads.select(0).forward(hidden, model.head_cache(1, 64), 0)[0]
+    with torch.no_grad():
+        expected = reference(tokens[None]).logits[0]
+    assert (got - expected).abs().max() <= TOLERANCE
