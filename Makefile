@@ -73,8 +73,8 @@ bench-model: model
 bench-one-host: model protos
 	$(PY) bench/bench_one_host.py --checkpoint $(MODEL_DIR)
 
-bench-drafters: model protos
-	$(PY) bench/bench_drafters.py --checkpoint $(MODEL_DIR)
+bench-drafters: model draft-model protos
+	$(PY) bench/bench_drafters.py --checkpoint $(MODEL_DIR) --draft-model $(DRAFT_DIR)
 
 bench: bench-model bench-one-host bench-drafters
 	$(PY) bench/bench_engine.py --checkpoint $(MODEL_DIR)

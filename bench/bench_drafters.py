@@ -1,9 +1,10 @@
 """Drafters side by side on the demo checkpoint: non-speculative PoE, speculative PoE
-drafted by a head and by prompt lookup (n-gram, one-pass verification with a bonus
-token), for γ in {2, 4, 8}, and the automatic mode, on two prompt sets, in-process and
-over the split stack.
+drafted by a head, by prompt lookup (n-gram) and by the demo draft model (SmolLM2's
+first layers; both one-pass verification with a bonus token), for γ in {2, 4, 8}, and
+the automatic mode, on two prompt sets, in-process and over the split stack.
 
-    python bench/bench_drafters.py --checkpoint var/models/smollm2-hydra
+    python bench/bench_drafters.py --checkpoint var/models/smollm2-hydra \
+        --draft-model var/models/smollm2-draft
 
 - extractive: the answer copies from the prompt (rewrite, quote, fix a typo in a given
   paragraph or code); prompt lookup finds its drafts there.
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from hydra_jury.hydra_model import HydraModel
+from hydra_jury.hydra_model import DraftModel, HydraModel
 from hydra_jury.orchestrator.convert import request_to_pb
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.launcher import LocalStack
@@ -67,6 +68,7 @@ MODES = {
     "non-speculative PoE": {"rule": "verifier_only"},
     **{f"head γ={g}": {"gamma": g, "drafter": "head"} for g in (2, 4, 8)},
     **{f"ngram γ={g}": {"gamma": g, "drafter": "ngram"} for g in (2, 4, 8)},
+    **{f"model γ={g}": {"gamma": g, "drafter": "model"} for g in (2, 4, 8)},
     "auto": {"drafter": "auto"},
 }
 
@@ -152,24 +154,31 @@ def measure(run, modes: dict, new_tokens: int, title: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", default="var/models/smollm2-hydra")
+    parser.add_argument(
+        "--draft-model",
+        default="var/models/smollm2-draft",
+        help="a Hydra checkpoint used as the draft model (`make draft-model`)",
+    )
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument(
         "--grpc-modes",
-        default="non-speculative PoE,head γ=2,ngram γ=8,auto",
+        default="non-speculative PoE,head γ=2,ngram γ=8,model γ=4,auto",
         help="the modes also measured over the split stack (comma-separated; '' for none)",
     )
     args = parser.parse_args()
     model = HydraModel.load(args.checkpoint)
+    draft = DraftModel.load(args.draft_model)
     print(
-        f"{os.cpu_count()} cores, {args.checkpoint} ({model.dtype}), {args.new_tokens} new "
-        "tokens, greedy, exact rule; tokens/s = the set's tokens over its wall time"
+        f"{os.cpu_count()} cores, {args.checkpoint} ({model.dtype}), draft model "
+        f"{draft.description}, {args.new_tokens} new tokens, greedy, exact rule; "
+        "tokens/s = the set's tokens over its wall time"
     )
-    engine = Engine(LocalBackend(model), model.load_tokenizer())
+    engine = Engine(LocalBackend(model, draft_model=draft), model.load_tokenizer())
     measure(in_process(engine), MODES, args.new_tokens, "in-process")
     grpc_modes = {n: MODES[n] for n in args.grpc_modes.split(",") if n}
     if grpc_modes:
-        del engine, model
-        stack = LocalStack(args.checkpoint, shards=2, port=0)
+        del engine, model, draft
+        stack = LocalStack(args.checkpoint, shards=2, port=0, draft_model=args.draft_model)
         try:
             measure(over_grpc(stack.start()), grpc_modes, args.new_tokens, "split stack (gRPC)")
         finally:

@@ -298,6 +298,22 @@ def test_the_defaults_render_a_complete_trial_release(releases):
     assert "discovery" not in flags and flags["metrics-address"] == "0.0.0.0"
 
 
+def test_a_draft_model_is_handed_to_the_trunk_only(releases):
+    pods = pod_specs(releases["three-shards"])
+    trunk = arguments(pods[f"{PREFIX}-trunk"]["containers"][0])
+    assert trunk["draft-model"] == "/checkpoint/draft"
+    others = [
+        arguments(c)
+        for name, p in pods.items()
+        if name != f"{PREFIX}-trunk"
+        for c in p["containers"]
+        if c["args"][0] in SERVERS
+    ]
+    assert others and not any("draft-model" in args for args in others)
+    defaults = arguments(pod_specs(releases["defaults"])[f"{PREFIX}-trunk"]["containers"][0])
+    assert "draft-model" not in defaults
+
+
 def test_a_redis_url_switches_to_the_external_redis(releases):
     docs = releases["external-redis"]
     assert not [name for name in objects(docs, "Deployment") if name.endswith("-redis")]
@@ -408,6 +424,18 @@ INVALID = {
     "a password in the redis url": (
         {"redis": {"url": "redis://:secret@redis:6379/0"}},
         "redis.url carries credentials",
+    ),
+    "a draft model outside the checkpoint": (
+        {"trunk": {"draftModel": "../other"}},
+        "trunk.draftModel: Does not match pattern",
+    ),
+    "a draft model that climbs out": (
+        {"trunk": {"draftModel": "draft/../../other"}},
+        "trunk.draftModel: Must not validate the schema",
+    ),
+    "an absolute draft model path": (
+        {"trunk": {"draftModel": "/models/draft"}},
+        "trunk.draftModel: Does not match pattern",
     ),
     "a password secret without a url": (
         {"redis": {"existingSecret": "hydra-jury-redis"}},
