@@ -149,10 +149,11 @@ def _add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drafter",
         default="auto",
-        choices=["auto", "head", "ngram"],
+        choices=["auto", "head", "ngram", "model"],
         help="auto (default): chosen per round from measured costs and acceptance; head: a "
         "head on the trunk drafts; ngram: prompt lookup in the context, checked by the "
-        "trunk and the whole jury in one pass",
+        "trunk and the whole jury in one pass; model: the trunk's draft model "
+        "(--draft-model), checked in one pass",
     )
     parser.add_argument("--draft-head", help="default: drawn from the drafters by the seed")
     parser.add_argument("--jury", help="comma-separated heads (default: all but the drafter)")

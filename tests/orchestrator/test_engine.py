@@ -310,6 +310,32 @@ def test_cli_generate(jury_checkpoint, capsys):
     assert "gamma (draft length) must be an integer in 1..16" in capsys.readouterr().err
 
 
+def test_cli_generate_with_a_draft_model(jury_checkpoint, capsys, tmp_path, monkeypatch):
+    """`--draft-model` takes a Hugging Face directory (converted once into the cache) or
+    a Hydra checkpoint; greedy drafts from it give the non-speculative tokens."""
+    monkeypatch.setenv("HYDRA_JURY_CACHE", str(tmp_path / "cache"))
+    argv = [
+        *("generate", "--checkpoint", str(jury_checkpoint), "--local", "abcab", "--no-chat"),
+        *("--max-new-tokens", "12", "--ignore-eos", "--temperature", "0", "--json"),
+    ]
+    assert main([*argv, "--rule", "verifier_only"]) == 0
+    reference = json.loads(capsys.readouterr().out)
+    hf_directory = str(jury_checkpoint.parent / "base")
+    assert main([*argv, "--draft-model", hf_directory, "--drafter", "model"]) == 0
+    captured = capsys.readouterr()
+    output = json.loads(captured.out)
+    assert output["token_ids"] == reference["token_ids"]
+    assert output["stats"]["rounds_by_drafter"]["model"] > 0
+    assert "converting into" in captured.err
+    (converted,) = (tmp_path / "cache" / "draft-models").iterdir()
+    assert main([*argv, "--draft-model", str(converted), "--drafter", "model"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == reference["token_ids"]
+    assert main([*argv, "--draft-model", str(tmp_path / "missing"), "--drafter", "model"]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+    assert main([*argv, "--drafter", "model"]) == 2
+    assert "the trunk hosts no draft model" in capsys.readouterr().err
+
+
 def test_lost_caches_are_rebuilt_from_the_committed_tokens(jury_model, tokenizer):
     """A service that loses a session mid-generation (a restart) costs a re-prefill, not
     the request: the output is the same as without the loss."""
@@ -538,3 +564,21 @@ def test_sampled_model_speculation_is_seeded_and_keeps_drafts(model_engine):
 def test_the_draft_model_is_described_in_the_model_info(model_engine, engine):
     assert "4 layers" in model_engine.backend.info.draft_model
     assert engine.backend.info.draft_model == ""
+
+
+def test_a_trunk_service_gets_its_draft_model_resolved(jury_checkpoint, tmp_path, monkeypatch):
+    """`hydra-jury trunk --draft-model` converts a Hugging Face directory before the
+    service (which loads only Hydra checkpoints) starts; a missing path is one line."""
+    from hydra_jury.orchestrator.cli import _with_resolved_draft_model
+
+    monkeypatch.setenv("HYDRA_JURY_CACHE", str(tmp_path))
+    source = str(jury_checkpoint.parent / "base")
+    spaced = _with_resolved_draft_model(["--listen", "x", "--draft-model", source])
+    joined = _with_resolved_draft_model([f"--draft-model={source}"])
+    converted = spaced[-1]
+    assert converted.startswith(str(tmp_path / "draft-models")) and joined == [
+        f"--draft-model={converted}"
+    ]
+    assert spaced[:3] == ["--listen", "x", "--draft-model"]
+    argv = ["trunk", "--checkpoint", str(jury_checkpoint), "--draft-model", str(tmp_path / "no")]
+    assert main(argv) == 2
