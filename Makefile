@@ -52,8 +52,8 @@ chart: $(HELM)
 model: setup
 	$(PY) -m hydra_jury.hydra_model.build.demo --out $(MODEL_DIR)
 
-# The demo draft model: SmolLM2's first 8 layers, a cheap causal LM for speculative
-# decoding (skipped when already there).
+# The demo draft model: SmolLM2 itself as one causal LM (one head), cheaper per token
+# than the 4-head jury (skipped when already there).
 draft-model: setup
 	$(PY) -m hydra_jury.hydra_model.build.demo --draft --out $(DRAFT_DIR)
 

@@ -148,8 +148,10 @@ def empirical(engine, request_options: dict, prompt: str = PROMPT) -> torch.Tens
     return counts
 
 
-@pytest.mark.parametrize("gamma", [1, 4])
-def test_exact_rule_samples_the_poe_target(small_engine, small_model, gamma):
+@pytest.mark.parametrize(("drafter", "gamma"), [("head", 1), ("head", 4), ("model", 3)])
+def test_exact_rule_samples_the_poe_target(small_engine, small_model, small_draft, drafter, gamma):
+    """Top-k filtered at temperature 0.8, drafted by a head or by the draft model (full
+    distributions, checked in one pass with the bonus)."""
     prompt = small_engine.tokenizer.encode(PROMPT, add_special_tokens=False)
     temperature, top_k = 0.8, 12
     names = small_model.head_names
@@ -158,24 +160,27 @@ def test_exact_rule_samples_the_poe_target(small_engine, small_model, gamma):
         kept = torch.zeros_like(probs).scatter(0, probs.topk(top_k).indices, 1.0)
         return probs * kept / (probs * kept).sum(), False
 
-    def target(logits):
+    def target(logits, draft_logits=None):
         return top_k_of(exact_target(logits, names, temperature))
 
-    def draft(logits):  # the mistake of keeping every draft token
-        return top_k_of(torch.softmax(logits[names.index(DRAFT_HEAD)] / temperature, -1))
+    def draft(logits, draft_logits=None):  # the mistake of keeping every draft token
+        if draft_logits is None:
+            draft_logits = logits[names.index(DRAFT_HEAD)]
+        return top_k_of(torch.softmax(draft_logits / temperature, -1))
 
-    joint, _ = joint_distribution(small_model, prompt, target)
-    draft_joint, _ = joint_distribution(small_model, prompt, draft)
-    counts = empirical(
-        small_engine,
-        {
-            "rule": "exact",
-            "gamma": gamma,
-            "max_new_tokens": 4,
-            "temperature": temperature,
-            "top_k": top_k,
-        },
-    )
+    model = small_draft if drafter == "model" else None
+    joint, _ = joint_distribution(small_model, prompt, target, model)
+    draft_joint, _ = joint_distribution(small_model, prompt, draft, model)
+    options = {
+        "rule": "exact",
+        "gamma": gamma,
+        "max_new_tokens": 4,
+        "temperature": temperature,
+        "top_k": top_k,
+    }
+    if drafter == "model":
+        options["drafter"] = "model"
+    counts = empirical(small_engine, options)
     assert_fits(counts, joint, draft_joint)
 
 
@@ -214,93 +219,33 @@ def test_ngram_drafts_checked_in_one_pass_sample_the_poe_target(small_engine, sm
     assert_fits(counts, joint, keeps_too_often)
 
 
-@pytest.mark.parametrize("gamma", [1, 4])
-def test_cascade_rule_samples_its_target(small_engine, small_model, gamma):
+@pytest.mark.parametrize(("drafter", "gamma"), [("head", 1), ("head", 4), ("model", 2)])
+def test_cascade_rule_samples_its_target(small_engine, small_model, small_draft, drafter, gamma):
+    """The cascade's deferral decided on the draft's distribution: the draft head's, or
+    the draft model's (drafts checked in one pass, with the bonus)."""
     prompt = small_engine.tokenizer.encode(PROMPT, add_special_tokens=False)
     lenience = 0.1
     names = small_model.head_names
-    joint, deferred = joint_distribution(
-        small_model, prompt, lambda logits: cascade_diff_target(logits, names, lenience)
-    )
+
+    def target(logits, draft_logits=None):
+        return cascade_diff_target(logits, names, lenience, draft_logits)
+
+    draft = small_draft if drafter == "model" else None
+    joint, deferred = joint_distribution(small_model, prompt, target, draft)
     # The case is informative only if some positions defer to the draft and some do not.
     assert any(deferred) and not all(deferred)
     # The mistake of ignoring the deferral: the plain PoE target.
     poe_joint, _ = joint_distribution(
         small_model, prompt, lambda logits: (exact_target(logits, names, 1.0), False)
     )
-    counts = empirical(
-        small_engine,
-        {
-            "rule": "cascade_diff",
-            "lenience": lenience,
-            "gamma": gamma,
-            "max_new_tokens": 4,
-            "temperature": 1.0,
-        },
-    )
-    assert_fits(counts, joint, poe_joint)
-
-
-def test_model_drafts_checked_in_one_pass_sample_the_poe_target(
-    small_engine, small_model, small_draft
-):
-    """Draft-model drafts (full distributions) with one-pass verification and the bonus
-    token, top-k filtered at temperature 0.8."""
-    prompt = small_engine.tokenizer.encode(PROMPT, add_special_tokens=False)
-    temperature, top_k = 0.8, 12
-    names = small_model.head_names
-
-    def top_k_of(probs):
-        kept = torch.zeros_like(probs).scatter(0, probs.topk(top_k).indices, 1.0)
-        return probs * kept / (probs * kept).sum(), False
-
-    def target(logits, draft_logits):
-        return top_k_of(exact_target(logits, names, temperature))
-
-    def draft(logits, draft_logits):  # the mistake of keeping every draft token
-        return top_k_of(torch.softmax(draft_logits / temperature, -1))
-
-    joint, _ = joint_distribution(small_model, prompt, target, small_draft)
-    draft_joint, _ = joint_distribution(small_model, prompt, draft, small_draft)
-    counts = empirical(
-        small_engine,
-        {
-            "rule": "exact",
-            "drafter": "model",
-            "gamma": 3,
-            "max_new_tokens": 4,
-            "temperature": temperature,
-            "top_k": top_k,
-        },
-    )
-    assert_fits(counts, joint, draft_joint)
-
-
-def test_model_drafts_under_a_cascade_rule_sample_its_target(
-    small_engine, small_model, small_draft
-):
-    """The cascade's deferral decided on the draft model's distribution."""
-    prompt = small_engine.tokenizer.encode(PROMPT, add_special_tokens=False)
-    lenience = 0.1
-    names = small_model.head_names
-
-    def target(logits, draft_logits):
-        return cascade_diff_target(logits, names, lenience, draft_logits)
-
-    joint, deferred = joint_distribution(small_model, prompt, target, small_draft)
-    assert any(deferred) and not all(deferred)
-    poe_joint, _ = joint_distribution(
-        small_model, prompt, lambda logits: (exact_target(logits, names, 1.0), False)
-    )
-    counts = empirical(
-        small_engine,
-        {
-            "rule": "cascade_diff",
-            "lenience": lenience,
-            "drafter": "model",
-            "gamma": 2,
-            "max_new_tokens": 4,
-            "temperature": 1.0,
-        },
-    )
+    options = {
+        "rule": "cascade_diff",
+        "lenience": lenience,
+        "gamma": gamma,
+        "max_new_tokens": 4,
+        "temperature": 1.0,
+    }
+    if drafter == "model":
+        options["drafter"] = "model"
+    counts = empirical(small_engine, options)
     assert_fits(counts, joint, poe_joint)

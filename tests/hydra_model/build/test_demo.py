@@ -64,13 +64,14 @@ def test_main_draft_flags(tiny_demo, tmp_path, capsys):
 def test_smollm2_draft_is_the_gguf_model_cut_short(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    out = ensure_demo_draft(tmp_path / "draft", log=lambda line: None)
+    layers = 8
+    out = ensure_demo_draft(tmp_path / "draft", layers, log=lambda line: None)
     model = HydraModel.load(out)
-    assert model.config.num_layers == DRAFT_LAYERS == 8
+    assert model.config.num_layers == layers < DRAFT_LAYERS == 30
     assert model.heads.shares_lm_head  # tied embedding, stored once
     gguf = demo_gguf_path()
     reference = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, num_hidden_layers=DRAFT_LAYERS, dtype=torch.float32
+        str(gguf.parent), gguf_file=gguf.name, num_hidden_layers=layers, dtype=torch.float32
     ).eval()
     tokens = torch.tensor(model.load_tokenizer()("The capital of France is")["input_ids"])
     hidden = model.trunk.forward(tokens, model.trunk_cache(64), 0)
