@@ -64,8 +64,9 @@ OPEN = [
     "Suggest a name for a small bakery.",
 ]
 SETS = {"extractive": EXTRACTIVE, "open": OPEN}
+BASELINE = "non-speculative PoE"
 MODES = {
-    "non-speculative PoE": {"rule": "verifier_only"},
+    BASELINE: {"rule": "verifier_only"},
     **{f"head γ={g}": {"gamma": g, "drafter": "head"} for g in (2, 4, 8)},
     **{f"ngram γ={g}": {"gamma": g, "drafter": "ngram"} for g in (2, 4, 8)},
     **{f"model γ={g}": {"gamma": g, "drafter": "model"} for g in (2, 4, 8)},
@@ -141,14 +142,25 @@ def measure(run, modes: dict, new_tokens: int, title: str) -> None:
             for name, options in modes.items():
                 totals[name].add(*run(prompt, new_tokens, options))
         for name, total in totals.items():
-            reference = totals["non-speculative PoE"].outputs
+            reference = totals[BASELINE].outputs
             assert total.outputs == reference, f"{name} gave other tokens than non-speculative"
-        baseline = totals["non-speculative PoE"].tokens / totals["non-speculative PoE"].seconds
+        baseline = totals[BASELINE].tokens / totals[BASELINE].seconds
         print(f"\n{title}, {set_name} set ({len(prompts)} prompts)")
         print("| mode | tokens/s | vs non-speculative | acceptance | tokens/round | passes/token |")
         print("|---|---|---|---|---|---|")
         for name, total in totals.items():
             print(total.row(name, baseline), flush=True)
+
+
+def chosen(names: str) -> dict[str, dict]:
+    """The modes named (comma-separated), always with the baseline the ratios need."""
+    wanted = [name for name in names.split(",") if name]
+    unknown = [name for name in wanted if name not in MODES]
+    if unknown:
+        raise SystemExit(f"unknown modes {unknown}; choose from {list(MODES)}")
+    if wanted and BASELINE not in wanted:
+        wanted.insert(0, BASELINE)
+    return {name: MODES[name] for name in wanted}
 
 
 def main() -> int:
@@ -160,10 +172,16 @@ def main() -> int:
         help="a Hydra checkpoint used as the draft model (`make draft-model`)",
     )
     parser.add_argument("--new-tokens", type=int, default=128)
+    everything = ",".join(MODES)
+    parser.add_argument(
+        "--in-process-modes",
+        default=everything,
+        help="the modes measured in-process (comma-separated; '' for none; default all)",
+    )
     parser.add_argument(
         "--grpc-modes",
-        default="non-speculative PoE,head γ=2,ngram γ=8,model γ=4,auto",
-        help="the modes also measured over the split stack (comma-separated; '' for none)",
+        default=everything,
+        help="the modes measured over the split stack (comma-separated; '' for none; default all)",
     )
     args = parser.parse_args()
     model = HydraModel.load(args.checkpoint)
@@ -174,8 +192,10 @@ def main() -> int:
         "tokens/s = the set's tokens over its wall time"
     )
     engine = Engine(LocalBackend(model, draft_model=draft), model.load_tokenizer())
-    measure(in_process(engine), MODES, args.new_tokens, "in-process")
-    grpc_modes = {n: MODES[n] for n in args.grpc_modes.split(",") if n}
+    in_process_modes = chosen(args.in_process_modes)
+    if in_process_modes:
+        measure(in_process(engine), in_process_modes, args.new_tokens, "in-process")
+    grpc_modes = chosen(args.grpc_modes)
     if grpc_modes:
         del engine, model, draft
         stack = LocalStack(args.checkpoint, shards=2, port=0, draft_model=args.draft_model)

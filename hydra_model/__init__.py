@@ -13,6 +13,7 @@ from hydra_jury.hydra_model.checkpoint import CheckpointError
 from hydra_jury.hydra_model.draft_model import DraftCache, DraftModel
 from hydra_jury.hydra_model.heads import HeadStack
 from hydra_jury.hydra_model.kv_cache import CacheError, KVCache, KVCachePool
+from hydra_jury.hydra_model.layers import Segment
 from hydra_jury.hydra_model.model import HydraModel
 from hydra_jury.hydra_model.trunk import Trunk
 
@@ -25,5 +26,6 @@ __all__ = [
     "HydraModel",
     "KVCache",
     "KVCachePool",
+    "Segment",
     "Trunk",
 ]

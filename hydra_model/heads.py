@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hydra_jury.hydra_model.kv_cache import KVCache
-from hydra_jury.hydra_model.layers import LayerStack, rms_norm
+from hydra_jury.hydra_model.layers import LayerStack, Segment, rms_norm
 from hydra_jury.hydra_model.rope import RotaryTable
 
 
@@ -61,8 +61,17 @@ class HeadStack:
 
         Returns logits [S, T, V] in float32, and with `return_hidden` also each head's last
         hidden state before the final norm, [S, T, D]. Appends T positions to the cache."""
-        x = hidden[None].expand(self.size, -1, -1)  # [S, T, D], no copy
-        x = self.layers.forward(x, cache, start, self.rope)
+        segments = [Segment(cache, start, len(hidden))]
+        return self.forward_ragged(hidden, segments, return_hidden=return_hidden)
+
+    @torch.inference_mode()
+    def forward_ragged(
+        self, hidden: torch.Tensor, segments: list[Segment], return_hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """hidden: trunk outputs [N, D] of the segments' tokens one after the other ->
+        logits [S, N, V] (and the hidden states [S, N, D], as `forward`)."""
+        x = hidden[None].expand(self.size, -1, -1)  # [S, N, D], no copy
+        x = self.layers.forward_ragged(x, segments, self.rope)
         normed = rms_norm(x, self.norm, self.layers.config.rms_norm_eps)
         if self.shares_lm_head:
             logits = normed @ self.lm_head.T  # [S, T, V]

@@ -4,6 +4,12 @@ The trunk is a stack of one; a `HeadStack` is a stack of one copy per head. Ever
 weight carries a leading stack dimension and every matmul is batched over it, so S heads
 reading the same hidden states cost one batched computation, not a Python loop.
 
+A forward runs over a ragged batch: the tokens of several sessions flattened into one
+sequence, each session a `Segment` (its cache slot, its start position, its length).
+The projections and the MLP read each weight once for every token of every session —
+the point of batching, since decoding at batch 1 is memory-bound — and only attention
+runs per segment, against that session's cache. One session is a batch of one segment.
+
 Per-layer tensor names (as stored in Hydra checkpoints, without the `layers.{i}.`
 prefix) are those of Hugging Face Llama/Qwen2/OLMo-2 with the module path dropped:
 `q_proj.weight`, `gate_proj.weight`, `input_layernorm.weight`, ...
@@ -12,6 +18,7 @@ prefix) are those of Hugging Face Llama/Qwen2/OLMo-2 with the module path droppe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +58,16 @@ def layer_tensor_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
             {"gate_proj.bias": (inter,), "up_proj.bias": (inter,), "down_proj.bias": (hidden,)}
         )
     return shapes
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One session's tokens in a ragged batch: `length` tokens at positions start..,
+    appended to `cache`."""
+
+    cache: KVCache
+    start: int
+    length: int
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -149,10 +166,25 @@ class LayerStack:
         self, x: torch.Tensor, cache: KVCache, start: int, rope: RotaryTable
     ) -> torch.Tensor:
         """x: [S, T, D] at positions start..start+T-1 -> [S, T, D]. Appends to the cache."""
-        cache.check_append(start, x.shape[1])
+        return self.forward_ragged(x, [Segment(cache, start, x.shape[1])], rope)
+
+    def forward_ragged(
+        self, x: torch.Tensor, segments: Sequence[Segment], rope: RotaryTable
+    ) -> torch.Tensor:
+        """x: [S, N, D], the tokens of `segments` one after the other (N = the sum of
+        their lengths) -> [S, N, D]. Appends each segment's tokens to its cache."""
+        if sum(segment.length for segment in segments) != x.shape[1]:
+            raise ValueError(
+                f"the segments hold {sum(s.length for s in segments)} tokens, x has {x.shape[1]}"
+            )
+        if len({id(segment.cache) for segment in segments}) != len(segments):
+            raise ValueError("a session's cache appears twice in one batch")
+        for segment in segments:
+            segment.cache.check_append(segment.start, segment.length)
         for index, layer in enumerate(self.layers):
-            x = self._layer_forward(layer, index, x, cache, start, rope)
-        cache.advance(x.shape[1])
+            x = self._layer_forward(layer, index, x, segments, rope)
+        for segment in segments:
+            segment.cache.advance(segment.length)
         return x
 
     def _layer_forward(
@@ -160,18 +192,16 @@ class LayerStack:
         layer: _Layer,
         index: int,
         x: torch.Tensor,
-        cache: KVCache,
-        start: int,
+        segments: Sequence[Segment],
         rope: RotaryTable,
     ) -> torch.Tensor:
         config = self.config
         eps = config.rms_norm_eps
         if config.post_norms:
-            x = x + rms_norm(
-                self._attention(layer, index, x, cache, start, rope), layer.attn_norm, eps
-            )
+            attended = self._attention(layer, index, x, segments, rope)
+            x = x + rms_norm(attended, layer.attn_norm, eps)
             return x + rms_norm(self._mlp(layer, x), layer.mlp_norm, eps)
-        x = x + self._attention(layer, index, rms_norm(x, layer.attn_norm, eps), cache, start, rope)
+        x = x + self._attention(layer, index, rms_norm(x, layer.attn_norm, eps), segments, rope)
         return x + self._mlp(layer, rms_norm(x, layer.mlp_norm, eps))
 
     def _attention(
@@ -179,22 +209,41 @@ class LayerStack:
         layer: _Layer,
         index: int,
         x: torch.Tensor,
-        cache: KVCache,
-        start: int,
+        segments: Sequence[Segment],
         rope: RotaryTable,
     ) -> torch.Tensor:
         config = self.config
-        stack, length, _ = x.shape
-        hd = config.head_dim
-        qkv = _linear(x, layer.qkv_weight, layer.qkv_bias)  # [S, T, q + 2kv]
+        qkv = _linear(x, layer.qkv_weight, layer.qkv_bias)  # [S, N, q + 2kv]
         q, k, v = qkv.split([config.q_size, config.kv_size, config.kv_size], dim=-1)
         if layer.q_norm is not None:
             q = rms_norm(q, layer.q_norm, config.rms_norm_eps)
             k = rms_norm(k, layer.k_norm, config.rms_norm_eps)
-        q = rope.apply(q.view(stack, length, -1, hd), start).transpose(1, 2)  # [S, nh, T, hd]
-        k = rope.apply(k.view(stack, length, -1, hd), start).transpose(1, 2)  # [S, nkv, T, hd]
-        v = v.view(stack, length, -1, hd).transpose(1, 2)
-        keys, values = cache.write(index, start, k, v)  # [S, nkv, start+T, hd]
+        outputs, offset = [], 0
+        for segment in segments:
+            rows = slice(offset, offset + segment.length)
+            outputs.append(self._attend(index, q[:, rows], k[:, rows], v[:, rows], segment, rope))
+            offset += segment.length
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)  # [S, N, q]
+        return _linear(out, layer.o_weight, layer.o_bias)
+
+    def _attend(
+        self,
+        index: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        segment: Segment,
+        rope: RotaryTable,
+    ) -> torch.Tensor:
+        """One segment's attention over its cache: q [S, T, q], k and v [S, T, kv] ->
+        [S, T, q]. Writes its keys and values into layer `index` of the cache."""
+        config = self.config
+        stack, length, _ = q.shape
+        hd, start = config.head_dim, segment.start
+        q = rope.apply(q.reshape(stack, length, -1, hd), start).transpose(1, 2)  # [S, nh, T, hd]
+        k = rope.apply(k.reshape(stack, length, -1, hd), start).transpose(1, 2)  # [S, nkv, T, hd]
+        v = v.reshape(stack, length, -1, hd).transpose(1, 2)
+        keys, values = segment.cache.write(index, start, k, v)  # [S, nkv, start+T, hd]
         gqa = config.num_attention_heads != config.num_key_value_heads
         if length == 1:
             out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)
@@ -202,12 +251,11 @@ class LayerStack:
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
         else:
             # Query i sits at position start + i and sees keys 0..start + i.
-            key_positions = torch.arange(start + length, device=x.device)
-            query_positions = torch.arange(start, start + length, device=x.device)
+            key_positions = torch.arange(start + length, device=q.device)
+            query_positions = torch.arange(start, start + length, device=q.device)
             mask = key_positions[None, :] <= query_positions[:, None]  # [T, start+T]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
-        out = out.transpose(1, 2).reshape(stack, length, config.q_size)
-        return _linear(out, layer.o_weight, layer.o_bias)
+        return out.transpose(1, 2).reshape(stack, length, config.q_size)
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         gate, up = _linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)

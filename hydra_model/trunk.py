@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hydra_jury.hydra_model.kv_cache import KVCache
-from hydra_jury.hydra_model.layers import LayerStack
+from hydra_jury.hydra_model.layers import LayerStack, Segment
 from hydra_jury.hydra_model.rope import RotaryTable
 
 
@@ -26,5 +26,10 @@ class Trunk:
     def forward(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         """tokens: [T] at positions start..start+T-1 -> hidden states [T, D] (input of the
         first head layer). Appends T positions to the cache."""
-        x = self.embedding[tokens][None]  # [1, T, D]
-        return self.layers.forward(x, cache, start, self.rope)[0]
+        return self.forward_ragged(tokens, [Segment(cache, start, len(tokens))])
+
+    @torch.inference_mode()
+    def forward_ragged(self, tokens: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """tokens: [N], the segments' tokens one after the other -> hidden states [N, D]."""
+        x = self.embedding[tokens][None]  # [1, N, D]
+        return self.layers.forward_ragged(x, segments, self.rope)[0]
