@@ -16,7 +16,7 @@ from hydra_jury.hydra_model import HydraModel
 from hydra_jury.protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from hydra_jury.serving import internal_wire as wire
 from hydra_jury.serving.model_thread import ModelThread
-from hydra_jury.serving.servicer import WorkerServicer
+from hydra_jury.serving.servicer import BatchResults, WorkerServicer, batch_calls
 from hydra_jury.serving.worker_service import ServiceOptions, WorkerServiceSpec
 from hydra_jury.workers.jury import JuryWorker
 
@@ -52,6 +52,20 @@ class JuryServicer(WorkerServicer, internal_pb2_grpc.JuryServicer):
             lambda: wire.score_call_from_pb(request, self.dtype, self.hidden_size),
             self.worker.score,
             wire.score_result_to_pb,
+        )
+
+    async def ScoreBatch(self, request, context) -> internal_pb2.ScoreBatchResponse:
+        return await self.call_model(
+            lambda: batch_calls(
+                [
+                    wire.score_call_from_pb(call, self.dtype, self.hidden_size)
+                    for call in request.calls
+                ]
+            ),
+            lambda calls: BatchResults(self.worker.score_batch(calls)),
+            lambda results: internal_pb2.ScoreBatchResponse(
+                results=[wire.score_result_to_pb(result) for result in results]
+            ),
         )
 
 

@@ -97,6 +97,16 @@ class DecodingBackend(ABC):
         call (one-pass verification of an outside draft)."""
 
     @abstractmethod
+    def trunk_forward_batch(self, calls: list[PrefillCall]) -> list[HiddenStates]:
+        """Several sessions' tokens through the trunk in one batched forward (the beams
+        of a beam search); their hidden states, in order."""
+
+    @abstractmethod
+    def score_batch(self, calls: list[ScoreCall]) -> list[ScoreResult]:
+        """Several sessions' score calls in one batched forward of every shard; the
+        results, in order, as `score` gives them."""
+
+    @abstractmethod
     def draft(self, call: DraftCall) -> DraftResult:
         """γ trunk + draft-head steps from the pending token (`workers.trunk`). The
         result's tensors are on the host; its hidden states are an opaque handle."""

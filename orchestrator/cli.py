@@ -157,6 +157,29 @@ def _add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--draft-head", help="default: drawn from the drafters by the seed")
     parser.add_argument("--jury", help="comma-separated heads (default: all but the drafter)")
+    parser.add_argument(
+        "--num-beams",
+        type=int,
+        default=1,
+        help="beam search over the PoE target with this many beams (default 1: off); "
+        "deterministic, not speculative",
+    )
+    parser.add_argument(
+        "--length-penalty",
+        type=float,
+        default=1.0,
+        help="beam search: hypotheses score sum log P / length ** this (default 1)",
+    )
+    parser.add_argument(
+        "--early-stopping",
+        action="store_true",
+        help="beam search: stop once --num-beams hypotheses are finished",
+    )
+    parser.add_argument(
+        "--return-beams",
+        action="store_true",
+        help="beam search: report every finished hypothesis (with --json)",
+    )
 
 
 def _decoding_request(
@@ -189,6 +212,10 @@ def _decoding_request(
         drafter=args.drafter,
         draft_head=args.draft_head,
         jury=args.jury.split(",") if args.jury else None,
+        num_beams=args.num_beams,
+        length_penalty=args.length_penalty,
+        early_stopping=args.early_stopping,
+        return_beams=args.return_beams,
     )
 
 

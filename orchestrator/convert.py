@@ -6,8 +6,26 @@ from hydra_jury.orchestrator.output import GenerationOutput, RoundOutput, TokenR
 from hydra_jury.orchestrator.request import GenerationRequest, RequestError
 from hydra_jury.protos.hydrajury.v1 import generation_pb2
 
-_OPTIONAL_FIELDS = ("max_new_tokens", "gamma", "beta", "temperature", "top_p", "seed")
-_PLAIN_FIELDS = ("ignore_eos", "lenience", "top_k", "min_p", "epsilon", "contrastive_alpha")
+_OPTIONAL_FIELDS = (
+    "max_new_tokens",
+    "gamma",
+    "beta",
+    "temperature",
+    "top_p",
+    "seed",
+    "num_beams",
+    "length_penalty",
+)
+_PLAIN_FIELDS = (
+    "ignore_eos",
+    "lenience",
+    "top_k",
+    "min_p",
+    "epsilon",
+    "contrastive_alpha",
+    "early_stopping",
+    "return_beams",
+)
 
 
 def request_from_pb(message: generation_pb2.GenerateRequest) -> GenerationRequest:
@@ -87,7 +105,13 @@ def output_to_pb(output: GenerationOutput) -> generation_pb2.GenerateResponse:
         prompt_tokens=output.prompt_tokens,
         session_id=output.session,
         request_id=output.request_id,
+        beam_score=output.beam_score,
+        beams=[beam_to_pb(beam) for beam in output.beams],
     )
+
+
+def beam_to_pb(beam: dict) -> generation_pb2.Beam:
+    return generation_pb2.Beam(**beam)
 
 
 def round_to_pb(
@@ -109,4 +133,7 @@ def round_to_pb(
         message.draft_head = summary.draft_head or ""
         message.jury.extend(summary.jury)
         message.session_id = summary.session
+        if summary.beam_score is not None:
+            message.beam_score = summary.beam_score
+        message.beams.extend(beam_to_pb(beam) for beam in summary.beams)
     return message

@@ -30,6 +30,7 @@ import torch
 
 from hydra_jury.orchestrator.auto import AutoState, CostModel
 from hydra_jury.orchestrator.backend import DecodingBackend
+from hydra_jury.orchestrator.beam_search import BeamRun
 from hydra_jury.orchestrator.detokenizer import IncrementalDetokenizer
 from hydra_jury.orchestrator.output import (
     FinishReason,
@@ -46,6 +47,8 @@ from hydra_jury.orchestrator.request import (
     prepare_request,
 )
 from hydra_jury.poe import (
+    BeamSearch,
+    Hypothesis,
     RequestStats,
     Rule,
     acceptance_probs,
@@ -113,6 +116,7 @@ class _Run:
     resumed_rounds: int = 0
     auto: AutoState | None = None  # the automatic mode's state, with drafter "auto"
     rounds_by_drafter: dict[str, int] = field(default_factory=dict)
+    hypotheses: list[Hypothesis] = field(default_factory=list)  # beam search's, best first
 
     @property
     def start(self) -> int:
@@ -247,6 +251,8 @@ class Engine:
     def _round(self, run: _Run, timings: dict[str, float]) -> _Verdict:
         prepared = run.prepared
         remaining = prepared.request.max_new_tokens - len(run.generated)
+        if prepared.request.num_beams > 1:
+            return self._beam_round(run, timings, remaining)
         if prepared.drafter == Drafter.AUTO:
             return self._auto_round(run, timings, remaining)
         # One-pass rounds commit up to k + 1 tokens: room for the bonus under the limit.
@@ -284,6 +290,30 @@ class Engine:
         reached = reached_positions(verdict.drafted, verdict.accepted)
         run.auto.observe(self.costs, choice, reached, verdict.accepted)
         return verdict
+
+    def _beam_round(self, run: _Run, timings: dict[str, float], remaining: int) -> _Verdict:
+        """The whole beam search as one round: its best hypothesis (`orchestrator.beam_search`)."""
+        request = run.prepared.request
+        search = BeamSearch(
+            num_beams=request.num_beams,
+            length_penalty=request.length_penalty,
+            early_stopping=request.early_stopping,
+            max_new_tokens=remaining,
+            eos_token_ids=frozenset(() if request.ignore_eos else self.backend.info.eos_token_ids),
+        )
+        beams = BeamRun(
+            self.backend,
+            run.session,
+            tuple(run.prepared.jury),
+            request.temperature,
+            request.beta,
+            run.stats,
+            timings,
+        )
+        beams.search(run.committed, search)
+        run.hypotheses = search.best()
+        tokens = list(run.hypotheses[0].tokens)
+        return _Verdict(tokens, [TokenKind.BEAM] * len(tokens), 0, 0, drafter="beam")
 
     def _head_round(self, run: _Run, timings: dict[str, float], gamma: int) -> _Verdict:
         """γ draft tokens from the draft head (γ trunk steps), one jury call over them;
@@ -637,7 +667,20 @@ class Engine:
             prompt_tokens=len(prepared.prompt_tokens),
             rounds=run.round_sizes,
             session=run.session,
+            beam_score=run.hypotheses[0].score if run.hypotheses else None,
+            beams=self._beams(run) if prepared.request.return_beams else [],
         )
+
+    def _beams(self, run: _Run) -> list[dict]:
+        return [
+            {
+                "token_ids": list(hypothesis.tokens),
+                "text": self.tokenizer.decode(list(hypothesis.tokens), skip_special_tokens=True),
+                "score": hypothesis.score,
+                "logprob": hypothesis.logprob,
+            }
+            for hypothesis in run.hypotheses
+        ]
 
 
 class Generation:

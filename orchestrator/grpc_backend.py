@@ -322,7 +322,9 @@ class GrpcBackend(DecodingBackend):
         if isinstance(translated, ServiceUnavailable) and others:
             with self._lock:
                 self._suspects[replica.address] = time.monotonic() + SUSPECT_S
-                placement = self._placements.get(request.session, {})
+                # A batch is placed by its first call's session.
+                session = request.calls[0].session if hasattr(request, "calls") else request.session
+                placement = self._placements.get(session, {})
                 if placement.get(component.name) == replica.address:
                     del placement[component.name]
             return PositionError(f"{translated}; the session moves to another replica")
@@ -335,6 +337,19 @@ class GrpcBackend(DecodingBackend):
         trunk = self._targets([self.trunk], call.session)
         (response,) = self._call_all(trunk, "Prefill", [wire.prefill_call_to_pb(call)])
         return wire.forwarded_hidden(response.hidden)
+
+    def trunk_forward_batch(self, calls: list[PrefillCall]) -> list[HiddenStates]:
+        # Every call of a batch goes where the first call's session is placed.
+        trunk = self._targets([self.trunk], calls[0].session)
+        request = internal_pb2.TrunkPrefillBatchRequest(
+            calls=[wire.prefill_call_to_pb(call) for call in calls]
+        )
+        (response,) = self._call_all(trunk, "PrefillBatch", [request])
+        if len(response.results) != len(calls):
+            raise InternalServiceError(
+                f"{trunk[0][1].name} answered {len(response.results)} of {len(calls)} calls"
+            )
+        return [wire.forwarded_hidden(result.hidden) for result in response.results]
 
     def prefill(self, call: PrefillCall) -> None:
         hidden = self.trunk_forward(call)
@@ -358,6 +373,28 @@ class GrpcBackend(DecodingBackend):
         began = time.perf_counter_ns()
         responses = self._call_all(targets, "Score", requests)
         self._account("score", began, requests, responses)
+        return self._combined(call, targets, responses)
+
+    def score_batch(self, calls: list[ScoreCall]) -> list[ScoreResult]:
+        # Every call of a batch goes where the first call's session is placed.
+        request = internal_pb2.ScoreBatchRequest(calls=[wire.score_call_to_pb(c) for c in calls])
+        requests = [request] * len(self.shards)
+        targets = self._targets(self.shards, calls[0].session)
+        began = time.perf_counter_ns()
+        responses = self._call_all(targets, "ScoreBatch", requests)
+        self._account("score", began, requests, responses)
+        for (_shard, replica), response in zip(targets, responses, strict=True):
+            if len(response.results) != len(calls):
+                raise InternalServiceError(
+                    f"{replica.name} answered {len(response.results)} of {len(calls)} calls"
+                )
+        return [
+            self._combined(call, targets, [response.results[i] for response in responses])
+            for i, call in enumerate(calls)
+        ]
+
+    def _combined(self, call: ScoreCall, targets: list, responses: list) -> ScoreResult:
+        """The whole jury's result of `call` from each shard's response."""
         parts = [
             _decoded(
                 replica, lambda r=response: wire.score_result_from_pb(r, call, self.info.vocab_size)

@@ -97,6 +97,12 @@ class LocalBackend(DecodingBackend):
     def trunk_forward(self, call: PrefillCall) -> HiddenStates:
         return self._run(self.trunk.prefill, call)
 
+    def trunk_forward_batch(self, calls: list[PrefillCall]) -> list[HiddenStates]:
+        return self._run(self.trunk.prefill_batch, calls)
+
+    def score_batch(self, calls: list[ScoreCall]) -> list[ScoreResult]:
+        return self._run(lambda: [result.on_host() for result in self.jury.score_batch(calls)])
+
     # The loop's maths runs on the host, on [γ, V] tensors, as it does over gRPC; the
     # hidden states stay on the model's device for the jury.
     def draft(self, call: DraftCall) -> DraftResult:

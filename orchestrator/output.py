@@ -12,6 +12,7 @@ class TokenKind(StrEnum):
     REPLACEMENT = "replacement"  # drawn from the residual after a rejection
     SAMPLE = "sample"  # drawn from the target with no draft (verifier_only)
     BONUS = "bonus"  # drawn from the target after a one-pass round kept every draft
+    BEAM = "beam"  # of the best hypothesis of a beam search
 
 
 class FinishReason(StrEnum):
@@ -97,6 +98,10 @@ class GenerationOutput:
     rounds: list[int] = field(default_factory=list)  # tokens committed by each round
     session: str = ""  # the session (or, without one, the id of the caches it used)
     request_id: str = ""
+    beam_score: float | None = None  # beam search: the best hypothesis's score
+    # beam search with return_beams: every kept hypothesis, best first
+    # ({"token_ids", "text", "score", "logprob"})
+    beams: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

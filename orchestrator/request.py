@@ -34,6 +34,7 @@ class Drafter(StrEnum):
 
 DEFAULT_GAMMA = 4  # draft length of the head, n-gram and model drafters when unset
 AUTO_GAMMA = 8  # the most the automatic mode drafts in a round when gamma is unset
+MAX_BEAMS = 32  # beams of one request: each holds a cache slot on every service
 
 
 DRAFTERS = tuple(Drafter)
@@ -62,6 +63,11 @@ class GenerationRequest:
     contrastive_alpha: float = 0.0  # plausibility cutoff α in (0, 1]; 0 = off
     contrastive_amateur: str | None = None
     drafter: str = "auto"
+    # Beam search over the PoE target (num_beams > 1; not speculative, draws nothing).
+    num_beams: int = 1
+    length_penalty: float = 1.0  # scores are sum log P / length ** length_penalty
+    early_stopping: bool = False  # stop once num_beams hypotheses are finished
+    return_beams: bool = False  # also return every finished hypothesis
 
     @property
     def sampling(self) -> SamplingParams:
@@ -114,6 +120,9 @@ def prepare_request(
     """Checks and resolves `request`; its context is `context` when given (a session's
     conversation so far, for a text session's next turn), else its input encoded."""
     rule = _check_numbers(request, info)
+    if request.num_beams > 1:
+        _check_beam_search(request, rule)
+        rule = Rule.VERIFIER_ONLY  # one target row per beam and step: no speculation
     tokens = prompt_tokens(request, tokenizer) if context is None else list(context)
     if not tokens:
         raise RequestError("the prompt encodes to no tokens")
@@ -198,7 +207,43 @@ def _check_numbers(request: GenerationRequest, info: ModelInfo) -> Rule:
         raise RequestError(f"seed must be an integer in [0, 2**63), got {request.seed!r}")
     if any(not isinstance(s, str) or not s for s in request.stop):
         raise RequestError("stop sequences must be non-empty strings")
+    if not isinstance(request.num_beams, int) or not 1 <= request.num_beams <= MAX_BEAMS:
+        raise RequestError(
+            f"num_beams must be an integer in 1..{MAX_BEAMS}, got {request.num_beams!r}"
+        )
+    if not math.isfinite(request.length_penalty):
+        raise RequestError(f"length_penalty must be finite, got {request.length_penalty!r}")
+    if request.num_beams == 1 and (
+        request.length_penalty != 1.0 or request.early_stopping or request.return_beams
+    ):
+        raise RequestError(
+            "length_penalty, early_stopping and return_beams apply to beam search: set "
+            "num_beams > 1"
+        )
     return rule
+
+
+def _check_beam_search(request: GenerationRequest, rule: Rule) -> None:
+    """Beam search neither speculates nor samples: options of either conflict with it."""
+    conflicts = {
+        f"rule {str(rule)!r}": rule not in (Rule.EXACT, Rule.VERIFIER_ONLY),
+        f"drafter {request.drafter!r}": request.drafter != Drafter.AUTO,
+        "gamma": request.gamma is not None,
+        "draft_head": request.draft_head is not None,
+        "top_k": request.top_k != 0,
+        "top_p": request.top_p != 1.0,
+        "min_p": request.min_p != 0.0,
+        "epsilon": request.epsilon != 0.0,
+        "contrastive decoding": request.contrastive_amateur is not None
+        or request.contrastive_alpha != 0.0,
+        "stop sequences": bool(request.stop),
+    }
+    named = [name for name, conflicting in conflicts.items() if conflicting]
+    if named:
+        raise RequestError(
+            f"num_beams={request.num_beams} conflicts with {', '.join(named)}: beam search "
+            "scores every continuation with the PoE target, without speculating or sampling"
+        )
 
 
 def _draft_head(request: GenerationRequest, rule: Rule, info: ModelInfo, seed: int) -> str | None:

@@ -8,8 +8,10 @@ Modules
 - randomness: counter-based draws keyed by (seed, position, purpose).
 - contrastive: contrastive decoding scores (the jury as expert, one head as amateur).
 - drafting: prompt-lookup (n-gram) drafts and point-mass draft distributions.
+- beam: beam search bookkeeping (live beams, finished hypotheses, when it is done).
 """
 
+from hydra_jury.poe.beam import BeamSearch, Hypothesis
 from hydra_jury.poe.contrastive import contrastive_logprobs
 from hydra_jury.poe.drafting import ngram_draft, point_mass_logprobs
 from hydra_jury.poe.filters import SamplingParams, filter_logprobs
@@ -45,6 +47,8 @@ from hydra_jury.poe.target import (
 __all__ = [
     "PURPOSES",
     "RULES",
+    "BeamSearch",
+    "Hypothesis",
     "RequestStats",
     "Rule",
     "SamplingParams",

@@ -46,6 +46,20 @@ def model_description_to_pb(
     )
 
 
+class BatchResults(list):
+    """A batch call's results, in order; moved to the host together."""
+
+    def on_host(self) -> BatchResults:
+        return BatchResults(result.on_host() for result in self)
+
+
+def batch_calls(calls: list[Call]) -> list[Call]:
+    """A batch request's calls; an empty batch is refused."""
+    if not calls:
+        raise InvalidArgument("calls: a batch needs at least one call")
+    return calls
+
+
 class WorkerServicer:
     """The base of the trunk and jury servicers. A worker has `model`, `sessions`,
     `max_session_tokens` and `release(session)`."""

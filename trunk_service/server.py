@@ -12,7 +12,7 @@ from hydra_jury.hydra_model import DraftModel, HydraModel
 from hydra_jury.protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from hydra_jury.serving import internal_wire as wire
 from hydra_jury.serving.model_thread import ModelThread
-from hydra_jury.serving.servicer import WorkerServicer
+from hydra_jury.serving.servicer import BatchResults, WorkerServicer, batch_calls
 from hydra_jury.serving.worker_service import ServiceOptions, WorkerServiceSpec
 from hydra_jury.workers.trunk import TrunkWorker
 
@@ -39,6 +39,18 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
             lambda: wire.prefill_call_from_pb(request),
             self.worker.prefill,
             lambda hidden: internal_pb2.TrunkPrefillResponse(hidden=wire.hidden_to_pb(hidden)),
+        )
+
+    async def PrefillBatch(self, request, context) -> internal_pb2.TrunkPrefillBatchResponse:
+        return await self.call_model(
+            lambda: batch_calls([wire.prefill_call_from_pb(call) for call in request.calls]),
+            lambda calls: BatchResults(self.worker.prefill_batch(calls)),
+            lambda results: internal_pb2.TrunkPrefillBatchResponse(
+                results=[
+                    internal_pb2.TrunkPrefillResponse(hidden=wire.hidden_to_pb(hidden))
+                    for hidden in results
+                ]
+            ),
         )
 
     async def Draft(self, request, context) -> internal_pb2.DraftResponse:

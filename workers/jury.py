@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hydra_jury.hydra_model import HydraModel, KVCache
+from hydra_jury.hydra_model import HydraModel, KVCache, Segment
 from hydra_jury.poe import draft_logprobs, partial_log_product
 from hydra_jury.workers.calls import HiddenStates, JuryPrefillCall, ScoreCall, ScoreResult
 from hydra_jury.workers.errors import InvalidArgument
@@ -52,29 +52,49 @@ class JuryWorker:
             raise InvalidArgument(f"hidden: shape {list(tensor.shape)} is not {expected}")
         return tensor.to(self.model.device, self.model.dtype)
 
-    def _forward(self, session: str, start: int, hidden: HiddenStates) -> torch.Tensor:
-        states = self._hidden(hidden)
+    def _forward(self, calls: list[JuryPrefillCall | ScoreCall]) -> list[torch.Tensor]:
+        """The hosted heads over each call's hidden states, all calls in one ragged
+        forward; each call's logits [H, T, V]."""
+        if len({call.session for call in calls}) != len(calls):
+            raise InvalidArgument("calls: a session appears twice in one batch")
+        states = [self._hidden(call.hidden) for call in calls]
         # Checks first: a refused call must not open a session.
-        check_capacity(start + len(states), self.max_session_tokens)
-        cache = self.sessions.get(session, start=start)
-        check_start(start, cache.length, "the jury")
-        cache.truncate(start)
-        logits = self.model.heads.forward(states, cache, start)  # [H, T, V]
+        for call, rows in zip(calls, states, strict=True):
+            check_capacity(call.start + len(rows), self.max_session_tokens)
+        caches = [self.sessions.get(call.session, start=call.start) for call in calls]
+        for call, cache in zip(calls, caches, strict=True):
+            check_start(call.start, cache.length, "the jury")
+        for call, cache in zip(calls, caches, strict=True):
+            cache.truncate(call.start)
+        segments = [
+            Segment(cache, call.start, len(rows))
+            for call, cache, rows in zip(calls, caches, states, strict=True)
+        ]
+        logits = self.model.heads.forward_ragged(torch.cat(states), segments)  # [H, N, V]
         self.counters.calls += 1
-        return logits
+        return list(logits.split([len(rows) for rows in states], dim=1))
 
     def prefill(self, call: JuryPrefillCall) -> None:
         """Hidden states of positions start.. into every hosted head's cache."""
-        self._forward(call.session, call.start, call.hidden)
+        self._forward([call])
 
     def score(self, call: ScoreCall) -> ScoreResult:
-        named = [*call.jury, *([call.amateur] if call.amateur else [])]
-        unknown = [name for name in named if name not in self.all_heads]
-        if unknown:
-            raise InvalidArgument(
-                f"jury: unknown heads {unknown}; the checkpoint has {self.all_heads}"
-            )
-        logits = self._forward(call.session, call.start, call.hidden)
+        return self.score_batch([call])[0]
+
+    def score_batch(self, calls: list[ScoreCall]) -> list[ScoreResult]:
+        """Several sessions' score calls in one ragged forward of the hosted heads."""
+        for call in calls:
+            named = [*call.jury, *([call.amateur] if call.amateur else [])]
+            unknown = [name for name in named if name not in self.all_heads]
+            if unknown:
+                raise InvalidArgument(
+                    f"jury: unknown heads {unknown}; the checkpoint has {self.all_heads}"
+                )
+        logits = self._forward(calls)
+        return [self._result(call, rows) for call, rows in zip(calls, logits, strict=True)]
+
+    def _result(self, call: ScoreCall, logits: torch.Tensor) -> ScoreResult:
+        """The partial product, votes (and amateur) of one call's logits [H, T, V]."""
         members = [i for i, name in enumerate(self.hosted) if name in call.jury]
         juror_logits = logits[members]  # [J, γ, V]
         log_product = partial_log_product(juror_logits, call.temperature, call.beta)

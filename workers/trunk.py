@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-from hydra_jury.hydra_model import DraftCache, DraftModel, HeadStack, HydraModel, KVCache
+from hydra_jury.hydra_model import (
+    DraftCache,
+    DraftModel,
+    HeadStack,
+    HydraModel,
+    KVCache,
+    Segment,
+)
 from hydra_jury.poe import categorical, draft_logprobs, filter_logprobs
 from hydra_jury.workers.calls import (
     DraftCall,
@@ -150,22 +157,41 @@ class TrunkWorker:
 
     def prefill(self, call: PrefillCall) -> HiddenStates:
         """Runs the tokens through the trunk; returns their hidden states [T, D]."""
+        return self.prefill_batch([call])[0]
+
+    def prefill_batch(self, calls: list[PrefillCall]) -> list[HiddenStates]:
+        """Several sessions' tokens through the trunk in one ragged forward (each from
+        its own start); their hidden states, in order."""
+        if len({call.session for call in calls}) != len(calls):
+            raise InvalidArgument("calls: a session appears twice in one batch")
         # Checks first: a refused call must not open a session.
-        check_token_ids("tokens", call.tokens, self.model.config.vocab_size)
-        check_capacity(call.start + len(call.tokens), self.max_session_tokens)
-        state = self.sessions.get(call.session, start=call.start)
-        check_start(call.start, state.trunk.length, "the trunk")
-        hidden = self._trunk_step(state, call.tokens.to(self.model.device), call.start)
-        return HiddenStates(len(hidden), hidden)
+        for call in calls:
+            check_token_ids("tokens", call.tokens, self.model.config.vocab_size)
+            check_capacity(call.start + len(call.tokens), self.max_session_tokens)
+        states = [self.sessions.get(call.session, start=call.start) for call in calls]
+        for call, state in zip(calls, states, strict=True):
+            check_start(call.start, state.trunk.length, "the trunk")
+        work = [(state, call.tokens, call.start) for call, state in zip(calls, states, strict=True)]
+        return [HiddenStates(len(hidden), hidden) for hidden in self._trunk_steps(work)]
 
     def _trunk_step(self, state: _Session, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        state.trunk.truncate(start)
-        hidden = self.model.trunk.forward(tokens, state.trunk, start)  # [T, D]
-        state.tokens[start : start + len(tokens)] = tokens.cpu()
-        state.hidden[start : start + len(tokens)] = hidden
+        return self._trunk_steps([(state, tokens, start)])[0]
+
+    def _trunk_steps(self, work: list[tuple[_Session, torch.Tensor, int]]) -> list[torch.Tensor]:
+        """(session, tokens, start) of each session, in one ragged trunk forward; the
+        hidden states [T, D] of each."""
+        for state, _tokens, start in work:
+            state.trunk.truncate(start)
+        segments = [Segment(state.trunk, start, len(tokens)) for state, tokens, start in work]
+        tokens = torch.cat([tokens for _state, tokens, _start in work]).to(self.model.device)
+        hidden = self.model.trunk.forward_ragged(tokens, segments)  # [N, D]
+        outputs = list(hidden.split([len(tokens) for _state, tokens, _start in work]))
+        for (state, tokens, start), states in zip(work, outputs, strict=True):
+            state.tokens[start : start + len(tokens)] = tokens.cpu()
+            state.hidden[start : start + len(tokens)] = states
+            self.counters.trunk_positions += len(tokens)
         self.counters.trunk_calls += 1
-        self.counters.trunk_positions += len(tokens)
-        return hidden
+        return outputs
 
     def _check_draft(self, call: DraftCall) -> None:
         vocab_size = self.model.config.vocab_size

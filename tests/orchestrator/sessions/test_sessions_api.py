@@ -59,7 +59,10 @@ def user(text: str) -> tuple[str, str]:
     return ("user", text)
 
 
-@pytest.mark.parametrize("options", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+BEAMS = {"num_beams": 3, "temperature": 0.0}
+
+
+@pytest.mark.parametrize("options", [GREEDY, SAMPLED, BEAMS], ids=["greedy", "sampled", "beams"])
 def test_a_second_turn_prefills_only_the_new_tokens(stack, tokenizer, options):
     generation = stack.generation()
     first = generation.Generate(chat([user("hello there")], **options), timeout=30)

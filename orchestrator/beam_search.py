@@ -1,0 +1,117 @@
+"""Beam search over the PoE target, on either transport (`DecodingBackend`).
+
+Each beam lives in a cache slot of its own on every service: slot 0 is the request's
+caches, slot i > 0 the caches named `{cache}:beam{i}`. A step runs every live beam in one
+batched trunk forward and one batched jury call (`trunk_forward_batch`, `score_batch`).
+Slots are forked and pruned by position, never copied: a beam continues in the free
+slot whose tokens share the longest prefix with it (its parent's, when the parent left
+one), and only the tokens after that prefix are run (the position rule drops the
+rest). Beams that share a long history share it cheaply: a fork re-runs only the tail
+since they parted. The bookkeeping (which beams live, which hypotheses are kept) is
+`poe.beam.BeamSearch`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hydra_jury.orchestrator.backend import DecodingBackend
+from hydra_jury.poe import RequestStats, normalise_logprobs
+from hydra_jury.poe.beam import BeamSearch
+from hydra_jury.workers.calls import PrefillCall, ScoreCall
+
+
+def slot_name(cache: str, slot: int) -> str:
+    return cache if slot == 0 else f"{cache}:beam{slot}"
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    length = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        length += 1
+    return length
+
+
+@dataclass
+class BeamRun:
+    """One request's beam search: its caches, its options, what it has cost."""
+
+    backend: DecodingBackend
+    cache: str
+    jury: tuple[str, ...]
+    temperature: float
+    beta: float
+    stats: RequestStats
+    timings: dict[str, float]
+
+    def search(self, context: list[int], search: BeamSearch) -> None:
+        """Runs `search` to its end from `context` (slot 0 holds all but its last
+        token); afterwards slot 0 holds all but the last token of the best hypothesis,
+        as the loop's pending-token form expects, and the other slots are freed."""
+        held = {0: context[:-1]}  # slot -> the tokens its caches hold
+        try:
+            while not search.done:
+                sequences = [context + list(beam.tokens) for beam in search.live]
+                slots = self._place(sequences, held, search.num_beams)
+                search.step(self._step(sequences, slots, held))
+            best = search.best()[0]
+            self._settle(context + list(best.tokens), held)
+        finally:
+            for slot in range(1, search.num_beams):
+                self.backend.release(slot_name(self.cache, slot))
+
+    @staticmethod
+    def _place(sequences: list[list[int]], held: dict[int, list[int]], slots: int) -> list[int]:
+        """A slot for each sequence, in order: the free slot sharing the longest prefix
+        with it (ties: the lowest). A beam's first child so lands in its parent's slot."""
+        free = list(range(slots))
+        placed = []
+        for sequence in sequences:
+            best = max(
+                free, key=lambda slot: (common_prefix_length(held.get(slot, []), sequence), -slot)
+            )
+            placed.append(best)
+            free.remove(best)
+        return placed
+
+    def _step(
+        self, sequences: list[list[int]], slots: list[int], held: dict[int, list[int]]
+    ) -> torch.Tensor:
+        """Runs each sequence's unprocessed tail in its slot (one batched trunk forward,
+        one batched jury call); each sequence's next-token target log-probabilities."""
+        prefills = []
+        for sequence, slot in zip(sequences, slots, strict=True):
+            start = min(common_prefix_length(held.get(slot, []), sequence), len(sequence) - 1)
+            prefills.append(
+                PrefillCall(slot_name(self.cache, slot), start, torch.tensor(sequence[start:]))
+            )
+        began = time.perf_counter()
+        hidden = self.backend.trunk_forward_batch(prefills)
+        middle = time.perf_counter()
+        scores = self.backend.score_batch(
+            [
+                ScoreCall(call.session, call.start, rows, self.jury, self.temperature, self.beta)
+                for call, rows in zip(prefills, hidden, strict=True)
+            ]
+        )
+        ended = time.perf_counter()
+        self.timings["draft_s"] = self.timings.get("draft_s", 0.0) + middle - began
+        self.timings["score_s"] = self.timings.get("score_s", 0.0) + ended - middle
+        self.stats.trunk_steps += sum(len(call.tokens) for call in prefills)
+        self.stats.head_evaluations += sum(score.head_evaluations for score in scores)
+        for sequence, slot in zip(sequences, slots, strict=True):
+            held[slot] = sequence
+        last_rows = torch.cat([score.log_product[-1:] for score in scores])  # [B, V]
+        return normalise_logprobs(last_rows)
+
+    def _settle(self, sequence: list[int], held: dict[int, list[int]]) -> None:
+        """Slot 0 brought to `sequence` but its last token (the pending one)."""
+        start = common_prefix_length(held.get(0, []), sequence[:-1])
+        if start < len(sequence) - 1:
+            tail = torch.tensor(sequence[start:-1])
+            self.backend.prefill(PrefillCall(self.cache, start, tail))
