@@ -40,8 +40,8 @@ MODEL_STEP_PRIOR = 0.3  # a draft-model step, in plain steps (a smaller model)
 PRIOR_ACCEPTANCE = {"ngram": 0.5, "head": 0.7, "model": 0.5}
 PRIOR_WEIGHT = 2.0  # pseudo-positions behind the acceptance prior
 ACCEPTANCE_DECAY = 0.9  # per round: recent rounds count more
-EXPLORE_EVERY = 16  # rounds: a request tries each drafting model this often
-EXPLORE_AT = {"head": 8, "model": 12}  # at these rounds of every EXPLORE_EVERY
+EXPLORE_EVERY = 16  # rounds: a request measures each kind of round this often
+EXPLORE_AT = {"verify": 4, "head": 8, "model": 12}  # at these rounds of every EXPLORE_EVERY
 
 
 class LinearCost:
@@ -184,6 +184,10 @@ class AutoState:
         """The best round: `ngram_drafts` tokens are on offer from prompt lookup; head
         drafts (greedy only) up to `head_cap`; draft-model drafts up to `model_cap` (0:
         no draft model)."""
+        if not costs.known("verify") or self._explores("verify"):
+            # Every other cost is predicted against a one-pass round (a plain step is
+            # one): measure that first, or the predictions mix units, and now and then.
+            return Choice("ngram", ngram_drafts) if ngram_drafts else Choice("none", 0)
         best, best_rate = Choice("none", 0), 1.0 / costs.predict("verify", 1)
         alpha = self.acceptance["ngram"].rate
         for k in range(1, ngram_drafts + 1):
@@ -195,8 +199,7 @@ class AutoState:
         for drafter, cap, bonus in drafted:
             if cap <= 0:
                 continue
-            explore = self.rounds % EXPLORE_EVERY == EXPLORE_AT[drafter]
-            if not costs.known(drafter) or explore:
+            if not costs.known(drafter) or self._explores(drafter):
                 return Choice(drafter, cap)  # measure it now and then
             alpha = self.acceptance[drafter].rate
             for gamma in range(1, cap + 1):
@@ -204,6 +207,10 @@ class AutoState:
                 if rate > best_rate:
                     best, best_rate = Choice(drafter, gamma), rate
         return best
+
+    def _explores(self, kind: str) -> bool:
+        """Whether this round measures `kind` whatever it is predicted to cost."""
+        return self.rounds % EXPLORE_EVERY == EXPLORE_AT[kind]
 
     def observe(self, costs: CostModel, choice: Choice, reached: int, kept: int) -> None:
         self.rounds += 1

@@ -39,7 +39,7 @@ def test_expected_tokens():
 
 def test_the_choice_follows_costs_and_acceptance():
     costs, state = measured(), AutoState()
-    state.rounds = 1  # past the first head measurement
+    state.rounds = 1  # past the first measurements
     # Cheap extra positions and a fair acceptance (0.5): draft, but not all 6 on offer —
     # the 5th and later would almost never be reached.
     assert state.choose(costs, ngram_drafts=6, head_cap=0, greedy=False) == Choice("ngram", 4)
@@ -69,14 +69,33 @@ def test_a_new_request_starts_from_the_pooled_acceptance():
     assert fresh.acceptance["ngram"].rate == pytest.approx(0.5)  # nothing seen yet
 
 
-def test_head_rounds_are_measured_first_and_now_and_then():
+def test_each_kind_of_round_is_measured_first_and_now_and_then():
+    """One-pass rounds first (every other cost is predicted against them), then head and
+    draft-model rounds; then each again every 16 rounds, however it is predicted."""
     costs, state = CostModel(), AutoState()
-    assert state.choose(costs, 3, head_cap=4, greedy=True) == Choice("head", 4)
-    costs = measured(head=(10.0, 10.0))  # far too slow to be chosen on merit
+    assert state.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == Choice("ngram", 3)
+    assert state.choose(costs, 0, head_cap=4, greedy=True, model_cap=4) == Choice("none", 0)
+    costs.observe("verify", 1, 0.05)
+    assert state.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == Choice("head", 4)
+    costs.observe("head", 4, 0.2)
+    assert state.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == Choice("model", 4)
+    # Far too slow to be chosen on merit: head and draft-model rounds; one-pass rounds
+    # that never keep a draft.
+    costs = measured(verify=(1.0, 1.0), head=(10.0, 10.0))
+    for size in (2, 4):
+        costs.observe("model", size, 10.0 * size)
+    state = AutoState(rounds=1)
+    for _ in range(30):
+        state.observe(costs, Choice("ngram", 3), reached=1, kept=0)
     state.rounds = 1
-    assert state.choose(costs, 3, head_cap=4, greedy=True).drafter != "head"
-    state.rounds = 8  # the exploration round
-    assert state.choose(costs, 3, head_cap=4, greedy=True) == Choice("head", 4)
+    assert state.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == Choice("none", 0)
+    for round_, expected in (
+        (4, Choice("ngram", 3)),
+        (8, Choice("head", 4)),
+        (12, Choice("model", 4)),
+    ):
+        state.rounds = round_
+        assert state.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == expected
 
 
 class FixedCosts(CostModel):
