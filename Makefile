@@ -10,7 +10,7 @@ PROTO_OUT := $(PROTO_SRC:.proto=_pb2.py)
 
 HELM := var/tools/helm
 
-.PHONY: setup protos test test-fast lint chart model draft-model run serve bench bench-model bench-one-host bench-drafters clean
+.PHONY: setup protos test test-fast lint chart model draft-model run serve bench bench-model bench-one-host bench-drafters bench-serving clean
 
 setup: $(STAMP)
 
@@ -76,7 +76,11 @@ bench-one-host: model protos
 bench-drafters: model draft-model protos
 	$(PY) bench/bench_drafters.py --checkpoint $(MODEL_DIR) --draft-model $(DRAFT_DIR)
 
-bench: bench-model bench-one-host bench-drafters
+# Concurrent sessions through the split stack, batched and one call per forward.
+bench-serving: model protos
+	$(PY) bench/bench_serving.py --checkpoint $(MODEL_DIR)
+
+bench: bench-model bench-one-host bench-drafters bench-serving
 	$(PY) bench/bench_engine.py --checkpoint $(MODEL_DIR)
 	$(PY) bench/bench_grpc.py --checkpoint $(MODEL_DIR)
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from hydra_jury.serving import internal_wire as wire
+from hydra_jury.serving.batcher import BatchLimits
 from hydra_jury.serving.model_thread import ModelThread
-from hydra_jury.serving.servicer import BatchResults, WorkerServicer, batch_calls
+from hydra_jury.serving.servicer import BatchResults, WorkerServicer, batch_calls, rows_of
 from hydra_jury.serving.worker_service import ServiceOptions, WorkerServiceSpec
 from hydra_jury.workers.jury import JuryWorker
 
@@ -26,8 +27,27 @@ class JuryServicer(WorkerServicer, internal_pb2_grpc.JuryServicer):
 
     worker: JuryWorker
 
-    def __init__(self, worker: JuryWorker, thread: ModelThread) -> None:
-        super().__init__(worker, thread)
+    def __init__(
+        self, worker: JuryWorker, thread: ModelThread, batch_limits: BatchLimits | None = None
+    ) -> None:
+        super().__init__(worker, thread, batch_limits)
+        # Concurrent calls of different sessions run as one forward of the hosted heads.
+        self._prefills = self.batcher(
+            "Prefill",
+            lambda request: wire.jury_prefill_call_from_pb(request, self.dtype, self.hidden_size),
+            worker.prefill_batch,
+            worker.prefill,
+            lambda _: internal_pb2.JuryPrefillResponse(),
+            lambda request: rows_of(request.hidden),
+        )
+        self._scores = self.batcher(
+            "Score",
+            lambda request: wire.score_call_from_pb(request, self.dtype, self.hidden_size),
+            worker.score_batch,
+            worker.score,
+            lambda result: wire.score_result_to_pb(result),
+            lambda request: rows_of(request.hidden),
+        )
 
     def listening_detail(self) -> str:
         return f" (heads {','.join(self.worker.hosted)})"
@@ -41,18 +61,10 @@ class JuryServicer(WorkerServicer, internal_pb2_grpc.JuryServicer):
         )
 
     async def Prefill(self, request, context) -> internal_pb2.JuryPrefillResponse:
-        return await self.call_model(
-            lambda: wire.jury_prefill_call_from_pb(request, self.dtype, self.hidden_size),
-            self.worker.prefill,
-            lambda _: internal_pb2.JuryPrefillResponse(),
-        )
+        return await self.call_batched(self._prefills, request)
 
     async def Score(self, request, context) -> internal_pb2.ScoreResponse:
-        return await self.call_model(
-            lambda: wire.score_call_from_pb(request, self.dtype, self.hidden_size),
-            self.worker.score,
-            wire.score_result_to_pb,
-        )
+        return await self.call_batched(self._scores, request)
 
     async def ScoreBatch(self, request, context) -> internal_pb2.ScoreBatchResponse:
         return await self.call_model(
@@ -72,7 +84,7 @@ class JuryServicer(WorkerServicer, internal_pb2_grpc.JuryServicer):
 def _build_servicer(
     model: HydraModel, heads: list[str], options: ServiceOptions, thread: ModelThread
 ) -> JuryServicer:
-    return JuryServicer(JuryWorker(model, limits=options.limits), thread)
+    return JuryServicer(JuryWorker(model, limits=options.limits), thread, options.batch_limits)
 
 
 JURY_SERVICE = WorkerServiceSpec(

@@ -1,6 +1,7 @@
 """What the trunk and jury servicers share: the worker and its model thread, the epoch,
 the model description (built once), model calls with their timings and with protobuf
-conversion off the event loop, limits, `Release`, and idle eviction."""
+conversion off the event loop, batched calls (`serving.batcher`), limits, `Release`,
+and idle eviction."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Protocol, Self, TypeVar
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.protos.codec import dtype_name
 from hydra_jury.protos.hydrajury.v1 import internal_pb2
+from hydra_jury.serving.batcher import BatchLimits, CallBatcher, run_isolated
 from hydra_jury.serving.model_thread import ModelThread
 from hydra_jury.serving.server import new_epoch
 from hydra_jury.workers.errors import InvalidArgument
@@ -46,6 +48,15 @@ def model_description_to_pb(
     )
 
 
+def _on_host(result: Any) -> Any:
+    return None if result is None else result.on_host()
+
+
+def rows_of(tensor: Any) -> int:
+    """The first dimension of a `Tensor` message (its positions), for token budgets."""
+    return tensor.shape[0] if tensor.shape else 1
+
+
 class BatchResults(list):
     """A batch call's results, in order; moved to the host together."""
 
@@ -64,9 +75,13 @@ class WorkerServicer:
     """The base of the trunk and jury servicers. A worker has `model`, `sessions`,
     `max_session_tokens` and `release(session)`."""
 
-    def __init__(self, worker: Any, thread: ModelThread) -> None:
+    def __init__(
+        self, worker: Any, thread: ModelThread, batch_limits: BatchLimits | None = None
+    ) -> None:
         self.worker = worker
         self.thread = thread
+        self.batch_limits = batch_limits or BatchLimits()
+        self.batchers: dict[str, CallBatcher] = {}
         self.epoch = new_epoch()
         # Built once: `Info` never re-reads the checkpoint.
         self.model_description = model_description_to_pb(worker.model, worker.max_session_tokens)
@@ -104,6 +119,63 @@ class WorkerServicer:
         response, forward_ns = await self.thread.run(run)
         response.epoch = self.epoch
         response.timings.forward_ns = forward_ns
+        response.timings.total_ns = time.perf_counter_ns() - began_ns
+        return response
+
+    def batcher(
+        self,
+        rpc: str,
+        decode: Callable[[Any], Call],
+        run_batch: Callable[[list[Call]], list[Result]],
+        run_one: Callable[[Call], Result],
+        encode: Callable[[Result], Response],
+        size: Callable[[Any], int],
+    ) -> CallBatcher:
+        """A batcher for the requests of `rpc`: each batch is decoded, run (a call that
+        fails alone fails alone) and encoded in one trip to the model thread."""
+
+        def handle(requests: list) -> list:
+            decoded = []
+            for request in requests:
+                try:
+                    decoded.append(decode(request))
+                except Exception as error:
+                    decoded.append(error)
+            calls = [call for call in decoded if not isinstance(call, Exception)]
+            began = time.perf_counter_ns()
+            results = iter(
+                run_isolated(
+                    calls,
+                    lambda batch: [_on_host(result) for result in run_batch(batch)],
+                    lambda call: _on_host(run_one(call)),
+                )
+                if calls
+                else []
+            )
+            forward_ns = time.perf_counter_ns() - began
+            responses = []
+            for call in decoded:
+                result = call if isinstance(call, Exception) else next(results)
+                if isinstance(result, Exception):
+                    responses.append(result)
+                    continue
+                response = encode(result)
+                response.timings.forward_ns = forward_ns
+                responses.append(response)
+            return responses
+
+        batcher = CallBatcher(
+            f"{type(self).__name__}.{rpc}", self.thread, handle, size, self.batch_limits
+        )
+        self.batchers[rpc] = batcher
+        return batcher
+
+    async def call_batched(self, batcher: CallBatcher, request: Any) -> Any:
+        """The response to `request` from its batch, with the epoch and the timings
+        (`forward_ns`: the whole batch's worker call)."""
+        began_ns = time.perf_counter_ns()
+        response = await batcher.submit(request)
+        response.epoch = self.epoch
         response.timings.total_ns = time.perf_counter_ns() - began_ns
         return response
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import grpc
 
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.checkpoint import DTYPES, read_manifest
+from hydra_jury.serving.batcher import BatchLimits
 from hydra_jury.serving.errors import EXPECTED_FAILURES, failure_line
 from hydra_jury.serving.model_thread import ModelThread, set_compute_threads, start_model_thread
 from hydra_jury.serving.server import GrpcServer, RunningServer
@@ -45,6 +46,8 @@ class ServiceOptions:
     dtype: str | None = None  # None: the checkpoint's
     device: str = "cpu"
     draft_model: str | Path | None = None  # the trunk's draft model (a Hydra checkpoint)
+    # continuous batching's admission control
+    batch_limits: BatchLimits = field(default_factory=BatchLimits)
 
     @property
     def limits(self) -> SessionLimits:
@@ -124,6 +127,16 @@ async def serve_worker(spec: WorkerServiceSpec, options: ServiceOptions) -> Runn
     return RunningServer(server, port, servicer)
 
 
+def batch_limits(max_tokens: int, max_queue: int, max_wait_s: float) -> BatchLimits:
+    """The admission-control flags, checked."""
+    if max_tokens < 1 or max_queue < 1 or not max_wait_s > 0:
+        raise InvalidArgument(
+            "--max-batch-tokens and --max-queue must be at least 1 and --max-queue-wait-s "
+            f"positive; got {max_tokens}, {max_queue}, {max_wait_s}"
+        )
+    return BatchLimits(max_tokens, max_queue, max_wait_s)
+
+
 def head_list(text: str) -> list[str]:
     """'head0, head1' → ['head0', 'head1'] (for comma-separated head options)."""
     return [name.strip() for name in text.split(",") if name.strip()]
@@ -177,6 +190,25 @@ def build_parser(spec: WorkerServiceSpec, prog: str) -> argparse.ArgumentParser:
         help="CPU threads for model compute (default: torch's; on a host shared by several "
         "services, give each its share of the cores)",
     )
+    defaults = BatchLimits()
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=defaults.max_tokens,
+        help="positions one batched forward of concurrent calls may run (%(default)s)",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=defaults.max_queue,
+        help="calls waiting for the model; more are refused with RESOURCE_EXHAUSTED (%(default)s)",
+    )
+    parser.add_argument(
+        "--max-queue-wait-s",
+        type=float,
+        default=defaults.max_wait_s,
+        help="a call waiting longer is refused with RESOURCE_EXHAUSTED (%(default)g)",
+    )
     parser.add_argument(
         "--grace-s",
         type=float,
@@ -211,6 +243,9 @@ def service_main(spec: WorkerServiceSpec, argv: list[str] | None = None, prog: s
                 dtype=args.dtype,
                 device=args.device,
                 draft_model=getattr(args, "draft_model", None),
+                batch_limits=batch_limits(
+                    args.max_batch_tokens, args.max_queue, args.max_queue_wait_s
+                ),
             )
             running = await serve_worker(spec, options)
         except EXPECTED_FAILURES as error:

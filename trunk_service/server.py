@@ -11,6 +11,7 @@ from __future__ import annotations
 from hydra_jury.hydra_model import DraftModel, HydraModel
 from hydra_jury.protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from hydra_jury.serving import internal_wire as wire
+from hydra_jury.serving.batcher import BatchLimits
 from hydra_jury.serving.model_thread import ModelThread
 from hydra_jury.serving.servicer import BatchResults, WorkerServicer, batch_calls
 from hydra_jury.serving.worker_service import ServiceOptions, WorkerServiceSpec
@@ -22,8 +23,28 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
 
     worker: TrunkWorker
 
-    def __init__(self, worker: TrunkWorker, thread: ModelThread) -> None:
-        super().__init__(worker, thread)
+    def __init__(
+        self, worker: TrunkWorker, thread: ModelThread, batch_limits: BatchLimits | None = None
+    ) -> None:
+        super().__init__(worker, thread, batch_limits)
+        # Concurrent prefills (one-pass checks included) and plain steps of different
+        # sessions run as one trunk forward; head- and model-drafted calls run alone.
+        self._prefills = self.batcher(
+            "Prefill",
+            lambda request: wire.prefill_call_from_pb(request),
+            worker.prefill_batch,
+            worker.prefill,
+            lambda hidden: internal_pb2.TrunkPrefillResponse(hidden=wire.hidden_to_pb(hidden)),
+            lambda request: max(1, len(request.tokens)),
+        )
+        self._steps = self.batcher(
+            "Draft",
+            lambda request: wire.draft_call_from_pb(request),
+            worker.step_batch,
+            worker.draft,
+            lambda result: wire.draft_result_to_pb(result),
+            lambda request: 1,
+        )
 
     async def Info(self, request, context) -> internal_pb2.TrunkInfoResponse:
         return internal_pb2.TrunkInfoResponse(
@@ -35,11 +56,7 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
         )
 
     async def Prefill(self, request, context) -> internal_pb2.TrunkPrefillResponse:
-        return await self.call_model(
-            lambda: wire.prefill_call_from_pb(request),
-            self.worker.prefill,
-            lambda hidden: internal_pb2.TrunkPrefillResponse(hidden=wire.hidden_to_pb(hidden)),
-        )
+        return await self.call_batched(self._prefills, request)
 
     async def PrefillBatch(self, request, context) -> internal_pb2.TrunkPrefillBatchResponse:
         return await self.call_model(
@@ -54,6 +71,8 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
         )
 
     async def Draft(self, request, context) -> internal_pb2.DraftResponse:
+        if not request.draft_head and not request.draft_model:  # a plain step
+            return await self.call_batched(self._steps, request)
         return await self.call_model(
             lambda: wire.draft_call_from_pb(request), self.worker.draft, wire.draft_result_to_pb
         )
@@ -68,7 +87,7 @@ def _build_servicer(
             options.draft_model, dtype=options.dtype, device=options.device
         )
     worker = TrunkWorker(model, drafter_heads=heads, draft_model=draft_model, limits=options.limits)
-    return TrunkServicer(worker, thread)
+    return TrunkServicer(worker, thread, options.batch_limits)
 
 
 TRUNK_SERVICE = WorkerServiceSpec(

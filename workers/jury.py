@@ -78,6 +78,11 @@ class JuryWorker:
         """Hidden states of positions start.. into every hosted head's cache."""
         self._forward([call])
 
+    def prefill_batch(self, calls: list[JuryPrefillCall]) -> list[None]:
+        """Several sessions' prefills in one ragged forward."""
+        self._forward(calls)
+        return [None] * len(calls)
+
     def score(self, call: ScoreCall) -> ScoreResult:
         return self.score_batch([call])[0]
 

@@ -221,12 +221,7 @@ class TrunkWorker:
         if call.draft_model:
             return self._draft_with_model(state, call)
         if call.draft_head is None:
-            hidden = self._trunk_step(
-                state, torch.tensor([call.pending], device=device), call.start
-            )
-            return DraftResult(
-                torch.empty(0, dtype=torch.long), None, None, HiddenStates(1, hidden), 1
-            )
+            return self.step_batch([call])[0]
         head = self._catch_up_draft_head(state, self.model.head_index(call.draft_head), call.start)
         token = call.pending
         draws, hiddens = _Draws(call), []
@@ -243,6 +238,22 @@ class TrunkWorker:
             trunk_steps=call.gamma,
             head_evaluations=call.gamma,
         )
+
+    def step_batch(self, calls: list[DraftCall]) -> list[DraftResult]:
+        """Plain steps (no draft: each session's pending token through the trunk) of
+        several sessions in one forward."""
+        for call in calls:
+            if call.draft_head is not None or call.draft_model:
+                raise InvalidArgument("a plain step drafts nothing: no draft_head, no draft_model")
+            self._check_draft(call)
+        prefills = [
+            PrefillCall(call.session, call.start, torch.tensor([call.pending])) for call in calls
+        ]
+        empty = torch.empty(0, dtype=torch.long)
+        return [
+            DraftResult(empty, None, None, hidden, trunk_steps=1)
+            for hidden in self.prefill_batch(prefills)
+        ]
 
     def _draft_with_model(self, state: _Session, call: DraftCall) -> DraftResult:
         """γ draft tokens from the draft model (its cache first catches up on the kept

@@ -1,0 +1,182 @@
+"""Continuous batching of a service's calls: the concurrent calls of one kind (the jury's
+Score calls of different sessions, say) run as one batched forward on the model thread.
+
+While the model thread runs a batch, the calls that arrive wait in a queue; the next
+batch takes as many of them as its token budget allows (at least one), so sessions join
+and leave between batches and nobody waits for a batch to fill. Admission is bounded: a
+full queue refuses a call at once with RESOURCE_EXHAUSTED and a retry hint, and a call
+that waited past the maximum wait is refused the same way. The handler runs a batch
+with each call's failure kept to that call (`run_isolated`): one bad session never fails
+the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from hydra_jury.serving.model_thread import ModelThread
+from hydra_jury.workers.errors import CapacityError
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+Call = TypeVar("Call")
+Result = TypeVar("Result")
+
+
+class QueueFull(CapacityError):
+    """The service's queue is full, or a call waited too long in it."""
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_tokens: int = 4096  # positions one batched forward may run (one call may exceed it)
+    max_queue: int = 256  # calls waiting; one more is refused
+    max_wait_s: float = 30.0  # a call waiting longer is refused
+
+
+@dataclass
+class BatchStats:
+    """What the batcher has done, for metrics and tests."""
+
+    batches: int = 0
+    calls: int = 0
+    tokens: int = 0
+    largest: int = 0  # calls in the largest batch
+    waited_s: float = 0.0  # summed queueing time of the calls run
+    sizes: list[int] = field(default_factory=list)  # calls per batch, the latest 1,000
+
+    def record(self, calls: int, tokens: int, waited_s: float) -> None:
+        self.batches += 1
+        self.calls += calls
+        self.tokens += tokens
+        self.largest = max(self.largest, calls)
+        self.waited_s += waited_s
+        self.sizes = [*self.sizes[-999:], calls]
+
+
+def run_isolated(
+    calls: list[Call],
+    run_batch: Callable[[list[Call]], list[Result]],
+    run_one: Callable[[Call], Result],
+) -> list[Result | Exception]:
+    """`run_batch(calls)`; if it fails, each call alone, so that only the calls that fail
+    by themselves fail (their exception in their place)."""
+    try:
+        return list(run_batch(calls))
+    except Exception:
+        if len(calls) == 1:
+            raise
+    results: list[Result | Exception] = []
+    for call in calls:
+        try:
+            results.append(run_one(call))
+        except Exception as error:
+            results.append(error)
+    return results
+
+
+class CallBatcher(Generic[Request, Response]):
+    """Batches the requests of one RPC: `submit(request)` returns its response, or
+    raises its error. `handle(requests)` runs on the model thread and returns, for each
+    request in order, its response or its exception; `size(request)` is the positions
+    it runs, for the token budget."""
+
+    def __init__(
+        self,
+        name: str,
+        thread: ModelThread,
+        handle: Callable[[list[Request]], list[Response | Exception]],
+        size: Callable[[Request], int],
+        limits: BatchLimits | None = None,
+    ) -> None:
+        self.name = name
+        self.thread = thread
+        self.handle = handle
+        self.size = size
+        self.limits = limits or BatchLimits()
+        self.stats = BatchStats()
+        self._queue: deque[tuple[Request, asyncio.Future, float]] = deque()
+        self._runner: asyncio.Task | None = None
+        self._batch_s = 0.01  # a decayed mean of batch times, for the retry hint
+        self.running = 0  # calls in the batch on the model thread now
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    async def submit(self, request: Request) -> Response:
+        if len(self._queue) >= self.limits.max_queue:
+            raise QueueFull(
+                f"{self.name}: {len(self._queue)} calls are queued (the most is "
+                f"{self.limits.max_queue}); retry in about {self._retry_hint_ms()} ms"
+            )
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((request, future, time.monotonic()))
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.create_task(self._run())
+        return await future
+
+    def _retry_hint_ms(self) -> int:
+        batches_ahead = 1 + len(self._queue) // max(1, self.stats.largest)
+        return max(1, round(1000 * self._batch_s * batches_ahead))
+
+    async def _run(self) -> None:
+        while self._queue:
+            batch = self._take()
+            if not batch:
+                continue
+            began = time.monotonic()
+            requests = [request for request, _future, _queued in batch]
+            self.running = len(batch)
+            try:
+                results = await self.thread.run(self.handle, requests)
+            except Exception as error:  # the handler itself failed: every call fails
+                results = [error] * len(batch)
+            finally:
+                self.running = 0
+            ended = time.monotonic()
+            self._batch_s = 0.8 * self._batch_s + 0.2 * (ended - began)
+            self.stats.record(
+                len(batch),
+                sum(self.size(request) for request in requests),
+                sum(began - queued for _request, _future, queued in batch),
+            )
+            for (_request, future, _queued), result in zip(batch, results, strict=True):
+                if future.done():  # the caller went away
+                    continue
+                if isinstance(result, Exception):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+
+    def _take(self) -> list[tuple[Request, asyncio.Future, float]]:
+        """The next batch: queued calls in order while the token budget lasts (the first
+        always fits); calls that waited too long are refused instead."""
+        batch, tokens, now = [], 0, time.monotonic()
+        while self._queue:
+            request, future, queued = self._queue[0]
+            if future.done():  # cancelled while queued
+                self._queue.popleft()
+                continue
+            if now - queued > self.limits.max_wait_s:
+                self._queue.popleft()
+                future.set_exception(
+                    QueueFull(
+                        f"{self.name}: the call waited {now - queued:.1f} s in the queue "
+                        f"(the most is {self.limits.max_wait_s:g} s); retry in about "
+                        f"{self._retry_hint_ms()} ms"
+                    )
+                )
+                continue
+            size = self.size(request)
+            if batch and tokens + size > self.limits.max_tokens:
+                break
+            self._queue.popleft()
+            batch.append((request, future, queued))
+            tokens += size
+        return batch

@@ -1,0 +1,168 @@
+"""Continuous batching in the services: concurrent calls of different sessions run as one
+forward with the results of running each alone; a bad call fails alone; a full queue
+and a long wait are RESOURCE_EXHAUSTED with a retry hint, and nothing hangs."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from hydra_jury.serving.batcher import BatchLimits, run_isolated
+from tests.worker_services import (
+    HIDDEN_SIZE,
+    decoded,
+    draft_request,
+    jury_prefill_request,
+    prefill_request,
+    score_request,
+)
+
+
+def test_run_isolated_keeps_a_failure_to_its_call():
+    def run_batch(calls):
+        if any(call < 0 for call in calls):
+            raise ValueError("a negative call spoils the batch")
+        return [call * 2 for call in calls]
+
+    def run_one(call):
+        if call < 0:
+            raise ValueError(f"{call} is negative")
+        return call * 2
+
+    assert run_isolated([1, 2], run_batch, run_one) == [2, 4]
+    results = run_isolated([1, -1, 3], run_batch, run_one)
+    assert results[0] == 2 and results[2] == 6
+    assert isinstance(results[1], ValueError) and "-1 is negative" in str(results[1])
+    with pytest.raises(ValueError, match="spoils"):
+        run_isolated([-1], run_batch, run_one)  # alone: its own error, raised
+
+
+class Blocked:
+    """Holds a service's model thread until released, so that calls pile up."""
+
+    def __init__(self, servicer) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+
+        def hold() -> None:
+            self.started.set()
+            self.release.wait(10)
+
+        threading.Thread(target=servicer.thread.call, args=(hold,), daemon=True).start()
+        assert self.started.wait(5)
+
+
+def batched(service, rpc: str, sentinel, requests, extra=(), hold_s: float = 0.0) -> list:
+    """Sends `requests` while the model thread is held and a `sentinel` call is already
+    taken, so that they all wait and run as one batch; then `extra` calls, once those
+    wait; holds the thread `hold_s` longer. The results or errors of both, in order."""
+    batcher = service.servicer.batchers[rpc]
+    method = getattr(service.stub, rpc)
+    blocked = Blocked(service.servicer)
+    first = method.future(sentinel, timeout=10)
+    wait_until(lambda: batcher.running == 1)
+    futures = [method.future(request, timeout=10) for request in requests]
+    wait_until(lambda: batcher.queued == len(requests))
+    futures += [method.future(request, timeout=10) for request in extra]
+    wait_until(lambda: all(future.done() for future in futures[len(requests) :]))
+    time.sleep(hold_s)
+    blocked.release.set()
+    first.result()
+    outcomes = []
+    for future in futures:
+        try:
+            outcomes.append(future.result())
+        except grpc.RpcError as error:
+            outcomes.append(error)
+    return outcomes
+
+
+def wait_until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def hidden_states(rows: int, seed: int):
+    from hydra_jury.protos.codec import tensor_to_pb
+
+    return tensor_to_pb(
+        torch.randn(rows, HIDDEN_SIZE, generator=torch.Generator().manual_seed(seed))
+    )
+
+
+def test_concurrent_scores_run_as_one_batch_with_the_results_of_each_alone(start_jury):
+    jury = start_jury(max_sessions=8)
+    sessions = [f"s{i}" for i in range(5)]
+    for index, session in enumerate(sessions):
+        prefill = jury_prefill_request(session, 0, positions=3 + index)
+        prefill.hidden.CopyFrom(hidden_states(3 + index, index))
+        jury.stub.Prefill(prefill, timeout=10)
+    requests = [
+        score_request(session, 3 + i, hidden=hidden_states(2, 100 + i))
+        for i, session in enumerate(sessions)
+    ]
+    alone = [jury.stub.Score(request, timeout=10) for request in requests]
+    together = batched(jury, "Score", requests[0], requests)
+    assert jury.servicer.batchers["Score"].stats.largest == len(requests)  # one forward
+    for one, joined in zip(alone, together, strict=True):
+        torch.testing.assert_close(
+            decoded(joined.log_product), decoded(one.log_product), atol=1e-5, rtol=1e-5
+        )
+        assert decoded(joined.votes).tolist() == decoded(one.votes).tolist()
+
+
+def test_a_bad_call_fails_alone(start_jury):
+    jury = start_jury()
+    jury.stub.Prefill(jury_prefill_request("known", 0, positions=3), timeout=10)
+    good = score_request("known", 3)
+    unknown = score_request("never-prefilled", 3)
+    ok, refused = batched(jury, "Score", good, [good, unknown])
+    assert jury.servicer.batchers["Score"].stats.largest == 2
+    assert ok.log_product.shape == [2, 32]
+    assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "never-prefilled" in refused.details()
+
+
+def test_concurrent_trunk_prefills_and_plain_steps_are_batched(start_trunk):
+    trunk = start_trunk(max_sessions=8)
+    for session in ("a", "b", "c"):
+        trunk.stub.Prefill(prefill_request(session), timeout=10)
+    steps = [draft_request(session, draft_head="", gamma=1) for session in ("a", "b", "c")]
+    alone = [trunk.stub.Draft(step, timeout=10) for step in steps]
+    for one, together in zip(alone, batched(trunk, "Draft", steps[0], steps), strict=True):
+        torch.testing.assert_close(
+            decoded(together.hidden), decoded(one.hidden), atol=1e-5, rtol=1e-5
+        )
+    assert trunk.servicer.batchers["Draft"].stats.largest == 3
+    # Prefills of new sessions join one forward too, whatever their lengths.
+    requests = [prefill_request(f"n{i}", tokens=list(range(3, 5 + i))) for i in range(3)]
+    results = batched(trunk, "Prefill", prefill_request("a"), requests)
+    assert [len(decoded(result.hidden)) for result in results] == [2, 3, 4]
+    assert trunk.servicer.batchers["Prefill"].stats.largest == 3
+
+
+def test_a_full_queue_is_resource_exhausted_with_a_retry_hint(start_jury):
+    jury = start_jury(batch_limits=BatchLimits(max_queue=2))
+    jury.stub.Prefill(jury_prefill_request("s", 0, positions=3), timeout=10)
+    request = score_request("s", 3)
+    outcomes = batched(jury, "Score", request, [request] * 2, extra=[request] * 2)
+    assert all(outcome.log_product.shape == [2, 32] for outcome in outcomes[:2])
+    for refused in outcomes[2:]:
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "2 calls are queued (the most is 2); retry in about" in refused.details()
+    assert jury.servicer.batchers["Score"].queued == 0  # nothing left behind
+
+
+def test_a_call_that_waits_too_long_is_refused(start_jury):
+    jury = start_jury(batch_limits=BatchLimits(max_wait_s=0.05))
+    jury.stub.Prefill(jury_prefill_request("s", 0, positions=3), timeout=10)
+    request = score_request("s", 3)
+    (refused,) = batched(jury, "Score", request, [request], hold_s=0.2)
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "waited" in refused.details() and "retry in about" in refused.details()
