@@ -23,22 +23,14 @@ import threading
 import time
 
 import grpc
+from bench_drafters import OPEN  # this folder is on the path of `python bench/...`
 
 from hydra_jury.orchestrator.convert import request_to_pb
 from hydra_jury.orchestrator.launcher import LocalStack
 from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a short poem about the sea.",
-    "Give me three tips for learning to cook.",
-    "Why is the sky blue?",
-    "Tell me a short story about a robot who learns to paint.",
-    "What should I pack for a weekend hike?",
-    "Explain what a neural network is to a child.",
-    "Suggest a name for a small bakery.",
-]
+PROMPTS = OPEN  # free chat, as in the drafters' benchmark
 MODES = {
     "non-speculative PoE": {"rule": "verifier_only"},
     "speculative PoE, head γ=4": {"drafter": "head", "gamma": 4},
