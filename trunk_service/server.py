@@ -27,8 +27,9 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
         self, worker: TrunkWorker, thread: ModelThread, batch_limits: BatchLimits | None = None
     ) -> None:
         super().__init__(worker, thread, batch_limits)
-        # Concurrent prefills (one-pass checks included) and plain steps of different
-        # sessions run as one trunk forward; head- and model-drafted calls run alone.
+        # Concurrent prefills (one-pass checks included) of different sessions run as one
+        # trunk forward; concurrent draft calls (plain steps and head drafts) in lock step,
+        # one trunk forward per step over every session still drafting.
         self._prefills = self.batcher(
             "Prefill",
             lambda request: wire.prefill_call_from_pb(request),
@@ -37,13 +38,13 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
             lambda hidden: internal_pb2.TrunkPrefillResponse(hidden=wire.hidden_to_pb(hidden)),
             lambda request: max(1, len(request.tokens)),
         )
-        self._steps = self.batcher(
+        self._drafts = self.batcher(
             "Draft",
             lambda request: wire.draft_call_from_pb(request),
-            worker.step_batch,
+            worker.draft_batch,
             worker.draft,
             lambda result: wire.draft_result_to_pb(result),
-            lambda request: 1,
+            lambda request: max(1, request.gamma),
         )
 
     async def Info(self, request, context) -> internal_pb2.TrunkInfoResponse:
@@ -71,11 +72,7 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
         )
 
     async def Draft(self, request, context) -> internal_pb2.DraftResponse:
-        if not request.draft_head and not request.draft_model:  # a plain step
-            return await self.call_batched(self._steps, request)
-        return await self.call_model(
-            lambda: wire.draft_call_from_pb(request), self.worker.draft, wire.draft_result_to_pb
-        )
+        return await self.call_batched(self._drafts, request)
 
 
 def _build_servicer(

@@ -214,45 +214,76 @@ class TrunkWorker:
         """Feeds the pending token (position `start`) and then each new draft token
         through the trunk and the draft head: γ trunk steps, γ draft tokens at positions
         start+1..start+γ. Without a draft head only the trunk runs, once."""
-        self._check_draft(call)
-        state = self.sessions.get(call.session, start=call.start)
-        check_start(call.start, state.trunk.length, "the trunk")
-        device = self.model.device
-        if call.draft_model:
-            return self._draft_with_model(state, call)
-        if call.draft_head is None:
-            return self.step_batch([call])[0]
-        head = self._catch_up_draft_head(state, self.model.head_index(call.draft_head), call.start)
-        token = call.pending
-        draws, hiddens = _Draws(call), []
-        for step in range(call.gamma):
-            position = call.start + step
-            hidden = self._trunk_step(state, torch.tensor([token], device=device), position)
-            logits = head.forward(hidden, state.draft.cache, position)[0]  # [1, V]
-            state.draft.record(torch.tensor([token]), position)
-            self.counters.draft_head_calls += 1
-            token = draws.draw(logits, position + 1)
-            hiddens.append(hidden)
-        return draws.result(
-            HiddenStates(call.gamma, torch.cat(hiddens)),
-            trunk_steps=call.gamma,
-            head_evaluations=call.gamma,
-        )
+        return self.draft_batch([call])[0]
 
-    def step_batch(self, calls: list[DraftCall]) -> list[DraftResult]:
-        """Plain steps (no draft: each session's pending token through the trunk) of
-        several sessions in one forward."""
+    def draft_batch(self, calls: list[DraftCall]) -> list[DraftResult]:
+        """Several sessions' draft calls together. Head drafts and plain steps run in
+        lock step — each step one trunk forward over every session still drafting, then
+        one forward per draft head over its sessions — so each session gets what it would
+        alone; draft-model calls run one after the other."""
+        if len({call.session for call in calls}) != len(calls):
+            raise InvalidArgument("calls: a session appears twice in one batch")
         for call in calls:
-            if call.draft_head is not None or call.draft_model:
-                raise InvalidArgument("a plain step drafts nothing: no draft_head, no draft_model")
             self._check_draft(call)
-        prefills = [
-            PrefillCall(call.session, call.start, torch.tensor([call.pending])) for call in calls
-        ]
+        states = [self.sessions.get(call.session, start=call.start) for call in calls]
+        for call, state in zip(calls, states, strict=True):
+            check_start(call.start, state.trunk.length, "the trunk")
+        results: dict[int, DraftResult] = {}
+        stepped = []
+        for index, (call, state) in enumerate(zip(calls, states, strict=True)):
+            if call.draft_model:
+                results[index] = self._draft_with_model(state, call)
+            else:
+                stepped.append(index)
+        drafts = self._lock_step([calls[i] for i in stepped], [states[i] for i in stepped])
+        results.update(zip(stepped, drafts, strict=True))
+        return [results[index] for index in range(len(calls))]
+
+    def _lock_step(self, calls: list[DraftCall], states: list[_Session]) -> list[DraftResult]:
+        if not calls:
+            return []
+        heads = {}  # session index -> its draft head, caught up to its start
+        for index, (call, state) in enumerate(zip(calls, states, strict=True)):
+            if call.draft_head is not None:
+                head_index = self.model.head_index(call.draft_head)
+                heads[index] = (
+                    head_index,
+                    self._catch_up_draft_head(state, head_index, call.start),
+                )
+        tokens = [call.pending for call in calls]
+        draws = [_Draws(call) for call in calls]
+        hiddens: list[list[torch.Tensor]] = [[] for _ in calls]
+        for step in range(max(call.gamma for call in calls)):
+            active = [i for i, call in enumerate(calls) if step < call.gamma]
+            work = [(states[i], torch.tensor([tokens[i]]), calls[i].start + step) for i in active]
+            for i, hidden in zip(active, self._trunk_steps(work), strict=True):
+                hiddens[i].append(hidden)
+            by_head: dict[int, list[int]] = {}
+            for i in active:
+                if i in heads:
+                    by_head.setdefault(heads[i][0], []).append(i)
+            for members in by_head.values():
+                head = heads[members[0]][1]
+                segments = [
+                    Segment(states[i].draft.cache, calls[i].start + step, 1) for i in members
+                ]
+                rows = torch.cat([hiddens[i][-1] for i in members])
+                logits = head.forward_ragged(rows, segments)[0]  # [n, V]
+                self.counters.draft_head_calls += 1
+                for row, i in enumerate(members):
+                    position = calls[i].start + step
+                    states[i].draft.record(torch.tensor([tokens[i]]), position)
+                    tokens[i] = draws[i].draw(logits[row : row + 1], position + 1)
         empty = torch.empty(0, dtype=torch.long)
         return [
-            DraftResult(empty, None, None, hidden, trunk_steps=1)
-            for hidden in self.prefill_batch(prefills)
+            draws[i].result(
+                HiddenStates(call.gamma, torch.cat(hiddens[i])),
+                trunk_steps=call.gamma,
+                head_evaluations=call.gamma,
+            )
+            if i in heads
+            else DraftResult(empty, None, None, HiddenStates(1, hiddens[i][0]), trunk_steps=1)
+            for i, call in enumerate(calls)
         ]
 
     def _draft_with_model(self, state: _Session, call: DraftCall) -> DraftResult:

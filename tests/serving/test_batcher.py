@@ -166,3 +166,33 @@ def test_a_call_that_waits_too_long_is_refused(start_jury):
     (refused,) = batched(jury, "Score", request, [request], hold_s=0.2)
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "waited" in refused.details() and "retry in about" in refused.details()
+
+
+def test_head_drafts_of_several_sessions_run_in_lock_step(start_trunk):
+    """Different draft heads, different γ, a plain step among them: one trunk forward
+    per step over every session still drafting, and each session's tokens, draft
+    distributions and hidden states as alone."""
+    trunk = start_trunk(max_sessions=8)
+    sessions = ("a", "b", "c", "d")
+    for session in sessions:
+        trunk.stub.Prefill(prefill_request(session), timeout=10)
+    calls = [
+        draft_request("a", draft_head="head0", gamma=4),
+        draft_request("b", draft_head="head2", gamma=2),
+        draft_request("c", draft_head="head0", gamma=3, pending=7),
+        draft_request("d", draft_head="", gamma=1),
+    ]
+    alone = [trunk.stub.Draft(call, timeout=10) for call in calls]
+    steps = trunk.servicer.worker.counters.trunk_calls
+    together = batched(trunk, "Draft", calls[0], calls)
+    # The sentinel alone (4 steps), then the four in lock step (4 steps, not 10).
+    assert trunk.servicer.worker.counters.trunk_calls - steps == 4 + 4
+    for one, joined in zip(alone, together, strict=True):
+        assert list(joined.tokens) == list(one.tokens)
+        torch.testing.assert_close(
+            decoded(joined.hidden), decoded(one.hidden), atol=1e-5, rtol=1e-5
+        )
+        if one.tokens:
+            torch.testing.assert_close(
+                decoded(joined.logprobs), decoded(one.logprobs), atol=1e-5, rtol=1e-5
+            )

@@ -160,11 +160,11 @@ def test_services_run_from_the_command_line_and_stop_on_sigterm(jury_checkpoint)
 
 
 def test_a_bug_is_internal_and_logged_never_the_callers_fault(trunk, caplog):
-    def broken(call):
+    def broken(*args):
         raise IndexError("index 9 is out of bounds for dimension 0 with size 4")
 
-    trunk.servicer.worker.draft = broken
     trunk.stub.Prefill(prefill_request())
+    trunk.servicer.worker._lock_step = broken  # deep inside the (batched) draft call
     with caplog.at_level("ERROR", logger="hydra_jury"):
         assert_error(
             trunk.stub.Draft, draft_request(), Code.INTERNAL, r"internal error \(IndexError\)"
