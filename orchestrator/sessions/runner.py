@@ -30,7 +30,7 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
@@ -103,6 +103,7 @@ class SessionRunner:
         self._owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="generation")
         self._active: dict[str, _Active] = {}
+        self._give_backs: set[asyncio.Future] = set()  # leases being given back
 
     async def _in_thread(self, function: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
@@ -189,11 +190,14 @@ class SessionRunner:
             prepared = await self._in_thread(self.engine.prepare, request)
             session_id = new_session_id()
             record = SessionRecord(session_id, new_cache_id(session_id))
-            await self.store.create(record, owner)
+            await self._leased(self.store.create(record, owner), lambda _: record)
             self._observe("created")
         else:
             prepared = None
-            acquired = await self._acquire(check_session_id(session_id), owner, request_id)
+            acquired = await self._leased(
+                self._acquire(check_session_id(session_id), owner, request_id),
+                lambda acquired: acquired.record,
+            )
             record = acquired.record
             if acquired.took_over:
                 # The last owner's lease ran out, and it may still be running: new caches,
@@ -225,6 +229,24 @@ class SessionRunner:
             await self._give_back(record)
             raise
         return plan
+
+    async def _leased(self, taking: Awaitable[T], record_of: Callable[[T], SessionRecord]) -> T:
+        """Awaits `taking`, which takes a session's lease. A request cancelled meanwhile
+        (its deadline, its client gone) may find the lease already taken in the store:
+        it is given back once the taking is over, not left to run out."""
+        task = asyncio.ensure_future(taking)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+
+            def give_back(done: asyncio.Future) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    returning = asyncio.ensure_future(self._give_back(record_of(done.result())))
+                    self._give_backs.add(returning)
+                    returning.add_done_callback(self._give_backs.discard)
+
+            task.add_done_callback(give_back)
+            raise
 
     async def _acquire(self, session_id: str, owner: str, request_id: str):
         """The session's lease. A request resuming its own interrupted generation waits
@@ -371,13 +393,23 @@ class SessionRunner:
                     break
                 yield Committed(record.session_id, item, summary)
         finally:
-            # Finished, failed or cancelled by the caller: stop between rounds.
+            # Finished, failed or cancelled by the caller: stop between rounds. Shielded:
+            # a second cancellation must not skip giving the lease back.
             active.stop.set()
-            while kind != "end":
-                kind, _item, _summary = await queue.get()
-            if self._active.get(record.session_id) is active:
-                del self._active[record.session_id]
-            await self._give_back(record)
+            winding_up = asyncio.ensure_future(self._wind_up(queue, kind, active, record))
+            self._give_backs.add(winding_up)
+            winding_up.add_done_callback(self._give_backs.discard)
+            await asyncio.shield(winding_up)
+
+    async def _wind_up(
+        self, queue: asyncio.Queue, kind: str, active: _Active, record: SessionRecord
+    ) -> None:
+        """Waits for the producer to end, then gives the session's lease back."""
+        while kind != "end":
+            kind, _item, _summary = await queue.get()
+        if self._active.get(record.session_id) is active:
+            del self._active[record.session_id]
+        await self._give_back(record)
 
     def _record_round(
         self, plan: _Plan, generation: Generation, output: RoundOutput
