@@ -16,7 +16,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from hydra_jury.serving.model_thread import ModelThread
@@ -37,26 +37,6 @@ class BatchLimits:
     max_tokens: int = 4096  # positions one batched forward may run (one call may exceed it)
     max_queue: int = 256  # calls waiting; one more is refused
     max_wait_s: float = 30.0  # a call waiting longer is refused
-
-
-@dataclass
-class BatchStats:
-    """What the batcher has done, for metrics and tests."""
-
-    batches: int = 0
-    calls: int = 0
-    tokens: int = 0
-    largest: int = 0  # calls in the largest batch
-    waited_s: float = 0.0  # summed queueing time of the calls run
-    sizes: list[int] = field(default_factory=list)  # calls per batch, the latest 1,000
-
-    def record(self, calls: int, tokens: int, waited_s: float) -> None:
-        self.batches += 1
-        self.calls += calls
-        self.tokens += tokens
-        self.largest = max(self.largest, calls)
-        self.waited_s += waited_s
-        self.sizes = [*self.sizes[-999:], calls]
 
 
 def run_isolated(
@@ -99,7 +79,7 @@ class CallBatcher(Generic[Request, Response]):
         self.handle = handle
         self.size = size
         self.limits = limits or BatchLimits()
-        self.stats = BatchStats()
+        self.largest = 0  # calls in the largest batch so far (the retry hint's batch size)
         self._queue: deque[tuple[Request, asyncio.Future, float]] = deque()
         self._runner: asyncio.Task | None = None
         self._batch_s = 0.01  # a decayed mean of batch times, for the retry hint
@@ -122,7 +102,7 @@ class CallBatcher(Generic[Request, Response]):
         return await future
 
     def _retry_hint_ms(self) -> int:
-        batches_ahead = 1 + len(self._queue) // max(1, self.stats.largest)
+        batches_ahead = 1 + len(self._queue) // max(1, self.largest)
         return max(1, round(1000 * self._batch_s * batches_ahead))
 
     async def _run(self) -> None:
@@ -132,6 +112,7 @@ class CallBatcher(Generic[Request, Response]):
                 continue
             began = time.monotonic()
             requests = [request for request, _future, _queued in batch]
+            self.largest = max(self.largest, len(batch))
             self.running = len(batch)
             try:
                 results = await self.thread.run(self.handle, requests)
@@ -141,11 +122,6 @@ class CallBatcher(Generic[Request, Response]):
                 self.running = 0
             ended = time.monotonic()
             self._batch_s = 0.8 * self._batch_s + 0.2 * (ended - began)
-            self.stats.record(
-                len(batch),
-                sum(self.size(request) for request in requests),
-                sum(began - queued for _request, _future, queued in batch),
-            )
             for (_request, future, _queued), result in zip(batch, results, strict=True):
                 if future.done():  # the caller went away
                     continue

@@ -109,7 +109,7 @@ def test_concurrent_scores_run_as_one_batch_with_the_results_of_each_alone(start
     ]
     alone = [jury.stub.Score(request, timeout=10) for request in requests]
     together = batched(jury, "Score", requests[0], requests)
-    assert jury.servicer.batchers["Score"].stats.largest == len(requests)  # one forward
+    assert jury.servicer.batchers["Score"].largest == len(requests)  # one forward
     for one, joined in zip(alone, together, strict=True):
         torch.testing.assert_close(
             decoded(joined.log_product), decoded(one.log_product), atol=1e-5, rtol=1e-5
@@ -123,7 +123,7 @@ def test_a_bad_call_fails_alone(start_jury):
     good = score_request("known", 3)
     unknown = score_request("never-prefilled", 3)
     ok, refused = batched(jury, "Score", good, [good, unknown])
-    assert jury.servicer.batchers["Score"].stats.largest == 2
+    assert jury.servicer.batchers["Score"].largest == 2
     assert ok.log_product.shape == [2, 32]
     assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "never-prefilled" in refused.details()
@@ -139,12 +139,12 @@ def test_concurrent_trunk_prefills_and_plain_steps_are_batched(start_trunk):
         torch.testing.assert_close(
             decoded(together.hidden), decoded(one.hidden), atol=1e-5, rtol=1e-5
         )
-    assert trunk.servicer.batchers["Draft"].stats.largest == 3
+    assert trunk.servicer.batchers["Draft"].largest == 3
     # Prefills of new sessions join one forward too, whatever their lengths.
     requests = [prefill_request(f"n{i}", tokens=list(range(3, 5 + i))) for i in range(3)]
     results = batched(trunk, "Prefill", prefill_request("a"), requests)
     assert [len(decoded(result.hidden)) for result in results] == [2, 3, 4]
-    assert trunk.servicer.batchers["Prefill"].stats.largest == 3
+    assert trunk.servicer.batchers["Prefill"].largest == 3
 
 
 def test_a_full_queue_is_resource_exhausted_with_a_retry_hint(start_jury):
