@@ -17,7 +17,13 @@ from hydra_jury.hydra_model import HydraModel, KVCache, Segment
 from hydra_jury.poe import draft_logprobs, partial_log_product
 from hydra_jury.workers.calls import HiddenStates, JuryPrefillCall, ScoreCall, ScoreResult
 from hydra_jury.workers.errors import InvalidArgument
-from hydra_jury.workers.sessions import SessionLimits, SessionTable, check_capacity, check_start
+from hydra_jury.workers.sessions import (
+    SessionLimits,
+    SessionTable,
+    check_capacity,
+    check_distinct_sessions,
+    check_start,
+)
 
 
 @dataclass
@@ -55,8 +61,7 @@ class JuryWorker:
     def _forward(self, calls: list[JuryPrefillCall | ScoreCall]) -> list[torch.Tensor]:
         """The hosted heads over each call's hidden states, all calls in one ragged
         forward; each call's logits [H, T, V]."""
-        if len({call.session for call in calls}) != len(calls):
-            raise InvalidArgument("calls: a session appears twice in one batch")
+        check_distinct_sessions(calls)
         states = [self._hidden(call.hidden) for call in calls]
         # Checks first: a refused call must not open a session.
         for call, rows in zip(calls, states, strict=True):

@@ -18,7 +18,7 @@ Terms
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -130,6 +130,12 @@ def check_start(start: int, held: int, what: str) -> None:
             f"{what} holds {held} positions of this session; cannot start "
             f"at {start} (re-prefill from {held})"
         )
+
+
+def check_distinct_sessions(calls: Sequence) -> None:
+    """A batch runs each session once: its calls must name different sessions."""
+    if len({call.session for call in calls}) != len(calls):
+        raise InvalidArgument("calls: a session appears twice in one batch")
 
 
 def check_capacity(end: int, capacity: int) -> None:

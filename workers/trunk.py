@@ -34,7 +34,13 @@ from hydra_jury.workers.calls import (
     check_sampling,
 )
 from hydra_jury.workers.errors import InvalidArgument
-from hydra_jury.workers.sessions import SessionLimits, SessionTable, check_capacity, check_start
+from hydra_jury.workers.sessions import (
+    SessionLimits,
+    SessionTable,
+    check_capacity,
+    check_distinct_sessions,
+    check_start,
+)
 
 
 @dataclass
@@ -162,8 +168,7 @@ class TrunkWorker:
     def prefill_batch(self, calls: list[PrefillCall]) -> list[HiddenStates]:
         """Several sessions' tokens through the trunk in one ragged forward (each from
         its own start); their hidden states, in order."""
-        if len({call.session for call in calls}) != len(calls):
-            raise InvalidArgument("calls: a session appears twice in one batch")
+        check_distinct_sessions(calls)
         # Checks first: a refused call must not open a session.
         for call in calls:
             check_token_ids("tokens", call.tokens, self.model.config.vocab_size)
@@ -221,8 +226,7 @@ class TrunkWorker:
         lock step — each step one trunk forward over every session still drafting, then
         one forward per draft head over its sessions — so each session gets what it would
         alone; draft-model calls run one after the other."""
-        if len({call.session for call in calls}) != len(calls):
-            raise InvalidArgument("calls: a session appears twice in one batch")
+        check_distinct_sessions(calls)
         for call in calls:
             self._check_draft(call)
         states = [self.sessions.get(call.session, start=call.start) for call in calls]

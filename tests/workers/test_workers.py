@@ -88,3 +88,19 @@ def test_score_returns_the_partial_product_of_the_requested_jurors(jury_model):
     assert torch.equal(result.votes, logits[[1, 3]].argmax(-1).T)
     with pytest.raises(InvalidArgument, match=r"jury: unknown heads \['head8'\]"):
         jury.score(calls.score("s", 0, hidden, ["head8"], 1.0, 1.0))
+
+
+def test_a_batch_names_each_session_once(jury_model):
+    trunk = TrunkWorker(jury_model, limits=SessionLimits(2, 32))
+    jury = JuryWorker(jury_model, limits=SessionLimits(2, 32))
+    twice = [calls.prefill("s", 0, [5, 6]), calls.prefill("s", 0, [7])]
+    with pytest.raises(InvalidArgument, match="a session appears twice in one batch"):
+        trunk.prefill_batch(twice)
+    steps = [calls.draft("s", 0, 5, 1, None, GREEDY, 0)] * 2
+    with pytest.raises(InvalidArgument, match="a session appears twice in one batch"):
+        trunk.draft_batch(steps)
+    hidden = torch.zeros(2, jury_model.config.hidden_size)
+    scores = [calls.score("s", 0, hidden, ["head0"], 1.0, 1.0)] * 2
+    with pytest.raises(InvalidArgument, match="a session appears twice in one batch"):
+        jury.score_batch(scores)
+    assert len(trunk.sessions) == len(jury.sessions) == 0  # refused before any session opened
