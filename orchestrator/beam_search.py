@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from hydra_jury.orchestrator.backend import DecodingBackend
+from hydra_jury.orchestrator.sessions.record import common_prefix
 from hydra_jury.poe import RequestStats, normalise_logprobs
 from hydra_jury.poe.beam import BeamSearch
 from hydra_jury.workers.calls import PrefillCall, ScoreCall
@@ -28,18 +29,13 @@ def slot_name(cache: str, slot: int) -> str:
     return cache if slot == 0 else f"{cache}:beam{slot}"
 
 
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    length = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        length += 1
-    return length
-
-
 @dataclass
 class BeamRun:
-    """One request's beam search: its caches, its options, what it has cost."""
+    """One request's beam search: its caches, its options, what it has cost.
+
+    Every slot that has run holds the context but its last token (`base`) and then a
+    tail: the last context token and some beam's tokens. Slots are compared by their
+    tails only, so placing the beams costs the generated length, not the context's."""
 
     backend: DecodingBackend
     cache: str
@@ -53,43 +49,55 @@ class BeamRun:
         """Runs `search` to its end from `context` (slot 0 holds all but its last
         token); afterwards slot 0 holds all but the last token of the best hypothesis,
         as the loop's pending-token form expects, and the other slots are freed."""
-        held = {0: context[:-1]}  # slot -> the tokens its caches hold
+        base = context[:-1]
+        held = {0: []}  # slot -> the tokens it holds after `base` (a slot not run: absent)
         try:
             while not search.done:
-                sequences = [context + list(beam.tokens) for beam in search.live]
-                slots = self._place(sequences, held, search.num_beams)
-                search.step(self._step(sequences, slots, held))
+                tails = [[context[-1], *beam.tokens] for beam in search.live]
+                slots = self._place(tails, held, search.num_beams)
+                search.step(self._step(base, tails, slots, held))
             best = search.best()[0]
-            self._settle(context + list(best.tokens), held)
+            self._settle(base, [context[-1], *best.tokens], held)
         finally:
             for slot in range(1, search.num_beams):
                 self.backend.release(slot_name(self.cache, slot))
 
     @staticmethod
-    def _place(sequences: list[list[int]], held: dict[int, list[int]], slots: int) -> list[int]:
-        """A slot for each sequence, in order: the free slot sharing the longest prefix
-        with it (ties: the lowest). A beam's first child so lands in its parent's slot."""
+    def _place(tails: list[list[int]], held: dict[int, list[int]], slots: int) -> list[int]:
+        """A slot for each beam, in order: the free slot sharing the longest prefix with
+        it (a slot not run yet shares nothing, not even the context; ties: the lowest).
+        A beam's first child so lands in its parent's slot."""
         free = list(range(slots))
         placed = []
-        for sequence in sequences:
+        for tail in tails:
             best = max(
-                free, key=lambda slot: (common_prefix_length(held.get(slot, []), sequence), -slot)
+                free,
+                key=lambda slot: (
+                    common_prefix(held[slot], tail) if slot in held else -1,
+                    -slot,
+                ),
             )
             placed.append(best)
             free.remove(best)
         return placed
 
     def _step(
-        self, sequences: list[list[int]], slots: list[int], held: dict[int, list[int]]
+        self,
+        base: list[int],
+        tails: list[list[int]],
+        slots: list[int],
+        held: dict[int, list[int]],
     ) -> torch.Tensor:
-        """Runs each sequence's unprocessed tail in its slot (one batched trunk forward,
-        one batched jury call); each sequence's next-token target log-probabilities."""
+        """Runs each beam's unprocessed tokens in its slot (one batched trunk forward,
+        one batched jury call); each beam's next-token target log-probabilities."""
         prefills = []
-        for sequence, slot in zip(sequences, slots, strict=True):
-            start = min(common_prefix_length(held.get(slot, []), sequence), len(sequence) - 1)
-            prefills.append(
-                PrefillCall(slot_name(self.cache, slot), start, torch.tensor(sequence[start:]))
-            )
+        for tail, slot in zip(tails, slots, strict=True):
+            if slot in held:  # the context is there: run the tail after what it shares
+                shared = min(common_prefix(held[slot], tail), len(tail) - 1)
+                start, tokens = len(base) + shared, tail[shared:]
+            else:
+                start, tokens = 0, base + tail
+            prefills.append(PrefillCall(slot_name(self.cache, slot), start, torch.tensor(tokens)))
         began = time.perf_counter()
         hidden = self.backend.trunk_forward_batch(prefills)
         middle = time.perf_counter()
@@ -104,14 +112,14 @@ class BeamRun:
         self.timings["score_s"] = self.timings.get("score_s", 0.0) + ended - middle
         self.stats.trunk_steps += sum(len(call.tokens) for call in prefills)
         self.stats.head_evaluations += sum(score.head_evaluations for score in scores)
-        for sequence, slot in zip(sequences, slots, strict=True):
-            held[slot] = sequence
+        for tail, slot in zip(tails, slots, strict=True):
+            held[slot] = tail
         last_rows = torch.cat([score.log_product[-1:] for score in scores])  # [B, V]
         return normalise_logprobs(last_rows)
 
-    def _settle(self, sequence: list[int], held: dict[int, list[int]]) -> None:
-        """Slot 0 brought to `sequence` but its last token (the pending one)."""
-        start = common_prefix_length(held.get(0, []), sequence[:-1])
-        if start < len(sequence) - 1:
-            tail = torch.tensor(sequence[start:-1])
-            self.backend.prefill(PrefillCall(self.cache, start, tail))
+    def _settle(self, base: list[int], tail: list[int], held: dict[int, list[int]]) -> None:
+        """Slot 0 brought to `base + tail` but its last token (the pending one)."""
+        shared = common_prefix(held[0], tail[:-1])
+        if shared < len(tail) - 1:
+            tokens = torch.tensor(tail[shared:-1])
+            self.backend.prefill(PrefillCall(self.cache, len(base) + shared, tokens))
