@@ -15,12 +15,11 @@ draft position i = draft_position_accepted_total / draft_position_reached_total.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hydra_jury.orchestrator.output import RoundOutput
 from hydra_jury.poe import reached_positions
-
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+from hydra_jury.serving.metrics import LATENCY_BUCKETS, serve_metrics
 
 
 class OrchestratorMetrics:
@@ -84,8 +83,7 @@ class OrchestratorMetrics:
 
     def serve(self, port: int, address: str = "127.0.0.1") -> int:
         """Exposes /metrics over HTTP; port 0 picks a free one. Returns the port."""
-        server, _thread = start_http_server(port, addr=address, registry=self.registry)
-        return server.server_port
+        return serve_metrics(self.registry, port, address)
 
     def observe_round(self, output: RoundOutput) -> None:
         drafted, accepted = output.drafted, output.accepted

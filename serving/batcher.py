@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from hydra_jury.serving.metrics import BatchObserver
 from hydra_jury.serving.model_thread import ModelThread
 from hydra_jury.workers.errors import CapacityError
 
@@ -64,7 +65,8 @@ class CallBatcher(Generic[Request, Response]):
     """Batches the requests of one RPC: `submit(request)` returns its response, or
     raises its error. `handle(requests)` runs on the model thread and returns, for each
     request in order, its response or its exception; `size(request)` is the positions
-    it runs, for the token budget."""
+    it runs, for the token budget. An `observer` gets each batch's size, tokens, time
+    and waits, and each refusal."""
 
     def __init__(
         self,
@@ -73,6 +75,7 @@ class CallBatcher(Generic[Request, Response]):
         handle: Callable[[list[Request]], list[Response | Exception]],
         size: Callable[[Request], int],
         limits: BatchLimits | None = None,
+        observer: BatchObserver | None = None,
     ) -> None:
         self.name = name
         self.thread = thread
@@ -84,6 +87,9 @@ class CallBatcher(Generic[Request, Response]):
         self._runner: asyncio.Task | None = None
         self._batch_s = 0.01  # a decayed mean of batch times, for the retry hint
         self.running = 0  # calls in the batch on the model thread now
+        self.observer = observer
+        if observer is not None:
+            observer.watch_queue(lambda: len(self._queue))
 
     @property
     def queued(self) -> int:
@@ -91,6 +97,7 @@ class CallBatcher(Generic[Request, Response]):
 
     async def submit(self, request: Request) -> Response:
         if len(self._queue) >= self.limits.max_queue:
+            self._refused("queue_full")
             raise QueueFull(
                 f"{self.name}: {len(self._queue)} calls are queued (the most is "
                 f"{self.limits.max_queue}); retry in about {self._retry_hint_ms()} ms"
@@ -104,6 +111,10 @@ class CallBatcher(Generic[Request, Response]):
     def _retry_hint_ms(self) -> int:
         batches_ahead = 1 + len(self._queue) // max(1, self.largest)
         return max(1, round(1000 * self._batch_s * batches_ahead))
+
+    def _refused(self, reason: str) -> None:
+        if self.observer is not None:
+            self.observer.refused(reason)
 
     async def _run(self) -> None:
         while self._queue:
@@ -122,6 +133,13 @@ class CallBatcher(Generic[Request, Response]):
                 self.running = 0
             ended = time.monotonic()
             self._batch_s = 0.8 * self._batch_s + 0.2 * (ended - began)
+            if self.observer is not None:
+                self.observer.batch(
+                    len(batch),
+                    sum(self.size(request) for request in requests),
+                    [began - queued for _request, _future, queued in batch],
+                    ended - began,
+                )
             for (_request, future, _queued), result in zip(batch, results, strict=True):
                 if future.done():  # the caller went away
                     continue
@@ -141,6 +159,7 @@ class CallBatcher(Generic[Request, Response]):
                 continue
             if now - queued > self.limits.max_wait_s:
                 self._queue.popleft()
+                self._refused("waited_too_long")
                 future.set_exception(
                     QueueFull(
                         f"{self.name}: the call waited {now - queued:.1f} s in the queue "

@@ -1,7 +1,7 @@
 """What the trunk and jury servicers share: the worker and its model thread, the epoch,
 the model description (built once), model calls with their timings and with protobuf
 conversion off the event loop, batched calls (`serving.batcher`), limits, `Release`,
-and idle eviction."""
+idle eviction and the service's metrics."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from hydra_jury.hydra_model import HydraModel
 from hydra_jury.protos.codec import dtype_name
 from hydra_jury.protos.hydrajury.v1 import internal_pb2
 from hydra_jury.serving.batcher import BatchLimits, CallBatcher, run_isolated
+from hydra_jury.serving.metrics import ServiceMetrics
 from hydra_jury.serving.model_thread import ModelThread
 from hydra_jury.serving.server import new_epoch
 from hydra_jury.workers.errors import InvalidArgument
@@ -82,6 +83,8 @@ class WorkerServicer:
         self.thread = thread
         self.batch_limits = batch_limits or BatchLimits()
         self.batchers: dict[str, CallBatcher] = {}
+        self.metrics = ServiceMetrics()
+        self.metrics.sessions.set_function(lambda: len(worker.sessions))
         self.epoch = new_epoch()
         # Built once: `Info` never re-reads the checkpoint.
         self.model_description = model_description_to_pb(worker.model, worker.max_session_tokens)
@@ -165,7 +168,12 @@ class WorkerServicer:
             return responses
 
         batcher = CallBatcher(
-            f"{type(self).__name__}.{rpc}", self.thread, handle, size, self.batch_limits
+            f"{type(self).__name__}.{rpc}",
+            self.thread,
+            handle,
+            size,
+            self.batch_limits,
+            self.metrics.observer(rpc),
         )
         self.batchers[rpc] = batcher
         return batcher

@@ -23,6 +23,7 @@ from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.checkpoint import DTYPES, read_manifest
 from hydra_jury.serving.batcher import BatchLimits
 from hydra_jury.serving.errors import EXPECTED_FAILURES, failure_line
+from hydra_jury.serving.metrics import serve_metrics
 from hydra_jury.serving.model_thread import ModelThread, set_compute_threads, start_model_thread
 from hydra_jury.serving.server import GrpcServer, RunningServer
 from hydra_jury.serving.servicer import WorkerServicer
@@ -48,6 +49,8 @@ class ServiceOptions:
     draft_model: str | Path | None = None  # the trunk's draft model (a Hydra checkpoint)
     # continuous batching's admission control
     batch_limits: BatchLimits = field(default_factory=BatchLimits)
+    metrics_port: int | None = None  # None: no metrics served; 0 picks a free port
+    metrics_address: str = "127.0.0.1"
 
     @property
     def limits(self) -> SessionLimits:
@@ -108,7 +111,12 @@ async def serve_worker(spec: WorkerServiceSpec, options: ServiceOptions) -> Runn
     server = GrpcServer(
         lambda grpc_server: spec.add_servicer(servicer, grpc_server), [spec.service_name]
     )
+    metrics_port = None
     try:
+        if options.metrics_port is not None:
+            metrics_port = serve_metrics(
+                servicer.metrics.registry, options.metrics_port, options.metrics_address
+            )
         port = await server.start(options.listen)
     except BaseException:
         await servicer.close()
@@ -124,7 +132,7 @@ async def serve_worker(spec: WorkerServiceSpec, options: ServiceOptions) -> Runn
         port,
         f", draft model {options.draft_model}" if options.draft_model else "",
     )
-    return RunningServer(server, port, servicer)
+    return RunningServer(server, port, servicer, metrics_port)
 
 
 def batch_limits(max_tokens: int, max_queue: int, max_wait_s: float) -> BatchLimits:
@@ -210,6 +218,12 @@ def build_parser(spec: WorkerServiceSpec, prog: str) -> argparse.ArgumentParser:
         help="a call waiting longer is refused with RESOURCE_EXHAUSTED (%(default)g)",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus /metrics (batch sizes, queue, waits) on this port",
+    )
+    parser.add_argument("--metrics-address", default="127.0.0.1", help="(%(default)s)")
+    parser.add_argument(
         "--grace-s",
         type=float,
         default=5.0,
@@ -246,6 +260,8 @@ def service_main(spec: WorkerServiceSpec, argv: list[str] | None = None, prog: s
                 batch_limits=batch_limits(
                     args.max_batch_tokens, args.max_queue, args.max_queue_wait_s
                 ),
+                metrics_port=args.metrics_port,
+                metrics_address=args.metrics_address,
             )
             running = await serve_worker(spec, options)
         except EXPECTED_FAILURES as error:

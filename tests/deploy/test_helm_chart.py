@@ -168,6 +168,8 @@ def test_only_orchestrators_reach_trunk_shards_and_redis(releases, case):
         for policy in selecting:
             assert policy["spec"]["policyTypes"] == ["Ingress"]
             for rule in policy["spec"]["ingress"]:
+                if rule["ports"] == [{"protocol": "TCP", "port": 9100}]:
+                    continue  # the metrics port: test_metrics_are_scraped_from_every_server
                 for peer in rule["from"]:
                     assert set(peer) == {"podSelector"}, peer
                     assert matches(peer["podSelector"], orchestrator_labels)
@@ -359,17 +361,31 @@ def test_kubernetes_discovery_gets_the_service_names_and_only_endpointslice_read
     assert pod_specs(static)[account]["automountServiceAccountToken"] is False
 
 
-def test_a_service_monitor_scrapes_only_the_metrics_service(releases):
+def test_each_service_monitor_scrapes_only_its_metrics_service(releases):
     docs = releases["external-redis"]
-    (monitor,) = objects(docs, "ServiceMonitor").values()
+    monitors = objects(docs, "ServiceMonitor")
+    servers = ["orchestrator", "trunk", "jury-a", "jury-b"]
+    assert sorted(monitors) == sorted(f"{PREFIX}-{server}-metrics" for server in servers)
     services = objects(docs, "Service")
-    scraped = [
-        s
-        for s in services.values()
-        if matches(monitor["spec"]["selector"], s["metadata"]["labels"])
-    ]
-    assert [s["metadata"]["name"] for s in scraped] == [f"{PREFIX}-orchestrator-metrics"]
-    assert scraped[0]["spec"]["ports"][0]["name"] == monitor["spec"]["endpoints"][0]["port"]
+    deployments = objects(docs, "Deployment")
+    for server in servers:
+        monitor = monitors[f"{PREFIX}-{server}-metrics"]
+        scraped = [
+            s
+            for s in services.values()
+            if matches(monitor["spec"]["selector"], s["metadata"]["labels"])
+        ]
+        assert [s["metadata"]["name"] for s in scraped] == [f"{PREFIX}-{server}-metrics"]
+        assert scraped[0]["spec"]["ports"][0]["name"] == monitor["spec"]["endpoints"][0]["port"]
+        pods = [
+            name
+            for name, d in deployments.items()
+            if matches(
+                {"matchLabels": scraped[0]["spec"]["selector"]},
+                d["spec"]["template"]["metadata"]["labels"],
+            )
+        ]
+        assert pods == [f"{PREFIX}-{server}"]
     assert services[f"{PREFIX}-orchestrator"]["spec"]["type"] == "LoadBalancer"
     assert [p["name"] for p in services[f"{PREFIX}-orchestrator"]["spec"]["ports"]] == ["grpc"]
 
@@ -495,3 +511,43 @@ def test_the_chart_readme_documents_every_value():
         if d.split("[]")[0] not in paths and not any(p.startswith(f"{d}.") for p in paths)
     ]
     assert not unknown, unknown
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_metrics_are_scraped_from_every_server(releases, case):
+    """Every server serves /metrics (the services: batch sizes, queue, waits) on the
+    metrics port, annotated for Prometheus; the network policies open that port, and
+    only that port, to scrapers."""
+    docs = releases[case]
+    deployments = objects(docs, "Deployment")
+    policies = list(objects(docs, "NetworkPolicy").values())
+    for name, deployment in deployments.items():
+        if name.endswith("-redis"):
+            continue
+        template = deployment["spec"]["template"]
+        (container,) = template["spec"]["containers"]
+        flags = arguments(container)
+        assert flags["metrics-port"] == "9100" and flags["metrics-address"] == "0.0.0.0"
+        assert {"name": "metrics", "containerPort": 9100, "protocol": "TCP"} in container["ports"]
+        annotations = template["metadata"].get("annotations", {})
+        annotated = case != "external-redis"  # its values turn the annotations off
+        assert annotations.get("prometheus.io/port") == ("9100" if annotated else None)
+        for policy in policies:
+            if matches(policy["spec"]["podSelector"], template["metadata"]["labels"]):
+                metrics_rules = [
+                    rule
+                    for rule in policy["spec"]["ingress"]
+                    if rule["ports"] == [{"protocol": "TCP", "port": 9100}]
+                ]
+                assert len(metrics_rules) == 1, name
+                scrapers = metrics_rules[0].get("from")  # absent: any source
+                if case == "external-redis":
+                    assert scrapers == [
+                        {
+                            "namespaceSelector": {
+                                "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}
+                            }
+                        }
+                    ]
+                else:
+                    assert scrapers is None, name

@@ -196,3 +196,40 @@ def test_head_drafts_of_several_sessions_run_in_lock_step(start_trunk):
             torch.testing.assert_close(
                 decoded(joined.logprobs), decoded(one.logprobs), atol=1e-5, rtol=1e-5
             )
+
+
+def scrape(service) -> dict[tuple[str, tuple], float]:
+    """The service's /metrics, as {(sample name, sorted labels): value}."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = f"http://127.0.0.1:{service.running.metrics_port}/metrics"
+    with urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_batches_queue_and_refusals_are_exported_as_metrics(start_jury):
+    jury = start_jury(batch_limits=BatchLimits(max_queue=2), metrics_port=0)
+    jury.stub.Prefill(jury_prefill_request("s", 0, positions=3), timeout=10)
+    request = score_request("s", 3)
+    outcomes = batched(jury, "Score", request, [request] * 2, extra=[request])
+    assert outcomes[2].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    metrics = scrape(jury)
+    score = (("rpc", "Score"),)
+    rows = len(decoded(request.hidden))
+    # The sentinel's batch of one, then the two queued calls as one batch.
+    assert metrics[("hydrajury_batch_calls_count", score)] == 2
+    assert metrics[("hydrajury_batch_calls_sum", score)] == 3
+    assert metrics[("hydrajury_batch_tokens_sum", score)] == 3 * rows
+    assert metrics[("hydrajury_queue_wait_seconds_count", score)] == 3
+    assert metrics[("hydrajury_batch_seconds_count", score)] == 2
+    assert metrics[("hydrajury_queue_length", score)] == 0
+    assert metrics[("hydrajury_refused_calls_total", (("reason", "queue_full"), *score))] == 1
+    assert metrics[("hydrajury_batch_calls_count", (("rpc", "Prefill"),))] == 1
+    assert metrics[("hydrajury_service_sessions", ())] == 1

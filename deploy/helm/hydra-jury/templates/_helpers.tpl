@@ -245,7 +245,35 @@ spec:
 {{- end }}
 {{- end }}
 
-{{/* Ingress to a component from the orchestrators only, on one port. */}}
+{{/* A pod template's annotations: podAnnotations, and Prometheus' scrape annotations
+when metrics.scrapeAnnotations is set (every server serves /metrics). Context: $. */}}
+{{- define "hydra-jury.podAnnotations" -}}
+{{- $annotations := deepCopy .Values.podAnnotations }}
+{{- if .Values.metrics.scrapeAnnotations }}
+{{- $_ := set $annotations "prometheus.io/scrape" "true" }}
+{{- $_ := set $annotations "prometheus.io/port" (toString .Values.metrics.port) }}
+{{- $_ := set $annotations "prometheus.io/path" "/metrics" }}
+{{- end }}
+{{- with $annotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* A server's metrics flags (args) and container port. Context: $. */}}
+{{- define "hydra-jury.metricsArgs" -}}
+- --metrics-port={{ .Values.metrics.port }}
+- --metrics-address=0.0.0.0
+{{- end }}
+
+{{- define "hydra-jury.metricsPort" -}}
+- name: metrics
+  containerPort: {{ .Values.metrics.port }}
+  protocol: TCP
+{{- end }}
+
+{{/* Ingress to a component from the orchestrators only, on one port; and to its
+metrics port (when it has one) from networkPolicy.metricsFrom (empty: any source). */}}
 {{- define "hydra-jury.fromOrchestrators" -}}
 {{- if .root.Values.networkPolicy.enabled }}
 ---
@@ -268,6 +296,15 @@ spec:
       ports:
         - protocol: TCP
           port: {{ .port }}
+    {{- if .metrics }}
+    - ports:
+        - protocol: TCP
+          port: {{ .root.Values.metrics.port }}
+      {{- with .root.Values.networkPolicy.metricsFrom }}
+      from:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    {{- end }}
 {{- end }}
 {{- end }}
 
