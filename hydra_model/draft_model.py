@@ -17,6 +17,7 @@ import torch
 
 from hydra_jury.hydra_model.checkpoint import CheckpointError, read_manifest
 from hydra_jury.hydra_model.kv_cache import KVCache, KVCachePool
+from hydra_jury.hydra_model.layers import Segment
 from hydra_jury.hydra_model.model import HydraModel
 
 # What decides how text becomes token ids (formatting aside): the tokenizer model, its
@@ -79,6 +80,17 @@ class DraftModel:
         """tokens [T] at positions start.. → next-token logits [T, V] (float32)."""
         hidden = self.model.trunk.forward(tokens, cache.trunk, start)
         return self.head.forward(hidden, cache.head, start)[0]
+
+    @torch.inference_mode()
+    def next_token_logits(
+        self, tokens: torch.Tensor, cache: DraftCache, start: int
+    ) -> torch.Tensor:
+        """`forward`'s last row [1, V] alone: the earlier positions only fill the caches,
+        so the LM head (most of a small model's work per position) runs once."""
+        hidden = self.model.trunk.forward(tokens, cache.trunk, start)
+        if len(hidden) > 1:
+            self.head.fill_ragged(hidden[:-1], [Segment(cache.head, start, len(hidden) - 1)])
+        return self.head.forward(hidden[-1:], cache.head, start + len(hidden) - 1)[0]
 
     def check_compatible(self, target: HydraModel) -> None:
         """Raises `CheckpointError` unless the draft model reads and writes the target's

@@ -70,8 +70,7 @@ class HeadStack:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """hidden: trunk outputs [N, D] of the segments' tokens one after the other ->
         logits [S, N, V] (and the hidden states [S, N, D], as `forward`)."""
-        x = hidden[None].expand(self.size, -1, -1)  # [S, N, D], no copy
-        x = self.layers.forward_ragged(x, segments, self.rope)
+        x = self._layers_ragged(hidden, segments)
         normed = rms_norm(x, self.norm, self.layers.config.rms_norm_eps)
         if self.shares_lm_head:
             logits = normed @ self.lm_head.T  # [S, T, V]
@@ -79,3 +78,14 @@ class HeadStack:
             logits = torch.bmm(normed, self.lm_head.mT)
         logits = logits.float()
         return (logits, x) if return_hidden else logits
+
+    @torch.inference_mode()
+    def fill_ragged(self, hidden: torch.Tensor, segments: list[Segment]) -> None:
+        """The segments' positions into the caches only, as `forward_ragged` without the
+        final norm and LM head: a prefill needs no logits, and the LM head is most of a
+        small head's work (576 × 49152 per position and head for SmolLM2)."""
+        self._layers_ragged(hidden, segments)
+
+    def _layers_ragged(self, hidden: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        x = hidden[None].expand(self.size, -1, -1)  # [S, N, D], no copy
+        return self.layers.forward_ragged(x, segments, self.rope)

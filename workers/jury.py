@@ -58,9 +58,12 @@ class JuryWorker:
             raise InvalidArgument(f"hidden: shape {list(tensor.shape)} is not {expected}")
         return tensor.to(self.model.device, self.model.dtype)
 
-    def _forward(self, calls: list[JuryPrefillCall | ScoreCall]) -> list[torch.Tensor]:
+    def _forward(
+        self, calls: list[JuryPrefillCall | ScoreCall], logits: bool = True
+    ) -> list[torch.Tensor]:
         """The hosted heads over each call's hidden states, all calls in one ragged
-        forward; each call's logits [H, T, V]."""
+        forward; each call's logits [H, T, V] (none without `logits`: a prefill only
+        fills the caches)."""
         check_distinct_sessions(calls)
         states = [self._hidden(call.hidden) for call in calls]
         # Checks first: a refused call must not open a session.
@@ -75,17 +78,20 @@ class JuryWorker:
             Segment(cache, call.start, len(rows))
             for call, cache, rows in zip(calls, caches, states, strict=True)
         ]
-        logits = self.model.heads.forward_ragged(torch.cat(states), segments)  # [H, N, V]
         self.counters.calls += 1
-        return list(logits.split([len(rows) for rows in states], dim=1))
+        if not logits:
+            self.model.heads.fill_ragged(torch.cat(states), segments)
+            return []
+        out = self.model.heads.forward_ragged(torch.cat(states), segments)  # [H, N, V]
+        return list(out.split([len(rows) for rows in states], dim=1))
 
     def prefill(self, call: JuryPrefillCall) -> None:
         """Hidden states of positions start.. into every hosted head's cache."""
-        self._forward([call])
+        self._forward([call], logits=False)
 
     def prefill_batch(self, calls: list[JuryPrefillCall]) -> list[None]:
         """Several sessions' prefills in one ragged forward."""
-        self._forward(calls)
+        self._forward(calls, logits=False)
         return [None] * len(calls)
 
     def score(self, call: ScoreCall) -> ScoreResult:

@@ -299,12 +299,14 @@ class TrunkWorker:
         feed = torch.cat([state.tokens[held : call.start], torch.tensor([call.pending])])
         position, draws = held, _Draws(call)
         for step in range(call.gamma):
-            logits = self.draft_model.forward(feed.to(self.model.device), drafter.cache, position)
+            logits = self.draft_model.next_token_logits(
+                feed.to(self.model.device), drafter.cache, position
+            )
             drafter.record(feed, position)
             self.counters.draft_model_calls += 1
             self.counters.draft_model_positions += len(feed)
             position += len(feed)
-            feed = torch.tensor([draws.draw(logits[-1:], call.start + step + 1)])
+            feed = torch.tensor([draws.draw(logits, call.start + step + 1)])
         tokens = torch.tensor([call.pending, *draws.tokens], device=self.model.device)
         hidden = self._trunk_step(state, tokens, call.start)
         return draws.result(HiddenStates(len(tokens), hidden), trunk_steps=len(tokens))
@@ -318,7 +320,9 @@ class TrunkWorker:
             state.draft_head = index
         held = state.draft.valid_up_to(state.tokens, start)
         if held < start:
-            head.forward(state.hidden[held:start], state.draft.cache, held)
+            head.fill_ragged(
+                state.hidden[held:start], [Segment(state.draft.cache, held, start - held)]
+            )
             state.draft.record(state.tokens[held:start], held)
             self.counters.draft_head_calls += 1
         return head

@@ -28,6 +28,14 @@ def test_the_draft_model_is_its_source_model(draft_model, jury_checkpoint):
     rest = draft_model.forward(torch.tensor(tokens[3:]), cache, 3)
     torch.testing.assert_close(rest, expected[3:], atol=1e-4, rtol=1e-4)
     assert cache.length == len(tokens)
+    # The next token's logits alone: the same caches, the last row.
+    cache.truncate(2)
+    last = draft_model.next_token_logits(torch.tensor(tokens[2:]), cache, 2)
+    torch.testing.assert_close(last, expected[-1:], atol=1e-4, rtol=1e-4)
+    assert cache.length == len(tokens)
+    cache.truncate(5)
+    rest = draft_model.forward(torch.tensor(tokens[5:]), cache, 5)  # the caches held
+    torch.testing.assert_close(rest, expected[5:], atol=1e-4, rtol=1e-4)
     assert torch.equal(draft_model_logits(draft_model, tokens).float(), whole[-1])
     assert draft_model.vocab_size == 32
     assert "4 layers" in draft_model.description
