@@ -20,6 +20,7 @@ from hydra_jury.serving.model_thread import ModelThread
 from hydra_jury.serving.servicer import BatchResults, WorkerServicer, batch_calls, rows_of
 from hydra_jury.serving.worker_service import ServiceOptions, WorkerServiceSpec
 from hydra_jury.workers.jury import JuryWorker
+from hydra_jury.workers.sessions import check_capacity
 
 
 class JuryServicer(WorkerServicer, internal_pb2_grpc.JuryServicer):
@@ -61,10 +62,13 @@ class JuryServicer(WorkerServicer, internal_pb2_grpc.JuryServicer):
         )
 
     async def Prefill(self, request, context) -> internal_pb2.JuryPrefillResponse:
-        return await self.call_batched(self._prefills, request)
+        chunks = wire.jury_prefill_chunks(request, self.batch_limits.prefill_chunk)
+        if len(chunks) > 1:  # the whole call checked first: no chunk after the first fails
+            check_capacity(request.start + rows_of(request.hidden), self.worker.max_session_tokens)
+        return await self.call_batched(self._prefills, chunks)
 
     async def Score(self, request, context) -> internal_pb2.ScoreResponse:
-        return await self.call_batched(self._scores, request)
+        return await self.call_batched(self._scores, [request])
 
     async def ScoreBatch(self, request, context) -> internal_pb2.ScoreBatchResponse:
         return await self.call_model(

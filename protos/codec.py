@@ -73,3 +73,34 @@ def tensor_from_pb(
 
 def optional_tensor_to_pb(tensor: torch.Tensor | None) -> tensor_pb2.Tensor | None:
     return None if tensor is None else tensor_to_pb(tensor)
+
+
+def split_rows(message: tensor_pb2.Tensor, rows: int) -> list[tensor_pb2.Tensor]:
+    """`message` cut along its first dimension into pieces of at most `rows` rows,
+    without decoding it. A message whose bytes do not match its shape is returned whole,
+    for the receiver's decoding to refuse."""
+    found = tuple(message.shape)
+    if not found or message.dtype not in WIRE_DTYPES or found[0] <= rows or min(found) < 0:
+        return [message]
+    row_bytes = math.prod(found[1:]) * getattr(torch, message.dtype).itemsize
+    if len(message.data) != found[0] * row_bytes:
+        return [message]
+    return [
+        tensor_pb2.Tensor(
+            dtype=message.dtype,
+            shape=[min(rows, found[0] - start), *found[1:]],
+            data=message.data[start * row_bytes : (start + rows) * row_bytes],
+        )
+        for start in range(0, found[0], rows)
+    ]
+
+
+def concat_rows(messages: Sequence[tensor_pb2.Tensor]) -> tensor_pb2.Tensor:
+    """Messages of one dtype and row shape joined along their first dimension, without
+    decoding them (the inverse of `split_rows`)."""
+    first = messages[0]
+    return tensor_pb2.Tensor(
+        dtype=first.dtype,
+        shape=[sum(message.shape[0] for message in messages), *first.shape[1:]],
+        data=b"".join(message.data for message in messages),
+    )

@@ -38,6 +38,9 @@ class BatchLimits:
     max_tokens: int = 4096  # positions one batched forward may run (one call may exceed it)
     max_queue: int = 256  # calls waiting; one more is refused
     max_wait_s: float = 30.0  # a call waiting longer is refused
+    # A longer prefill runs in chunks of this many positions (0: whole), so that the
+    # other sessions' steps run between them instead of waiting for the whole prompt.
+    prefill_chunk: int = 256
 
 
 def run_isolated(

@@ -12,7 +12,13 @@ from __future__ import annotations
 import torch
 
 from hydra_jury.poe import SamplingParams
-from hydra_jury.protos.codec import optional_tensor_to_pb, tensor_from_pb, tensor_to_pb
+from hydra_jury.protos.codec import (
+    concat_rows,
+    optional_tensor_to_pb,
+    split_rows,
+    tensor_from_pb,
+    tensor_to_pb,
+)
 from hydra_jury.protos.hydrajury.v1 import internal_pb2, tensor_pb2
 from hydra_jury.workers.calls import (
     DraftCall,
@@ -57,6 +63,50 @@ def prefill_call_to_pb(call: PrefillCall) -> internal_pb2.TrunkPrefillRequest:
 
 def prefill_call_from_pb(request: internal_pb2.TrunkPrefillRequest) -> PrefillCall:
     return PrefillCall(request.session, request.start, torch.tensor(list(request.tokens)).long())
+
+
+# --- chunked prefill: a long prefill as consecutive prefills of at most `size` positions
+# (size 0: whole), so that other sessions' calls run between its chunks -----------------
+
+
+def prefill_chunks(
+    request: internal_pb2.TrunkPrefillRequest, size: int
+) -> list[internal_pb2.TrunkPrefillRequest]:
+    tokens = list(request.tokens)
+    if size <= 0 or len(tokens) <= size:
+        return [request]
+    return [
+        internal_pb2.TrunkPrefillRequest(
+            session=request.session,
+            start=request.start + offset,
+            tokens=tokens[offset : offset + size],
+        )
+        for offset in range(0, len(tokens), size)
+    ]
+
+
+def joined_prefill_responses(
+    responses: list[internal_pb2.TrunkPrefillResponse],
+) -> internal_pb2.TrunkPrefillResponse:
+    """The chunks' hidden states, one after the other (the response of the whole)."""
+    return internal_pb2.TrunkPrefillResponse(
+        hidden=concat_rows([response.hidden for response in responses])
+    )
+
+
+def jury_prefill_chunks(
+    request: internal_pb2.JuryPrefillRequest, size: int
+) -> list[internal_pb2.JuryPrefillRequest]:
+    pieces = split_rows(request.hidden, size) if size > 0 else [request.hidden]
+    if len(pieces) == 1:
+        return [request]
+    starts = [request.start]
+    for piece in pieces[:-1]:
+        starts.append(starts[-1] + piece.shape[0])
+    return [
+        internal_pb2.JuryPrefillRequest(session=request.session, start=start, hidden=piece)
+        for start, piece in zip(starts, pieces, strict=True)
+    ]
 
 
 def sampling_to_pb(sampling: SamplingParams) -> tensor_pb2.SamplingParams:

@@ -178,12 +178,21 @@ class WorkerServicer:
         self.batchers[rpc] = batcher
         return batcher
 
-    async def call_batched(self, batcher: CallBatcher, request: Any) -> Any:
-        """The response to `request` from its batch, with the epoch and the timings
-        (`forward_ns`: the whole batch's worker call)."""
+    async def call_batched(
+        self,
+        batcher: CallBatcher,
+        requests: list[Any],
+        join: Callable[[list[Any]], Any] = lambda responses: responses[0],
+    ) -> Any:
+        """The response to a request sent as `requests` (one, or the chunks of a long
+        prefill, each in its own batch after the one before): their responses joined,
+        with the epoch and the timings (`forward_ns`: the worker calls of their
+        batches)."""
         began_ns = time.perf_counter_ns()
-        response = await batcher.submit(request)
+        responses = [await batcher.submit(request) for request in requests]
+        response = join(responses)
         response.epoch = self.epoch
+        response.timings.forward_ns = sum(part.timings.forward_ns for part in responses)
         response.timings.total_ns = time.perf_counter_ns() - began_ns
         return response
 

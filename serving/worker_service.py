@@ -135,14 +135,20 @@ async def serve_worker(spec: WorkerServiceSpec, options: ServiceOptions) -> Runn
     return RunningServer(server, port, servicer, metrics_port)
 
 
-def batch_limits(max_tokens: int, max_queue: int, max_wait_s: float) -> BatchLimits:
-    """The admission-control flags, checked."""
+def batch_limits(
+    max_tokens: int, max_queue: int, max_wait_s: float, prefill_chunk: int
+) -> BatchLimits:
+    """The batching and admission-control flags, checked."""
     if max_tokens < 1 or max_queue < 1 or not max_wait_s > 0:
         raise InvalidArgument(
             "--max-batch-tokens and --max-queue must be at least 1 and --max-queue-wait-s "
             f"positive; got {max_tokens}, {max_queue}, {max_wait_s}"
         )
-    return BatchLimits(max_tokens, max_queue, max_wait_s)
+    if prefill_chunk < 0:
+        raise InvalidArgument(
+            f"--prefill-chunk-tokens must be at least 0 (0: whole), got {prefill_chunk}"
+        )
+    return BatchLimits(max_tokens, max_queue, max_wait_s, prefill_chunk)
 
 
 def head_list(text: str) -> list[str]:
@@ -218,6 +224,13 @@ def build_parser(spec: WorkerServiceSpec, prog: str) -> argparse.ArgumentParser:
         help="a call waiting longer is refused with RESOURCE_EXHAUSTED (%(default)g)",
     )
     parser.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=defaults.prefill_chunk,
+        help="run a longer prefill in chunks of this many positions, so that other "
+        "sessions' steps run between them (0: whole; %(default)s)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         help="serve Prometheus /metrics (batch sizes, queue, waits) on this port",
@@ -258,7 +271,10 @@ def service_main(spec: WorkerServiceSpec, argv: list[str] | None = None, prog: s
                 device=args.device,
                 draft_model=getattr(args, "draft_model", None),
                 batch_limits=batch_limits(
-                    args.max_batch_tokens, args.max_queue, args.max_queue_wait_s
+                    args.max_batch_tokens,
+                    args.max_queue,
+                    args.max_queue_wait_s,
+                    args.prefill_chunk_tokens,
                 ),
                 metrics_port=args.metrics_port,
                 metrics_address=args.metrics_address,

@@ -57,7 +57,10 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
         )
 
     async def Prefill(self, request, context) -> internal_pb2.TrunkPrefillResponse:
-        return await self.call_batched(self._prefills, request)
+        chunks = wire.prefill_chunks(request, self.batch_limits.prefill_chunk)
+        if len(chunks) > 1:  # the whole call checked first: no chunk after the first fails
+            self.worker.check_prefill(wire.prefill_call_from_pb(request))
+        return await self.call_batched(self._prefills, chunks, wire.joined_prefill_responses)
 
     async def PrefillBatch(self, request, context) -> internal_pb2.TrunkPrefillBatchResponse:
         return await self.call_model(
@@ -72,7 +75,7 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
         )
 
     async def Draft(self, request, context) -> internal_pb2.DraftResponse:
-        return await self.call_batched(self._drafts, request)
+        return await self.call_batched(self._drafts, [request])
 
 
 def _build_servicer(

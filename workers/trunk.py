@@ -171,13 +171,18 @@ class TrunkWorker:
         check_distinct_sessions(calls)
         # Checks first: a refused call must not open a session.
         for call in calls:
-            check_token_ids("tokens", call.tokens, self.model.config.vocab_size)
-            check_capacity(call.start + len(call.tokens), self.max_session_tokens)
+            self.check_prefill(call)
         states = [self.sessions.get(call.session, start=call.start) for call in calls]
         for call, state in zip(calls, states, strict=True):
             check_start(call.start, state.trunk.length, "the trunk")
         work = [(state, call.tokens, call.start) for call, state in zip(calls, states, strict=True)]
         return [HiddenStates(len(hidden), hidden) for hidden in self._trunk_steps(work)]
+
+    def check_prefill(self, call: PrefillCall) -> None:
+        """Refuses a prefill whose tokens are not ids of the vocabulary or that would
+        take the session past its length limit (touches no session)."""
+        check_token_ids("tokens", call.tokens, self.model.config.vocab_size)
+        check_capacity(call.start + len(call.tokens), self.max_session_tokens)
 
     def _trunk_step(self, state: _Session, tokens: torch.Tensor, start: int) -> torch.Tensor:
         return self._trunk_steps([(state, tokens, start)])[0]

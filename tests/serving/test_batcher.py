@@ -11,9 +11,11 @@ import grpc
 import pytest
 import torch
 
+from hydra_jury.protos.hydrajury.v1 import internal_pb2
 from hydra_jury.serving.batcher import BatchLimits, run_isolated
 from tests.worker_services import (
     HIDDEN_SIZE,
+    assert_error,
     decoded,
     draft_request,
     jury_prefill_request,
@@ -233,3 +235,86 @@ def test_batches_queue_and_refusals_are_exported_as_metrics(start_jury):
     assert metrics[("hydrajury_refused_calls_total", (("reason", "queue_full"), *score))] == 1
     assert metrics[("hydrajury_batch_calls_count", (("rpc", "Prefill"),))] == 1
     assert metrics[("hydrajury_service_sessions", ())] == 1
+
+
+def test_split_and_concat_rows_keep_the_bytes():
+    from hydra_jury.protos.codec import concat_rows, split_rows, tensor_from_pb, tensor_to_pb
+
+    tensor = torch.randn(10, 3, generator=torch.Generator().manual_seed(0))
+    pieces = split_rows(tensor_to_pb(tensor), 4)
+    assert [list(piece.shape) for piece in pieces] == [[4, 3], [4, 3], [2, 3]]
+    joined = tensor_from_pb(concat_rows(pieces), name="t", dtypes=["float32"], shape=[10, 3])
+    assert torch.equal(joined, tensor)
+    assert split_rows(tensor_to_pb(tensor), 10) == [tensor_to_pb(tensor)]
+    malformed = tensor_to_pb(tensor)
+    malformed.data = malformed.data[:-4]  # left whole, for the receiver to refuse
+    assert split_rows(malformed, 4) == [malformed]
+
+
+LONG_PROMPT = [3, 8, 5, 6, 7, 9, 10, 12, 4, 11]
+
+
+def test_a_long_trunk_prefill_runs_in_chunks_with_other_sessions_between(start_trunk):
+    from hydra_jury.workers.calls import PrefillCall
+
+    trunk = start_trunk(max_sessions=8, batch_limits=BatchLimits(prefill_chunk=4))
+    worker = trunk.servicer.worker
+    expected = trunk.servicer.thread.call(
+        worker.prefill, PrefillCall("reference", 0, torch.tensor(LONG_PROMPT))
+    )
+    trunk.stub.Prefill(prefill_request("other"), timeout=10)
+    blocked = Blocked(trunk.servicer)
+    finished: list[str] = []
+    prefill = trunk.stub.Prefill.future(prefill_request("long", tokens=LONG_PROMPT), timeout=10)
+    prefill.add_done_callback(lambda _: finished.append("prefill"))
+    wait_until(lambda: trunk.servicer.batchers["Prefill"].running == 1)
+    step = trunk.stub.Draft.future(draft_request("other", draft_head="", gamma=1), timeout=10)
+    step.add_done_callback(lambda _: finished.append("step"))
+    wait_until(lambda: trunk.servicer.batchers["Draft"].running == 1)
+    blocked.release.set()
+    hidden = decoded(prefill.result().hidden)
+    step.result()
+    assert finished == ["step", "prefill"]  # the step ran between the chunks
+    torch.testing.assert_close(hidden, expected.tensor(), atol=1e-5, rtol=1e-5)
+    assert worker.sessions.get("long", start=len(LONG_PROMPT)).trunk.length == len(LONG_PROMPT)
+
+
+def test_a_chunked_prefill_is_checked_whole_before_its_first_chunk(start_trunk, start_jury):
+    trunk = start_trunk(batch_limits=BatchLimits(prefill_chunk=4))
+    sessions = len(trunk.servicer.worker.sessions)
+    bad_last_token = [*LONG_PROMPT[:-1], 10**6]
+    assert_error(
+        trunk.stub.Prefill,
+        prefill_request("long", tokens=bad_last_token),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "tokens",
+    )
+    assert len(trunk.servicer.worker.sessions) == sessions  # no session opened
+    jury = start_jury(max_session_tokens=8, batch_limits=BatchLimits(prefill_chunk=4))
+    refused = jury_prefill_request("long", 0, positions=10)
+    with pytest.raises(grpc.RpcError) as error:
+        jury.stub.Prefill(refused, timeout=10)
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert len(jury.servicer.worker.sessions) == 0
+
+
+def test_scores_after_a_chunked_jury_prefill_equal_those_after_a_whole_one(start_jury):
+    from hydra_jury.workers.calls import HiddenStates, JuryPrefillCall
+
+    jury = start_jury(max_sessions=8, batch_limits=BatchLimits(prefill_chunk=3))
+    prompt = hidden_states(10, 7)
+    reference = JuryPrefillCall("whole", 0, HiddenStates(10, decoded(prompt)))
+    jury.servicer.thread.call(jury.servicer.worker.prefill, reference)
+    chunked = internal_pb2.JuryPrefillRequest(session="chunked", start=0, hidden=prompt)
+    jury.stub.Prefill(chunked, timeout=10)
+    batches = jury.servicer.metrics.registry.get_sample_value(
+        "hydrajury_batch_calls_count", {"rpc": "Prefill"}
+    )
+    assert batches == 4  # rows 3 + 3 + 3 + 1, one batch each
+    after = hidden_states(2, 8)
+    whole, parts = (
+        jury.stub.Score(score_request(s, 10, hidden=after)) for s in ("whole", "chunked")
+    )
+    torch.testing.assert_close(
+        decoded(parts.log_product), decoded(whole.log_product), atol=1e-5, rtol=1e-5
+    )
