@@ -80,6 +80,10 @@ from hydra_jury.workers.calls import (
 )
 from hydra_jury.workers.errors import PositionError
 
+# Times one round may rebuild lost caches before the request fails: under load a full
+# service may give an idle session's slot away again while the first rebuild waits.
+REBUILDS_PER_ROUND = 3
+
 
 @dataclass
 class _Verdict:
@@ -228,13 +232,17 @@ class Engine:
                 self.backend.release(run.session)
 
     def _round_and_commit(self, run: _Run, timings: dict[str, float]) -> RoundOutput:
-        try:
-            verdict = self._round(run, timings)
-        except PositionError:
-            # A service lost this session's caches (it restarted): rebuild them from the
-            # committed tokens, once, and run the round again.
-            self._prefill(run, 0)
-            verdict = self._round(run, timings)
+        for attempt in range(REBUILDS_PER_ROUND + 1):
+            try:
+                verdict = self._round(run, timings)
+                break
+            except PositionError:
+                if attempt == REBUILDS_PER_ROUND:
+                    raise
+                # A service lost this session's caches (it restarted, or, full, gave the
+                # slot of a session idle too long to another): rebuild them from the
+                # committed tokens and run the round again.
+                self._prefill(run, 0)
         return self._commit(run, verdict)
 
     def _prefill(self, run: _Run, start: int) -> None:

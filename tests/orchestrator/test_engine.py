@@ -11,10 +11,11 @@ import torch
 
 from hydra_jury.orchestrator.backend import ModelInfo
 from hydra_jury.orchestrator.cli import main
-from hydra_jury.orchestrator.engine import Engine
+from hydra_jury.orchestrator.engine import REBUILDS_PER_ROUND, Engine
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.request import GenerationRequest, RequestError
 from hydra_jury.poe import RULES
+from hydra_jury.workers.errors import PositionError
 from hydra_jury.workers.sessions import SessionLimits
 
 PROMPTS = ["hi", "the cat sat", "abc, xyz!"]
@@ -354,6 +355,37 @@ def test_lost_caches_are_rebuilt_from_the_committed_tokens(jury_model, tokenizer
             assert backend.jury.release(generation.session)
     assert tokens == expected.token_ids
     assert [c for c in backend.calls if c[0] == "prefill"][1][1] == 0  # rebuilt from 0
+
+
+class ForgetfulBackend(CountingBackend):
+    """Its jury drops the session before each of the next `losses` score calls, as a
+    full service giving an idle session's slot away again and again."""
+
+    losses = 0
+
+    def score(self, call):
+        if self.losses:
+            self.losses -= 1
+            self.jury.release(call.session)
+        return super().score(call)
+
+
+@pytest.mark.parametrize("losses", [1, 3, 4])
+def test_a_round_rebuilds_lost_caches_a_bounded_number_of_times(jury_model, tokenizer, losses):
+    request = GenerationRequest(prompt="the cat", max_new_tokens=12, ignore_eos=True, seed=9)
+    backend = ForgetfulBackend(jury_model, limits=SessionLimits(1, 128))
+    engine = Engine(backend, tokenizer)
+    expected = engine.generate(request)
+    generation = engine.start(request)
+    first = next(iter(generation))  # the first round, with its caches
+    backend.losses = losses
+    if losses > REBUILDS_PER_ROUND:
+        with pytest.raises(PositionError, match="re-prefill"):
+            list(generation)
+        return
+    tokens = [t.token_id for t in first.tokens]
+    tokens += [t.token_id for output in generation for t in output.tokens]
+    assert tokens == expected.token_ids
 
 
 def test_statistics_stop_at_an_end_of_sequence_cut(jury_model, tokenizer):
