@@ -3,7 +3,10 @@ Score calls of different sessions, say) run as one batched forward on the model 
 
 While the model thread runs a batch, the calls that arrive wait in a queue; the next
 batch takes as many of them as its token budget allows (at least one), so sessions join
-and leave between batches and nobody waits for a batch to fill. Admission is bounded: a
+and leave between batches and nobody waits for a batch to fill. A call that takes
+several steps (a draft call, one position per step) answers `CONTINUE` until it is done
+and runs again in the next batch, ahead of the queue: a step-level scheduler, where
+sessions join and leave between steps. Admission is bounded: a
 full queue refuses a call at once with RESOURCE_EXHAUSTED and a retry hint, and a call
 that waited past the maximum wait is refused the same way. The handler runs a batch
 with each call's failure kept to that call (`run_isolated`): one bad session never fails
@@ -27,6 +30,9 @@ Request = TypeVar("Request")
 Response = TypeVar("Response")
 Call = TypeVar("Call")
 Result = TypeVar("Result")
+
+
+CONTINUE = object()  # a handler's result for a call that goes on in the next batch
 
 
 class QueueFull(CapacityError):
@@ -67,8 +73,9 @@ def run_isolated(
 class CallBatcher(Generic[Request, Response]):
     """Batches the requests of one RPC: `submit(request)` returns its response, or
     raises its error. `handle(requests)` runs on the model thread and returns, for each
-    request in order, its response or its exception; `size(request)` is the positions
-    it runs, for the token budget. An `observer` gets each batch's size, tokens, time
+    request in order, its response, its exception, or `CONTINUE` (run it again in the
+    next batch); `size(request)` is the positions it runs per batch, for the token
+    budget. An `observer` gets each batch's size, tokens, time
     and waits, and each refusal."""
 
     def __init__(
@@ -120,8 +127,11 @@ class CallBatcher(Generic[Request, Response]):
             self.observer.refused(reason)
 
     async def _run(self) -> None:
-        while self._queue:
-            batch = self._take()
+        carried: list[tuple[Request, asyncio.Future, float]] = []  # calls that go on
+        while self._queue or carried:
+            used = sum(self.size(request) for request, _future, _queued in carried)
+            joined = self._take(used, first_fits=not carried)
+            batch = carried + joined
             if not batch:
                 continue
             began = time.monotonic()
@@ -140,10 +150,15 @@ class CallBatcher(Generic[Request, Response]):
                 self.observer.batch(
                     len(batch),
                     sum(self.size(request) for request in requests),
-                    [began - queued for _request, _future, queued in batch],
+                    [began - queued for _request, _future, queued in joined],
                     ended - began,
                 )
-            for (_request, future, _queued), result in zip(batch, results, strict=True):
+            carried = []
+            for entry, result in zip(batch, results, strict=True):
+                future = entry[1]
+                if result is CONTINUE:  # (even if its caller went away: the handler
+                    carried.append(entry)  # holds its state until it is done)
+                    continue
                 if future.done():  # the caller went away
                     continue
                 if isinstance(result, Exception):
@@ -151,10 +166,13 @@ class CallBatcher(Generic[Request, Response]):
                 else:
                     future.set_result(result)
 
-    def _take(self) -> list[tuple[Request, asyncio.Future, float]]:
-        """The next batch: queued calls in order while the token budget lasts (the first
-        always fits); calls that waited too long are refused instead."""
-        batch, tokens, now = [], 0, time.monotonic()
+    def _take(
+        self, tokens: int = 0, first_fits: bool = True
+    ) -> list[tuple[Request, asyncio.Future, float]]:
+        """Queued calls in order while the token budget (`tokens` of it used) lasts, the
+        first always fitting unless `first_fits` is off; calls that waited too long are
+        refused instead."""
+        batch, now = [], time.monotonic()
         while self._queue:
             request, future, queued = self._queue[0]
             if future.done():  # cancelled while queued
@@ -172,7 +190,7 @@ class CallBatcher(Generic[Request, Response]):
                 )
                 continue
             size = self.size(request)
-            if batch and tokens + size > self.limits.max_tokens:
+            if (batch or not first_fits) and tokens + size > self.limits.max_tokens:
                 break
             self._queue.popleft()
             batch.append((request, future, queued))

@@ -60,6 +60,7 @@ class SessionLimits:
 class _Entry(Generic[State]):
     state: State
     last_used: float = field(default_factory=time.monotonic)
+    held: bool = False  # a call spanning several model-thread jobs is using it
 
 
 class SessionTable(Generic[State]):
@@ -99,6 +100,23 @@ class SessionTable(Generic[State]):
         entry.last_used = time.monotonic()
         return entry.state
 
+    def hold(self, session: str) -> None:
+        """Keeps the session from being reclaimed or evicted as idle while a call that
+        spans several model-thread jobs (a draft call stepped with others) uses it."""
+        self._entries[session].held = True
+
+    def let_go(self, session: str, state: State) -> None:
+        """Ends `hold`, if `state` is still the session's."""
+        entry = self._entries.get(session)
+        if entry is not None and entry.state is state:
+            entry.held = False
+            entry.last_used = time.monotonic()
+
+    def holds(self, session: str, state: State) -> bool:
+        """Whether `state` is still the session's (not released, not reopened since)."""
+        entry = self._entries.get(session)
+        return entry is not None and entry.state is state
+
     def release(self, session: str) -> bool:
         entry = self._entries.pop(session, None)
         if entry is not None:
@@ -107,7 +125,10 @@ class SessionTable(Generic[State]):
 
     def _reclaim(self) -> bool:
         """Drops the least recently used session if it has been idle long enough."""
-        oldest = min(self._entries, key=lambda s: self._entries[s].last_used)
+        idle = [session for session, entry in self._entries.items() if not entry.held]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda s: self._entries[s].last_used)
         if time.monotonic() - self._entries[oldest].last_used < self.reclaim_after_s:
             return False
         self.release(oldest)
@@ -117,7 +138,11 @@ class SessionTable(Generic[State]):
         if self.idle_timeout_s is None:
             return []
         now = time.monotonic()
-        idle = [s for s, e in self._entries.items() if now - e.last_used > self.idle_timeout_s]
+        idle = [
+            s
+            for s, e in self._entries.items()
+            if not e.held and now - e.last_used > self.idle_timeout_s
+        ]
         for session in idle:
             self.release(session)
         return idle

@@ -13,7 +13,7 @@ and so does the in-process backend.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,7 +33,7 @@ from hydra_jury.workers.calls import (
     PrefillCall,
     check_sampling,
 )
-from hydra_jury.workers.errors import InvalidArgument
+from hydra_jury.workers.errors import InvalidArgument, UnknownSessionError
 from hydra_jury.workers.sessions import (
     SessionLimits,
     SessionTable,
@@ -227,73 +227,82 @@ class TrunkWorker:
         return self.draft_batch([call])[0]
 
     def draft_batch(self, calls: list[DraftCall]) -> list[DraftResult]:
-        """Several sessions' draft calls together. Head drafts and plain steps run in
-        lock step — each step one trunk forward over every session still drafting, then
-        one forward per draft head over its sessions — so each session gets what it would
-        alone; draft-model calls run one after the other."""
+        """Several sessions' draft calls together: `begin_drafts`, then `draft_step`
+        until every head draft and plain step is done, so each session gets what it
+        would alone."""
+        started = self.begin_drafts(calls)
+        drafting = [entry for entry in started if isinstance(entry, Drafting)]
+        while not all(entry.done for entry in drafting):
+            self.draft_step(drafting)
+        return [entry.result() if isinstance(entry, Drafting) else entry for entry in started]
+
+    def begin_drafts(self, calls: list[DraftCall]) -> list[Drafting | DraftResult]:
+        """Checks the calls and starts them: a draft-model call runs whole (its result);
+        a head draft or plain step becomes a `Drafting` that `draft_step` advances one
+        position at a time, its draft head caught up to its start. Its session is held
+        (never reclaimed as idle) until it is done or `abandon`ed."""
         check_distinct_sessions(calls)
         for call in calls:
             self._check_draft(call)
         states = [self.sessions.get(call.session, start=call.start) for call in calls]
         for call, state in zip(calls, states, strict=True):
             check_start(call.start, state.trunk.length, "the trunk")
-        results: dict[int, DraftResult] = {}
-        stepped = []
-        for index, (call, state) in enumerate(zip(calls, states, strict=True)):
+        started: list[Drafting | DraftResult] = []
+        for call, state in zip(calls, states, strict=True):
             if call.draft_model:
-                results[index] = self._draft_with_model(state, call)
-            else:
-                stepped.append(index)
-        drafts = self._lock_step([calls[i] for i in stepped], [states[i] for i in stepped])
-        results.update(zip(stepped, drafts, strict=True))
-        return [results[index] for index in range(len(calls))]
-
-    def _lock_step(self, calls: list[DraftCall], states: list[_Session]) -> list[DraftResult]:
-        if not calls:
-            return []
-        heads = {}  # session index -> its draft head, caught up to its start
-        for index, (call, state) in enumerate(zip(calls, states, strict=True)):
+                started.append(self._draft_with_model(state, call))
+                continue
+            head = None
             if call.draft_head is not None:
-                head_index = self.model.head_index(call.draft_head)
-                heads[index] = (
-                    head_index,
-                    self._catch_up_draft_head(state, head_index, call.start),
+                index = self.model.head_index(call.draft_head)
+                head = (index, self._catch_up_draft_head(state, index, call.start))
+            self.sessions.hold(call.session)
+            started.append(Drafting(call, state, head, call.pending, _Draws(call)))
+        return started
+
+    def draft_step(self, drafting: list[Drafting]) -> None:
+        """One position of every unfinished `Drafting`: one trunk forward over all of
+        them (each at its own position), then one forward per draft head over its
+        sessions. Sessions may join and leave between steps. One whose session was
+        released meanwhile fails alone (`Drafting.error`), its caches untouched."""
+        active = []
+        for entry in drafting:
+            if entry.done:
+                continue
+            if not self.sessions.holds(entry.call.session, entry.state):
+                entry.error = UnknownSessionError(
+                    f"session {entry.call.session!r} was released while drafting"
                 )
-        tokens = [call.pending for call in calls]
-        draws = [_Draws(call) for call in calls]
-        hiddens: list[list[torch.Tensor]] = [[] for _ in calls]
-        for step in range(max(call.gamma for call in calls)):
-            active = [i for i, call in enumerate(calls) if step < call.gamma]
-            work = [(states[i], torch.tensor([tokens[i]]), calls[i].start + step) for i in active]
-            for i, hidden in zip(active, self._trunk_steps(work), strict=True):
-                hiddens[i].append(hidden)
-            by_head: dict[int, list[int]] = {}
-            for i in active:
-                if i in heads:
-                    by_head.setdefault(heads[i][0], []).append(i)
-            for members in by_head.values():
-                head = heads[members[0]][1]
-                segments = [
-                    Segment(states[i].draft.cache, calls[i].start + step, 1) for i in members
-                ]
-                rows = torch.cat([hiddens[i][-1] for i in members])
-                logits = head.forward_ragged(rows, segments)[0]  # [n, V]
-                self.counters.draft_head_calls += 1
-                for row, i in enumerate(members):
-                    position = calls[i].start + step
-                    states[i].draft.record(torch.tensor([tokens[i]]), position)
-                    tokens[i] = draws[i].draw(logits[row : row + 1], position + 1)
-        empty = torch.empty(0, dtype=torch.long)
-        return [
-            draws[i].result(
-                HiddenStates(call.gamma, torch.cat(hiddens[i])),
-                trunk_steps=call.gamma,
-                head_evaluations=call.gamma,
-            )
-            if i in heads
-            else DraftResult(empty, None, None, HiddenStates(1, hiddens[i][0]), trunk_steps=1)
-            for i, call in enumerate(calls)
-        ]
+                continue
+            active.append(entry)
+        if not active:
+            return
+        work = [(e.state, torch.tensor([e.token]), e.call.start + e.step) for e in active]
+        for entry, hidden in zip(active, self._trunk_steps(work), strict=True):
+            entry.hiddens.append(hidden)
+        by_head: dict[int, list[Drafting]] = {}
+        for entry in active:
+            if entry.head is not None:
+                by_head.setdefault(entry.head[0], []).append(entry)
+        for members in by_head.values():
+            head = members[0].head[1]
+            segments = [Segment(e.state.draft.cache, e.call.start + e.step, 1) for e in members]
+            rows = torch.cat([e.hiddens[-1] for e in members])
+            logits = head.forward_ragged(rows, segments)[0]  # [n, V]
+            self.counters.draft_head_calls += 1
+            for row, entry in enumerate(members):
+                position = entry.call.start + entry.step
+                entry.state.draft.record(torch.tensor([entry.token]), position)
+                entry.token = entry.draws.draw(logits[row : row + 1], position + 1)
+        for entry in active:
+            entry.step += 1
+            if entry.done:
+                self.sessions.let_go(entry.call.session, entry.state)
+
+    def abandon(self, drafting: list[Drafting]) -> None:
+        """Gives up draftings whose step failed: their sessions are let go."""
+        for entry in drafting:
+            self.sessions.let_go(entry.call.session, entry.state)
 
     def _draft_with_model(self, state: _Session, call: DraftCall) -> DraftResult:
         """γ draft tokens from the draft model (its cache first catches up on the kept
@@ -331,6 +340,38 @@ class TrunkWorker:
             state.draft.record(state.tokens[held:start], held)
             self.counters.draft_head_calls += 1
         return head
+
+
+@dataclass
+class Drafting:
+    """A head draft or plain step in progress (`TrunkWorker.begin_drafts`): the call, its
+    session, its draft head (index, stack; None for a plain step), the token fed at the
+    next step, the draws and trunk outputs so far."""
+
+    call: DraftCall
+    state: _Session
+    head: tuple[int, HeadStack] | None
+    token: int
+    draws: _Draws
+    hiddens: list[torch.Tensor] = field(default_factory=list)
+    step: int = 0
+    error: Exception | None = None  # its session was released while drafting
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or self.step >= self.call.gamma
+
+    def result(self) -> DraftResult:
+        if self.error is not None:
+            raise self.error
+        hidden = torch.cat(self.hiddens)
+        if self.head is None:  # a plain step: the pending token's hidden state only
+            empty = torch.empty(0, dtype=torch.long)
+            return DraftResult(empty, None, None, HiddenStates(1, hidden), trunk_steps=1)
+        gamma = self.call.gamma
+        return self.draws.result(
+            HiddenStates(gamma, hidden), trunk_steps=gamma, head_evaluations=gamma
+        )
 
 
 class _Draws:

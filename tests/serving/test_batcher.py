@@ -170,13 +170,13 @@ def test_a_call_that_waits_too_long_is_refused(start_jury):
     assert "waited" in refused.details() and "retry in about" in refused.details()
 
 
-def test_head_drafts_of_several_sessions_run_in_lock_step(start_trunk):
-    """Different draft heads, different γ, a plain step among them: one trunk forward
-    per step over every session still drafting, and each session's tokens, draft
-    distributions and hidden states as alone."""
+def test_draft_calls_join_and_leave_between_steps(start_trunk):
+    """Different draft heads, different γ, a plain step among them: each batch is one
+    step — one trunk forward over every session still drafting — calls join at the step
+    after they arrive, and each session gets its tokens, draft distributions and hidden
+    states alone."""
     trunk = start_trunk(max_sessions=8)
-    sessions = ("a", "b", "c", "d")
-    for session in sessions:
+    for session in ("a", "b", "c", "d", "running"):
         trunk.stub.Prefill(prefill_request(session), timeout=10)
     calls = [
         draft_request("a", draft_head="head0", gamma=4),
@@ -186,9 +186,12 @@ def test_head_drafts_of_several_sessions_run_in_lock_step(start_trunk):
     ]
     alone = [trunk.stub.Draft(call, timeout=10) for call in calls]
     steps = trunk.servicer.worker.counters.trunk_calls
-    together = batched(trunk, "Draft", calls[0], calls)
-    # The sentinel alone (4 steps), then the four in lock step (4 steps, not 10).
-    assert trunk.servicer.worker.counters.trunk_calls - steps == 4 + 4
+    running = draft_request("running", draft_head="head1", gamma=4)
+    together = batched(trunk, "Draft", running, calls)
+    # The running call's first step alone; the four join its second: 1 + 4 steps in
+    # all (the calls alone took 4 + 2 + 3 + 1).
+    assert trunk.servicer.worker.counters.trunk_calls - steps == 5
+    assert trunk.servicer.batchers["Draft"].largest == 5
     for one, joined in zip(alone, together, strict=True):
         assert list(joined.tokens) == list(one.tokens)
         torch.testing.assert_close(
@@ -198,6 +201,49 @@ def test_head_drafts_of_several_sessions_run_in_lock_step(start_trunk):
             torch.testing.assert_close(
                 decoded(joined.logprobs), decoded(one.logprobs), atol=1e-5, rtol=1e-5
             )
+    assert not trunk.servicer._drafting  # nothing left behind
+
+
+def test_a_session_drafting_is_held_and_its_release_fails_only_its_call(start_trunk):
+    """A draft call spans several batches: its session is never reclaimed as idle in
+    between, a second draft call of it is refused, and releasing it fails that call
+    alone (its slot is never written after the release)."""
+    trunk = start_trunk(max_sessions=2, reclaim_after_s=0.0)
+    for session in ("a", "b"):
+        trunk.stub.Prefill(prefill_request(session), timeout=10)
+    blocked = Blocked(trunk.servicer)
+    long = trunk.stub.Draft.future(draft_request("a", gamma=6), timeout=10)
+    wait_until(lambda: trunk.servicer.batchers["Draft"].running == 1)
+    other = trunk.stub.Draft.future(draft_request("b", gamma=2), timeout=10)
+    again = trunk.stub.Draft.future(draft_request("a", gamma=2), timeout=10)
+    # A new session needs a slot: "b" (idle) is reclaimed, never "a" (drafting).
+    newcomer = trunk.stub.Prefill.future(prefill_request("c"), timeout=10)
+    wait_until(lambda: trunk.servicer.batchers["Draft"].queued == 2)
+    blocked.release.set()
+    newcomer.result()
+    assert len(long.result().tokens) == 6
+    with pytest.raises(grpc.RpcError) as refused:
+        again.result()
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "another draft call of it is still running" in refused.value.details()
+    with pytest.raises(grpc.RpcError) as lost:
+        other.result()
+    assert lost.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # "b" was reclaimed
+
+    # Released while drafting: that call fails, the caches are not touched after.
+    trunk.stub.Prefill(prefill_request("a"), timeout=10)
+    blocked = Blocked(trunk.servicer)
+    drafting = trunk.stub.Draft.future(draft_request("a", gamma=6), timeout=10)
+    wait_until(lambda: trunk.servicer.batchers["Draft"].running == 1)
+    release = trunk.stub.Release.future(internal_pb2.ReleaseRequest(session="a"), timeout=10)
+    time.sleep(0.05)
+    blocked.release.set()
+    assert release.result().released
+    with pytest.raises(grpc.RpcError) as gone:
+        drafting.result()
+    assert gone.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "released while drafting" in gone.value.details()
+    assert not trunk.servicer._drafting
 
 
 def scrape(service) -> dict[tuple[str, tuple], float]:

@@ -164,7 +164,7 @@ def test_a_bug_is_internal_and_logged_never_the_callers_fault(trunk, caplog):
         raise IndexError("index 9 is out of bounds for dimension 0 with size 4")
 
     trunk.stub.Prefill(prefill_request())
-    trunk.servicer.worker._lock_step = broken  # deep inside the (batched) draft call
+    trunk.servicer.worker._trunk_steps = broken  # deep inside a (stepped) draft call
     with caplog.at_level("ERROR", logger="hydra_jury"):
         assert_error(
             trunk.stub.Draft, draft_request(), Code.INTERNAL, r"internal error \(IndexError\)"
