@@ -78,7 +78,7 @@ bench-drafters: model draft-model protos
 
 # Concurrent sessions through the split stack, batched and one call per forward.
 bench-serving: model protos
-	$(PY) bench/bench_serving.py --checkpoint $(MODEL_DIR)
+	$(PY) bench/bench_serving.py --checkpoint $(MODEL_DIR) --unbatched
 
 bench: bench-model bench-one-host bench-drafters bench-serving
 	$(PY) bench/bench_engine.py --checkpoint $(MODEL_DIR)

@@ -1,17 +1,23 @@
 """Concurrent sessions through the split stack: aggregate throughput and latency as the
-number of sessions grows, for non-speculative PoE and speculative PoE (head drafts).
+number of sessions grows, for non-speculative PoE and speculative PoE (head drafts), in
+float32 and bfloat16, with batching on and off; and how often a seeded request gives the
+same tokens alone and inside a batch.
 
     python bench/bench_serving.py --checkpoint var/models/smollm2-hydra
 
 Closed loop: each of N sessions sends its next request as soon as the previous one has
-finished (chat prompts, greedy, the same new tokens each). Per setting: aggregate
-tokens/s (every generated token over the wall time), and p50/p95 of the time to first
-token (the first streamed round) and of the time per output token after it. The
-services batch concurrent calls of different sessions into one forward (continuous
-batching): the jury's Score and Prefill calls, the trunk's Prefill calls and plain
-steps; head-drafted rounds run one session at a time on the trunk. The same table is
-measured again with every forward limited to one call (`--max-batch-tokens 1`): the
-services as they were before batching, side by side.
+finished (chat prompts, the same new tokens each, sampled at T = 0.8 with a seed per
+request). Per setting: aggregate tokens/s (every generated token over the wall time),
+and p50/p95 of the time to first token (the first streamed round) and of the time per
+output token after it. The services batch concurrent calls of different sessions into
+one forward (continuous batching); the same table is measured with every forward
+limited to one call (`--max-batch-tokens 1`): the services as they were before batching,
+side by side in one run.
+
+Batch invariance: the same seeded requests run one at a time and then all at once; the
+share whose tokens are identical. Random draws are keyed by (seed, position, purpose), so
+tokens differ only where a batched forward's float reductions moved a draw across a
+boundary (or flipped a near-tie).
 """
 
 from __future__ import annotations
@@ -42,39 +48,41 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def session_loop(stub, index: int, requests: int, new_tokens: int, options: dict, out: list):
-    for turn in range(requests):
-        prompt = PROMPTS[(index + turn) % len(PROMPTS)]
-        request = GenerationRequest(
-            messages=[{"role": "user", "content": prompt}],
+def sampled(index: int, new_tokens: int, options: dict, prompt_shift: int = 0):
+    return request_to_pb(
+        GenerationRequest(
+            messages=[{"role": "user", "content": PROMPTS[(index + prompt_shift) % len(PROMPTS)]}],
             max_new_tokens=new_tokens,
             ignore_eos=True,
-            temperature=0.0,
+            temperature=0.8,
             seed=index,
             **options,
         )
-        began = time.perf_counter()
-        first = None
-        tokens = 0
-        for message in stub.GenerateStream(request_to_pb(request), timeout=600):
-            if message.tokens and first is None:
-                first = time.perf_counter()
-            tokens += len(message.tokens)
-        ended = time.perf_counter()
-        per_token = (ended - first) / max(1, tokens - 1)
-        out.append((tokens, first - began, per_token))
+    )
+
+
+def timed(stub, request) -> tuple[list[int], float, float]:
+    """The request's tokens, time to first token and time per output token after it."""
+    began = time.perf_counter()
+    first, tokens = None, []
+    for message in stub.GenerateStream(request, timeout=900):
+        if message.tokens and first is None:
+            first = time.perf_counter()
+        tokens += [token.token_id for token in message.tokens]
+    ended = time.perf_counter()
+    return tokens, first - began, (ended - first) / max(1, len(tokens) - 1)
 
 
 def measure(address: str, sessions: int, requests: int, new_tokens: int, options: dict):
     channel = grpc.insecure_channel(address)
     stub = generation_pb2_grpc.GenerationStub(channel)
-    results: list[tuple[int, float, float]] = []
-    threads = [
-        threading.Thread(
-            target=session_loop, args=(stub, i, requests, new_tokens, options, results)
-        )
-        for i in range(sessions)
-    ]
+    results: list[tuple[list[int], float, float]] = []
+
+    def session_loop(index: int) -> None:
+        for turn in range(requests):
+            results.append(timed(stub, sampled(index, new_tokens, options, turn)))
+
+    threads = [threading.Thread(target=session_loop, args=(i,)) for i in range(sessions)]
     began = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -82,58 +90,97 @@ def measure(address: str, sessions: int, requests: int, new_tokens: int, options
         thread.join()
     wall = time.perf_counter() - began
     channel.close()
-    tokens = sum(result[0] for result in results)
-    ttft = [result[1] for result in results]
-    tpot = [result[2] for result in results]
-    return tokens / wall, ttft, tpot
+    tokens = sum(len(result[0]) for result in results)
+    return tokens / wall, [r[1] for r in results], [r[2] for r in results]
+
+
+def invariance(address: str, count: int, new_tokens: int, options: dict) -> tuple[int, int]:
+    """(identical, count): seeded requests alone, then all `count` at once."""
+    channel = grpc.insecure_channel(address)
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    requests = [sampled(index, new_tokens, options) for index in range(count)]
+    alone = [timed(stub, request)[0] for request in requests]
+    together: list[list[int]] = [[] for _ in requests]
+
+    def run(index: int) -> None:
+        together[index] = timed(stub, requests[index])[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    channel.close()
+    return sum(a == b for a, b in zip(alone, together, strict=True)), count
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", default="var/models/smollm2-hydra")
     parser.add_argument("--sessions", default="1,2,4,8,16", help="comma-separated counts")
-    parser.add_argument("--requests", type=int, default=2, help="requests per session")
+    parser.add_argument("--requests", type=int, default=1, help="requests per session")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
+    parser.add_argument(
+        "--invariance-requests",
+        type=int,
+        default=16,
+        help="seeded requests run alone and together, per mode and dtype (0: skip)",
+    )
+    parser.add_argument(
+        "--unbatched", action="store_true", help="also measure one call per forward"
+    )
     args = parser.parse_args()
     counts = [int(count) for count in args.sessions.split(",")]
     print(
-        f"{os.cpu_count()} cores, {args.checkpoint} ({args.dtype}), split stack (trunk, 2 "
-        f"shards, orchestrator), {args.new_tokens} new tokens, greedy, "
-        f"{args.requests} requests per session (closed loop)"
+        f"{os.cpu_count()} cores, {args.checkpoint}, split stack (trunk, 2 shards, "
+        f"orchestrator), {args.new_tokens} new tokens, T = 0.8 seeded, "
+        f"{args.requests} request(s) per session (closed loop)"
     )
     print(
-        "| services | mode | sessions | tokens/s | × one session | TTFT p50 / p95 (ms) | "
-        "TPOT p50 / p95 (ms) |"
+        "| dtype | services | mode | sessions | tokens/s | × one session | "
+        "TTFT p50 / p95 (ms) | TPOT p50 / p95 (ms) |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for services, limit in (("batched", []), ("one call per forward", ["--max-batch-tokens", "1"])):
-        stack = LocalStack(
-            args.checkpoint,
-            shards=2,
-            port=0,
-            extra_service_args=["--dtype", args.dtype, *limit],
-        )
-        try:
-            address = stack.start()
-            measure(address, 1, 1, 8, MODES["non-speculative PoE"])  # warm-up
-            for name, options in MODES.items():
-                single = None
-                for count in counts:
-                    rate, ttft, tpot = measure(
-                        address, count, args.requests, args.new_tokens, options
-                    )
-                    single = single or rate
-                    print(
-                        f"| {services} | {name} | {count} | {rate:.1f} | {rate / single:.2f} | "
-                        f"{1000 * statistics.median(ttft):.0f} / "
-                        f"{1000 * percentile(ttft, 0.95):.0f} | "
-                        f"{1000 * statistics.median(tpot):.0f} / "
-                        f"{1000 * percentile(tpot, 0.95):.0f} |",
-                        flush=True,
-                    )
-        finally:
-            stack.stop()
+    print("|---|---|---|---|---|---|---|---|")
+    settings = [("batched", [])]
+    if args.unbatched:
+        settings.append(("one call per forward", ["--max-batch-tokens", "1"]))
+    identical: list[str] = []
+    for dtype in args.dtypes.split(","):
+        for services, limit in settings:
+            stack = LocalStack(
+                args.checkpoint, shards=2, port=0, extra_service_args=["--dtype", dtype, *limit]
+            )
+            try:
+                address = stack.start()
+                measure(address, 1, 1, 8, MODES["non-speculative PoE"])  # warm-up
+                for name, options in MODES.items():
+                    single = None
+                    for count in counts:
+                        rate, ttft, tpot = measure(
+                            address, count, args.requests, args.new_tokens, options
+                        )
+                        single = single or rate
+                        print(
+                            f"| {dtype} | {services} | {name} | {count} | {rate:.1f} | "
+                            f"{rate / single:.2f} | {1000 * statistics.median(ttft):.0f} / "
+                            f"{1000 * percentile(ttft, 0.95):.0f} | "
+                            f"{1000 * statistics.median(tpot):.0f} / "
+                            f"{1000 * percentile(tpot, 0.95):.0f} |",
+                            flush=True,
+                        )
+                    if services == "batched" and args.invariance_requests:
+                        same, total = invariance(
+                            address, args.invariance_requests, args.new_tokens, options
+                        )
+                        identical.append(
+                            f"{dtype}, {name}: {same} of {total} requests identical alone "
+                            f"and in a batch of {total}"
+                        )
+            finally:
+                stack.stop()
+    for line in identical:
+        print(line)
     return 0
 
 
