@@ -47,6 +47,11 @@ class BatchLimits:
     # A longer prefill runs in chunks of this many positions (0: whole), so that the
     # other sessions' steps run between them instead of waiting for the whole prompt.
     prefill_chunk: int = 256
+    # A batch smaller than the recent ones waits this long for more calls: sessions in
+    # a closed loop arrive a little apart, and a fuller batch costs little more (8
+    # sessions on the 2-core machine: 13% more tokens/s with 5 ms; a lone session never
+    # waits).
+    window_s: float = 0.005
 
 
 def run_isolated(
@@ -97,6 +102,7 @@ class CallBatcher(Generic[Request, Response]):
         self._runner: asyncio.Task | None = None
         self._batch_s = 0.01  # a decayed mean of batch times, for the retry hint
         self.running = 0  # calls in the batch on the model thread now
+        self._recent: deque[int] = deque(maxlen=16)  # sizes of the last batches
         self.observer = observer
         if observer is not None:
             observer.watch_queue(lambda: len(self._queue))
@@ -129,6 +135,8 @@ class CallBatcher(Generic[Request, Response]):
     async def _run(self) -> None:
         carried: list[tuple[Request, asyncio.Future, float]] = []  # calls that go on
         while self._queue or carried:
+            if not carried:  # calls arriving during a stepped call join its next step
+                await self._gather()
             used = sum(self.size(request) for request, _future, _queued in carried)
             joined = self._take(used, first_fits=not carried)
             batch = carried + joined
@@ -137,6 +145,7 @@ class CallBatcher(Generic[Request, Response]):
             began = time.monotonic()
             requests = [request for request, _future, _queued in batch]
             self.largest = max(self.largest, len(batch))
+            self._recent.append(len(batch))
             self.running = len(batch)
             try:
                 results = await self.thread.run(self.handle, requests)
@@ -165,6 +174,16 @@ class CallBatcher(Generic[Request, Response]):
                     future.set_exception(result)
                 else:
                     future.set_result(result)
+
+    async def _gather(self) -> None:
+        """Waits up to the window while the next batch would be smaller than the recent
+        ones (a lone session never waits)."""
+        expected = max(self._recent, default=1)
+        if not self.limits.window_s or len(self._queue) >= expected:
+            return
+        deadline = time.monotonic() + self.limits.window_s
+        while len(self._queue) < expected and time.monotonic() < deadline:
+            await asyncio.sleep(0.0005)
 
     def _take(
         self, tokens: int = 0, first_fits: bool = True

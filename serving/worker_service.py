@@ -136,7 +136,7 @@ async def serve_worker(spec: WorkerServiceSpec, options: ServiceOptions) -> Runn
 
 
 def batch_limits(
-    max_tokens: int, max_queue: int, max_wait_s: float, prefill_chunk: int
+    max_tokens: int, max_queue: int, max_wait_s: float, prefill_chunk: int, window_ms: float
 ) -> BatchLimits:
     """The batching and admission-control flags, checked."""
     if max_tokens < 1 or max_queue < 1 or not max_wait_s > 0:
@@ -148,7 +148,9 @@ def batch_limits(
         raise InvalidArgument(
             f"--prefill-chunk-tokens must be at least 0 (0: whole), got {prefill_chunk}"
         )
-    return BatchLimits(max_tokens, max_queue, max_wait_s, prefill_chunk)
+    if not 0 <= window_ms <= 1000:
+        raise InvalidArgument(f"--batch-window-ms must be in 0..1000, got {window_ms}")
+    return BatchLimits(max_tokens, max_queue, max_wait_s, prefill_chunk, window_ms / 1000)
 
 
 def head_list(text: str) -> list[str]:
@@ -231,6 +233,13 @@ def build_parser(spec: WorkerServiceSpec, prog: str) -> argparse.ArgumentParser:
         "sessions' steps run between them (0: whole; %(default)s)",
     )
     parser.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=1000 * defaults.window_s,
+        help="a batch smaller than the recent ones waits this long for more calls "
+        "(0: never; %(default)g)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         help="serve Prometheus /metrics (batch sizes, queue, waits) on this port",
@@ -275,6 +284,7 @@ def service_main(spec: WorkerServiceSpec, argv: list[str] | None = None, prog: s
                     args.max_queue,
                     args.max_queue_wait_s,
                     args.prefill_chunk_tokens,
+                    args.batch_window_ms,
                 ),
                 metrics_port=args.metrics_port,
                 metrics_address=args.metrics_address,

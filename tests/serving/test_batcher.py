@@ -364,3 +364,19 @@ def test_scores_after_a_chunked_jury_prefill_equal_those_after_a_whole_one(start
     torch.testing.assert_close(
         decoded(parts.log_product), decoded(whole.log_product), atol=1e-5, rtol=1e-5
     )
+
+
+def test_a_batch_smaller_than_the_recent_ones_waits_for_more_calls(start_jury):
+    jury = start_jury(max_sessions=4, batch_limits=BatchLimits(window_s=1.0))
+    for session in ("a", "b", "c"):
+        jury.stub.Prefill(jury_prefill_request(session, 0, positions=3), timeout=10)
+    scores = jury.servicer.batchers["Score"]
+    batched(jury, "Score", score_request("a", 3), [score_request("b", 3), score_request("c", 3)])
+    assert scores.largest == 2
+    batches = jury.servicer.metrics.registry.get_sample_value
+    before = batches("hydrajury_batch_calls_count", {"rpc": "Score"})
+    first = jury.stub.Score.future(score_request("a", 3), timeout=10)
+    time.sleep(0.1)  # the second call arrives inside the first one's window
+    second = jury.stub.Score(score_request("b", 3), timeout=10)
+    assert first.result().log_product.shape == second.log_product.shape
+    assert batches("hydrajury_batch_calls_count", {"rpc": "Score"}) == before + 1
