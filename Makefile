@@ -10,7 +10,7 @@ PROTO_OUT := $(PROTO_SRC:.proto=_pb2.py)
 
 HELM := var/tools/helm
 
-.PHONY: setup protos test test-fast lint chart model draft-model run serve bench bench-model bench-one-host bench-drafters bench-serving clean
+.PHONY: setup protos test test-fast lint chart model draft-model run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching clean
 
 setup: $(STAMP)
 
@@ -80,7 +80,10 @@ bench-drafters: model draft-model protos
 bench-serving: model protos
 	$(PY) bench/bench_serving.py --checkpoint $(MODEL_DIR) --unbatched
 
-bench: bench-model bench-one-host bench-drafters bench-serving
+bench-batching: model
+	$(PY) bench/bench_batching.py --checkpoint $(MODEL_DIR)
+
+bench: bench-model bench-batching bench-one-host bench-drafters bench-serving
 	$(PY) bench/bench_engine.py --checkpoint $(MODEL_DIR)
 	$(PY) bench/bench_grpc.py --checkpoint $(MODEL_DIR)
 
