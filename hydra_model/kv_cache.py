@@ -100,6 +100,10 @@ class KVCachePool:
         return self.keys.shape[4]
 
     @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
     def nbytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
 

@@ -41,9 +41,9 @@ class JuryWorker:
         self.all_heads = [h.name for h in model.manifest.llm_heads]
         capacity = min(limits.max_session_tokens, model.context_length)
         self.max_session_tokens = capacity
-        self._pool = model.head_pool(model.heads.size, limits.max_sessions, capacity)
+        self.pool = model.head_pool(model.heads.size, limits.max_sessions, capacity)
         self.sessions: SessionTable[KVCache] = SessionTable(
-            limits, self._pool.acquire, self._pool.release
+            limits, self.pool.acquire, self.pool.release
         )
         self.counters = JuryCounters()
 

@@ -159,6 +159,9 @@ def test_a_full_queue_is_resource_exhausted_with_a_retry_hint(start_jury):
         assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "2 calls are queued (the most is 2); retry in about" in refused.details()
     assert jury.servicer.batchers["Score"].queued == 0  # nothing left behind
+    assert jury.stub.Release(internal_pb2.ReleaseRequest(session="s"), timeout=10).released
+    pool = jury.servicer.worker.pool
+    assert pool.free_slots == pool.num_slots  # every cache slot is free again
 
 
 def test_a_call_that_waits_too_long_is_refused(start_jury):
