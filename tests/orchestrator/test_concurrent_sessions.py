@@ -11,6 +11,11 @@ from tests.grpc_stack import Stack
 from tests.orchestrator.test_grpc_stack import to_pb
 
 SESSIONS = 8
+# Finished requests keep their caches (for a next turn) until a new session needs the
+# slot: with room for them and a reclaim delay no running session ever waits that
+# long, no running session loses its caches (that is tested elsewhere; here it would
+# only cost rebuilds).
+SESSION_ROOM = {"max_sessions": 64, "reclaim_after_s": 0.5}
 PROMPTS = [
     "the cat",
     "a dog ran",
@@ -26,7 +31,10 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def stack(jury_checkpoint, redis_url):
     stack = Stack(
-        str(jury_checkpoint), [["head0", "head1"], ["head2", "head3"]], redis_url, max_sessions=8
+        str(jury_checkpoint),
+        [["head0", "head1"], ["head2", "head3"]],
+        redis_url,
+        **SESSION_ROOM,
     )
     stack.start_services().start_orchestrator()
     yield stack

@@ -37,6 +37,7 @@ from tests.models import (
     draft_model_logits,
     next_token_logits,
 )
+from tests.orchestrator.test_concurrent_sessions import SESSION_ROOM
 from tests.orchestrator.test_grpc_stack import to_pb
 from tests.statistics import assert_fits
 
@@ -281,7 +282,7 @@ def test_concurrent_requests_through_the_services_sample_the_poe_target(
         str(small_model.directory),
         [["head0", "head1"], ["head2", "head3"]],
         redis_url,
-        max_sessions=8,
+        **SESSION_ROOM,
     )
     stack.start_services().start_orchestrator()
     try:
