@@ -71,13 +71,24 @@ class HeadStack:
         """hidden: trunk outputs [N, D] of the segments' tokens one after the other ->
         logits [S, N, V] (and the hidden states [S, N, D], as `forward`)."""
         x = self._layers_ragged(hidden, segments)
+        logits = self._logits(x)
+        return (logits, x) if return_hidden else logits
+
+    def forward_training(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """hidden: [S, N, D], each head its own trunk outputs of whole sequences of
+        `lengths` tokens (one after the other) -> logits [S, N, V] in float32. No cache
+        and no inference mode, so gradients reach the weights (`train-heads`)."""
+        segments = [Segment(None, 0, length) for length in lengths]
+        return self._logits(self.layers.forward_ragged(hidden, segments, self.rope))
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: last hidden states [S, N, D] -> [S, N, V] float32."""
         normed = rms_norm(x, self.norm, self.layers.config.rms_norm_eps)
         if self.shares_lm_head:
-            logits = normed @ self.lm_head.T  # [S, T, V]
+            logits = normed @ self.lm_head.T  # [S, N, V]
         else:
             logits = torch.bmm(normed, self.lm_head.mT)
-        logits = logits.float()
-        return (logits, x) if return_hidden else logits
+        return logits.float()
 
     @torch.inference_mode()
     def fill_ragged(self, hidden: torch.Tensor, segments: list[Segment]) -> None:

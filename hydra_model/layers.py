@@ -63,9 +63,10 @@ def layer_tensor_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
 @dataclass(frozen=True)
 class Segment:
     """One session's tokens in a ragged batch: `length` tokens at positions start..,
-    appended to `cache`."""
+    appended to `cache`. Without a cache (training) a segment is a whole sequence from
+    position 0 whose tokens attend to each other only, and nothing is kept."""
 
-    cache: KVCache
+    cache: KVCache | None
     start: int
     length: int
 
@@ -177,13 +178,16 @@ class LayerStack:
             raise ValueError(
                 f"the segments hold {sum(s.length for s in segments)} tokens, x has {x.shape[1]}"
             )
-        if len({id(segment.cache) for segment in segments}) != len(segments):
+        cached = [segment for segment in segments if segment.cache is not None]
+        if len({id(segment.cache) for segment in cached}) != len(cached):
             raise ValueError("a session's cache appears twice in one batch")
-        for segment in segments:
+        if any(segment.start != 0 for segment in segments if segment.cache is None):
+            raise ValueError("a segment without a cache must start at position 0")
+        for segment in cached:
             segment.cache.check_append(segment.start, segment.length)
         for index, layer in enumerate(self.layers):
             x = self._layer_forward(layer, index, x, segments, rope)
-        for segment in segments:
+        for segment in cached:
             segment.cache.advance(segment.length)
         return x
 
@@ -243,7 +247,10 @@ class LayerStack:
         q = rope.apply(q.reshape(stack, length, -1, hd), start).transpose(1, 2)  # [S, nh, T, hd]
         k = rope.apply(k.reshape(stack, length, -1, hd), start).transpose(1, 2)  # [S, nkv, T, hd]
         v = v.reshape(stack, length, -1, hd).transpose(1, 2)
-        keys, values = segment.cache.write(index, start, k, v)  # [S, nkv, start+T, hd]
+        if segment.cache is None:
+            keys, values = k, v  # a whole sequence: it attends to itself alone
+        else:
+            keys, values = segment.cache.write(index, start, k, v)  # [S, nkv, start+T, hd]
         gqa = config.num_attention_heads != config.num_key_value_heads
         if length == 1:
             out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)

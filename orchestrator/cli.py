@@ -91,6 +91,85 @@ def _run_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train_heads(commands: argparse._SubParsersAction) -> None:
+    from hydra_jury.hydra_model.build.corpus import CORPUS_FORMAT
+    from hydra_jury.hydra_model.build.train import DEFAULT_LEARNING_RATE, TrainOptions
+
+    defaults = TrainOptions(checkpoint="", data="", out="")
+    parser = commands.add_parser(
+        "train-heads",
+        help="fine-tune each head on its own shard of a corpus",
+        description="Fine-tune each llm head of a Hydra checkpoint on its own shard of a "
+        "JSON-lines corpus (head i of n trains on texts i, i+n, ...), the trunk frozen "
+        "and its hidden states computed once. Writes a new checkpoint; run the same "
+        "command again to resume an interrupted run from its last saved step.",
+    )
+    parser.add_argument("--checkpoint", required=True, metavar="DIR", help="Hydra checkpoint")
+    parser.add_argument("--data", required=True, metavar="FILE", help=f"corpus: {CORPUS_FORMAT}")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the trained checkpoint")
+    parser.add_argument(
+        "--lora",
+        type=int,
+        metavar="RANK",
+        help="train LoRA adapters of this rank (merged on save) instead of every weight",
+    )
+    parser.add_argument("--steps", type=int, default=defaults.steps, metavar="N")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        metavar="RATE",
+        help=f"AdamW learning rate (default {DEFAULT_LEARNING_RATE['full']:g}, "
+        f"with --lora {DEFAULT_LEARNING_RATE['lora']:g})",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=defaults.batch_size,
+        metavar="N",
+        help="windows per head and step",
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=defaults.seq_len, metavar="N", help="tokens per window"
+    )
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--save-every",
+        type=int,
+        default=defaults.save_every,
+        metavar="N",
+        help="save the run's state every N steps (resumable)",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="discard an existing --out (or unfinished run)"
+    )
+    parser.set_defaults(handler=_run_train_heads)
+
+
+def _run_train_heads(args: argparse.Namespace) -> int:
+    from hydra_jury.hydra_model.build.train import ProgressBar, TrainOptions, train_heads
+
+    options = TrainOptions(
+        checkpoint=args.checkpoint,
+        data=args.data,
+        out=args.out,
+        steps=args.steps,
+        lora_rank=args.lora,
+        learning_rate=args.lr,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        save_every=args.save_every,
+        force=args.force,
+    )
+    result = train_heads(
+        options, log=lambda line: print(line, file=sys.stderr, flush=True), on_step=ProgressBar()
+    )
+    first, last = result.losses[0], result.losses[-1]
+    for name, before, after in zip(result.heads, first, last, strict=True):
+        print(f"{name}: loss {before:.3f} at step 1, {after:.3f} at step {len(result.losses)}")
+    return 0
+
+
 def _add_inspect(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("inspect", help="describe a Hydra checkpoint")
     parser.add_argument("checkpoint", metavar="DIR")
@@ -639,6 +718,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_build(commands)
+    _add_train_heads(commands)
     _add_inspect(commands)
     _add_generate(commands)
     _add_chat(commands)

@@ -140,14 +140,14 @@ def build_checkpoint(
             else:
                 place = "own"
                 tensors["lm_head.weight"] = lm_head
-            _save(tensors, staging / HEADS_DIR / f"{name}.safetensors", dtype)
+            save_tensors(tensors, staging / HEADS_DIR / f"{name}.safetensors", dtype)
             specs.append(
                 HeadSpec(name=name, role=role, lm_head=place, source=f"{kind} {origin}".strip())
             )
         if shared_lm_head:
             trunk["lm_head.weight"] = base_lm_head
         log(f"writing trunk ({k} layers)")
-        _save(trunk, staging / TRUNK_FILE, dtype)
+        save_tensors(trunk, staging / TRUNK_FILE, dtype)
         log("writing tokenizer")
         base.save_tokenizer(staging)
         manifest = Manifest(
@@ -222,7 +222,7 @@ def _head_plan(options: BuildOptions) -> list[tuple[str, str, str, str]]:
     return plan
 
 
-def _save(tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> None:
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> None:
     save_file({name: t.to(dtype).contiguous() for name, t in tensors.items()}, str(path))
 
 

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from hydra_jury.hydra_model.build.sources import SourceError
 
@@ -23,7 +23,8 @@ _LORA_NAME = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn\.|mlp\.)?(\w+)\.lora_([AB])"
     r"(?:\.default)?\.weight$"
 )
-_ADAPTABLE = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+ADAPTABLE_MODULES = (*_ATTENTION, "gate_proj", "up_proj", "down_proj")
 
 
 def lora_deltas(
@@ -50,7 +51,7 @@ def lora_deltas(
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, tensor in load_file(str(weights_path)).items():
         match = _LORA_NAME.match(name)
-        if not match or match[2] not in _ADAPTABLE:
+        if not match or match[2] not in ADAPTABLE_MODULES:
             raise SourceError(
                 f"{weights_path}: cannot merge tensor {name}; only LoRA on the "
                 f"attention and MLP projections of decoder layers is supported"
@@ -74,3 +75,25 @@ def lora_deltas(
             raise SourceError(f"{weights_path}: layer {layer} {module} lacks lora_A or lora_B")
         deltas[f"layers.{layer}.{module}.weight"] = scale * (pair["B"] @ pair["A"])  # [out, in]
     return deltas
+
+
+def save_adapter(
+    adapter_dir: str | Path,
+    rank: int,
+    alpha: float,
+    pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """Writes a PEFT-format adapter: `pairs[(layer, module)] = (A [r, in], B [out, r])`,
+    merged later by `lora_deltas` (or by PEFT itself)."""
+    adapter_dir = Path(adapter_dir)
+    adapter_dir.mkdir(parents=True, exist_ok=True)
+    modules = sorted({module for _, module in pairs})
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": modules}
+    (adapter_dir / "adapter_config.json").write_text(json.dumps({**config, "bias": "none"}))
+    tensors = {}
+    for (layer, module), (a, b) in pairs.items():
+        place = "self_attn" if module in _ATTENTION else "mlp"
+        prefix = f"base_model.model.model.layers.{layer}.{place}.{module}"
+        tensors[f"{prefix}.lora_A.weight"] = a.detach().contiguous()
+        tensors[f"{prefix}.lora_B.weight"] = b.detach().contiguous()
+    save_file(tensors, str(adapter_dir / "adapter_model.safetensors"))

@@ -1,0 +1,129 @@
+"""The demo training corpus, written by the base model itself: no text is downloaded.
+
+Chat prompts (a few instructions over a list of topics) are answered by sampling the
+checkpoint's first head, and each prompt with its answer, in the chat template's format,
+is one line of the corpus. Round-robin sharding then gives each head its own topics.
+Sampling runs many prompts at once through the runtime's ragged forward, one cache slot
+each, with a seeded generator: the same checkpoint and seed give the same corpus.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hydra_jury.hydra_model.layers import Segment
+from hydra_jury.hydra_model.model import HydraModel
+
+INSTRUCTIONS = (
+    "Write a short paragraph about {}.",
+    "Explain {} to a child in a few sentences.",
+    "Give three interesting facts about {}.",
+    "Describe {} to someone who has never seen it.",
+)
+TOPICS = (
+    "the ocean",
+    "volcanoes",
+    "honey bees",
+    "the moon",
+    "trains",
+    "bread baking",
+    "rainforests",
+    "the violin",
+    "chess",
+    "winter",
+    "owls",
+    "bicycles",
+    "lighthouses",
+    "coffee",
+    "the desert",
+    "libraries",
+    "thunderstorms",
+    "gardening",
+    "penguins",
+    "the human heart",
+    "castles",
+    "rivers",
+    "football",
+    "clouds",
+)
+
+
+def demo_prompts() -> list[str]:
+    """Instruction-major, so that round-robin shards split the topics, not the
+    instructions."""
+    return [instruction.format(topic) for instruction in INSTRUCTIONS for topic in TOPICS]
+
+
+def chat_prompt(tokenizer, prompt: str) -> str:
+    """`prompt` as a user message, with the start of the assistant's answer."""
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def sample_corpus(
+    model: HydraModel,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    batch_size: int = 32,
+) -> list[str]:
+    """Each prompt, in the chat format, followed by a sampled answer."""
+    tokenizer = model.load_tokenizer()
+    texts = [chat_prompt(tokenizer, prompt) for prompt in prompts]
+    encoded = [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
+    generator = torch.Generator().manual_seed(seed)
+    answers = []
+    for first in range(0, len(encoded), batch_size):
+        group = encoded[first : first + batch_size]
+        answers += sample_continuations(model, group, max_new_tokens, temperature, generator)
+    return [
+        text + tokenizer.decode(answer, skip_special_tokens=False)
+        for text, answer in zip(texts, answers, strict=True)
+    ]
+
+
+@torch.inference_mode()
+def sample_continuations(
+    model: HydraModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator,
+) -> list[list[int]]:
+    """Samples from the first head after each prompt, all prompts in one ragged batch,
+    until an end-of-sequence token (kept) or `max_new_tokens`."""
+    head = model.heads.select(0)
+    eos = set(model.config.eos_token_ids)
+    capacity = max(len(p) for p in prompts) + max_new_tokens
+    trunk_pool = model.trunk_pool(len(prompts), capacity)
+    head_pool = model.head_pool(1, len(prompts), capacity)
+    caches = [(trunk_pool.acquire(), head_pool.acquire()) for _ in prompts]
+    lengths = torch.tensor([len(p) for p in prompts])
+    tokens = torch.tensor([t for p in prompts for t in p])
+    hidden = model.trunk.forward_ragged(
+        tokens, [Segment(c[0], 0, len(p)) for c, p in zip(caches, prompts, strict=True)]
+    )
+    logits = head.forward_ragged(
+        hidden, [Segment(c[1], 0, len(p)) for c, p in zip(caches, prompts, strict=True)]
+    )[0][lengths.cumsum(0) - 1]  # [B, V]: after each prompt's last token
+    generated: list[list[int]] = [[] for _ in prompts]
+    active = list(range(len(prompts)))
+    for step in range(max_new_tokens):
+        probs = torch.softmax(logits / temperature, dim=-1)
+        drawn = torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
+        for index, token in zip(active, drawn, strict=True):
+            generated[index].append(token)
+        active = [i for i, token in zip(active, drawn, strict=True) if token not in eos]
+        if not active or step + 1 == max_new_tokens:
+            break
+        # Each sequence's newest token sits at its prompt length + step.
+        step_tokens = torch.tensor([generated[i][-1] for i in active])
+        trunk_segments = [Segment(caches[i][0], len(prompts[i]) + step, 1) for i in active]
+        head_segments = [Segment(caches[i][1], len(prompts[i]) + step, 1) for i in active]
+        hidden = model.trunk.forward_ragged(step_tokens, trunk_segments)
+        logits = head.forward_ragged(hidden, head_segments)[0]
+    return generated
