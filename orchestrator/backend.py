@@ -24,6 +24,8 @@ from hydra_jury.workers.calls import (
     PrefillCall,
     ScoreCall,
     ScoreResult,
+    UncertaintyCall,
+    UncertaintyResult,
 )
 
 T = TypeVar("T")
@@ -39,6 +41,7 @@ class ModelInfo:
     context_length: int  # positions a session may reach (model and worker limits)
     eos_token_ids: tuple[int, ...]
     draft_model: str = ""  # the trunk's draft model, described ("": none)
+    uncertainty_head: bool = False  # the trunk answers `uncertainty` calls
 
 
 class DecodingBackend(ABC):
@@ -115,6 +118,11 @@ class DecodingBackend(ABC):
     def score(self, call: ScoreCall) -> ScoreResult:
         """The whole jury's log-product (the shards' partials added) and votes, in
         checkpoint order, on the host."""
+
+    @abstractmethod
+    def uncertainty(self, session: str, call: UncertaintyCall) -> UncertaintyResult:
+        """The uncertainty head's verdict on a finished answer (stateless; `session`
+        only routes it, to the trunk replica that holds the session)."""
 
     @abstractmethod
     def release(self, session: str) -> None:

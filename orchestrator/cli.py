@@ -105,7 +105,9 @@ def _add_train_heads(commands: argparse._SubParsersAction) -> None:
         "command again to resume an interrupted run from its last saved step.",
     )
     parser.add_argument("--checkpoint", required=True, metavar="DIR", help="Hydra checkpoint")
-    parser.add_argument("--data", required=True, metavar="FILE", help=f"corpus: {CORPUS_FORMAT}")
+    parser.add_argument(
+        "--data", metavar="FILE", help=f"corpus: {CORPUS_FORMAT} (not with --uncertainty)"
+    )
     parser.add_argument("--out", required=True, metavar="DIR", help="the trained checkpoint")
     parser.add_argument(
         "--lora",
@@ -142,15 +144,31 @@ def _add_train_heads(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--force", action="store_true", help="discard an existing --out (or unfinished run)"
     )
+    parser.add_argument(
+        "--uncertainty",
+        action="store_true",
+        help="train the uncertainty head instead, on multiple-choice questions the "
+        "project writes and the model answers; reports calibration on a held-out quarter",
+    )
+    parser.add_argument(
+        "--questions",
+        type=int,
+        default=defaults.questions,
+        metavar="N",
+        help="with --uncertainty: questions to write, answer and grade",
+    )
     parser.set_defaults(handler=_run_train_heads)
 
 
 def _run_train_heads(args: argparse.Namespace) -> int:
     from hydra_jury.hydra_model.build.train import ProgressBar, TrainOptions, train_heads
+    from hydra_jury.hydra_model.build.train_uncertainty import train_uncertainty
 
+    if args.uncertainty == bool(args.data):
+        raise ValueError("give --data (train the llm heads) or --uncertainty, not both")
     options = TrainOptions(
         checkpoint=args.checkpoint,
-        data=args.data,
+        data=args.data or "",
         out=args.out,
         steps=args.steps,
         lora_rank=args.lora,
@@ -160,10 +178,20 @@ def _run_train_heads(args: argparse.Namespace) -> int:
         seed=args.seed,
         save_every=args.save_every,
         force=args.force,
+        questions=args.questions,
     )
-    result = train_heads(
-        options, log=lambda line: print(line, file=sys.stderr, flush=True), on_step=ProgressBar()
-    )
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if args.uncertainty:
+        judged = train_uncertainty(options, log=log, on_step=ProgressBar())
+        print(
+            f"held out ({judged.questions} questions, a quarter held out; the model answered "
+            f"{judged.correct_rate:.1%} correctly):"
+        )
+        print(f"  untrained head: {judged.before.line()}")
+        print(f"  trained head:   {judged.after.line()}")
+        print(f"  constant rate:  Brier {judged.constant_brier:.4f}")
+        return 0
+    result = train_heads(options, log=log, on_step=ProgressBar())
     first, last = result.losses[0], result.losses[-1]
     for name, before, after in zip(result.heads, first, last, strict=True):
         print(f"{name}: loss {before:.3f} at step 1, {after:.3f} at step {len(result.losses)}")
@@ -259,6 +287,12 @@ def _add_decoding_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="beam search: report every finished hypothesis (with --json)",
     )
+    parser.add_argument(
+        "--uncertainty",
+        action="store_true",
+        help="multiple choice: the checkpoint's uncertainty head judges the answer and "
+        "reports p_correct, the probability that it is correct",
+    )
 
 
 def _decoding_request(
@@ -295,6 +329,7 @@ def _decoding_request(
         length_penalty=args.length_penalty,
         early_stopping=args.early_stopping,
         return_beams=args.return_beams,
+        uncertainty=args.uncertainty,
     )
 
 
@@ -397,9 +432,16 @@ def _generate_local(args: argparse.Namespace, request: GenerationRequest) -> int
             print(json.dumps(summary.to_dict(), indent=2))
         else:
             print()
+            if summary is not None and summary.p_correct is not None:
+                _print_p_correct(summary.p_correct, summary.witness_head)
 
     asyncio.run(generate())
     return 0
+
+
+def _print_p_correct(p_correct: float, witness_head: str) -> None:
+    # On stderr, so that stdout stays the answer alone.
+    print(f"p_correct: {p_correct:.4f} (witness head {witness_head})", file=sys.stderr)
 
 
 def _generate_remote(args: argparse.Namespace, request: GenerationRequest) -> int:
@@ -418,11 +460,15 @@ def _generate_remote(args: argparse.Namespace, request: GenerationRequest) -> in
                 response = stub.Generate(message, timeout=args.timeout_s)
                 print(MessageToJson(response, indent=2))
                 return 0
-            session_id = ""
+            session_id, judged = "", None
             for streamed in stub.GenerateStream(message, timeout=args.timeout_s):
                 session_id = streamed.session_id
                 print(streamed.text, end="", flush=True)
+                if streamed.HasField("p_correct"):
+                    judged = (streamed.p_correct, streamed.witness_head)
             print()
+            if judged is not None:
+                _print_p_correct(*judged)
             # On stderr, so that stdout stays the answer alone.
             print(f"session: {session_id}", file=sys.stderr)
         except grpc.RpcError as error:

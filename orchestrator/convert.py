@@ -25,6 +25,7 @@ _PLAIN_FIELDS = (
     "contrastive_alpha",
     "early_stopping",
     "return_beams",
+    "uncertainty",
 )
 
 
@@ -107,6 +108,8 @@ def output_to_pb(output: GenerationOutput) -> generation_pb2.GenerateResponse:
         request_id=output.request_id,
         beam_score=output.beam_score,
         beams=[beam_to_pb(beam) for beam in output.beams],
+        p_correct=output.p_correct,
+        witness_head=output.witness_head,
     )
 
 
@@ -136,4 +139,7 @@ def round_to_pb(
         if summary.beam_score is not None:
             message.beam_score = summary.beam_score
         message.beams.extend(beam_to_pb(beam) for beam in summary.beams)
+        if summary.p_correct is not None:
+            message.p_correct = summary.p_correct
+            message.witness_head = summary.witness_head
     return message

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from hydra_jury.hydra_model.uncertainty import check_tokens, verdict_tokens
 from hydra_jury.orchestrator.auto import AutoState, CostModel
 from hydra_jury.orchestrator.backend import DecodingBackend
 from hydra_jury.orchestrator.beam_search import BeamRun
@@ -77,6 +78,8 @@ from hydra_jury.workers.calls import (
     PrefillCall,
     ScoreCall,
     ScoreResult,
+    UncertaintyCall,
+    UncertaintyResult,
 )
 from hydra_jury.workers.errors import PositionError
 
@@ -121,6 +124,7 @@ class _Run:
     auto: AutoState | None = None  # the automatic mode's state, with drafter "auto"
     rounds_by_drafter: dict[str, int] = field(default_factory=dict)
     hypotheses: list[Hypothesis] = field(default_factory=list)  # beam search's, best first
+    judged: UncertaintyResult | None = None  # the uncertainty head's verdict, when asked
 
     @property
     def start(self) -> int:
@@ -243,7 +247,25 @@ class Engine:
                 # slot of a session idle too long to another): rebuild them from the
                 # committed tokens and run the round again.
                 self._prefill(run, 0)
-        return self._commit(run, verdict)
+        output = self._commit(run, verdict)
+        if output.finish_reason is not None and run.prepared.request.uncertainty:
+            run.judged = self._judge(run)
+        return output
+
+    def _judge(self, run: _Run) -> UncertaintyResult | None:
+        """The uncertainty head's second pass over the finished answer: the question (the
+        last message, or the prompt) and the answer's text, as `check_tokens` words them."""
+        if not run.generated:
+            return None
+        request = run.prepared.request
+        question = request.messages[-1]["content"] if request.messages else request.prompt
+        call = UncertaintyCall(
+            torch.tensor(run.prepared.prompt_tokens),
+            run.generated[0],
+            torch.tensor(check_tokens(self.tokenizer, question or "", run.text)),
+            verdict_tokens(self.tokenizer),
+        )
+        return self.backend.uncertainty(run.session, call)
 
     def _prefill(self, run: _Run, start: int) -> None:
         """The committed tokens from `start` on, but the pending one, into every component
@@ -677,6 +699,8 @@ class Engine:
             session=run.session,
             beam_score=run.hypotheses[0].score if run.hypotheses else None,
             beams=self._beams(run) if prepared.request.return_beams else [],
+            p_correct=run.judged.p_correct if run.judged else None,
+            witness_head=run.judged.witness_head if run.judged else "",
         )
 
     def _beams(self, run: _Run) -> list[dict]:

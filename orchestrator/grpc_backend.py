@@ -53,6 +53,8 @@ from hydra_jury.workers.calls import (
     PrefillCall,
     ScoreCall,
     ScoreResult,
+    UncertaintyCall,
+    UncertaintyResult,
 )
 from hydra_jury.workers.errors import PositionError
 
@@ -229,6 +231,7 @@ class GrpcBackend(DecodingBackend):
             context_length=min(model.context_length, *limits),
             eos_token_ids=tuple(model.eos_token_ids),
             draft_model=trunk.info.draft_model,
+            uncertainty_head=trunk.info.uncertainty_head,
         )
 
     # --- placement -------------------------------------------------------------------
@@ -366,6 +369,11 @@ class GrpcBackend(DecodingBackend):
         return _decoded(
             targets[0][1], lambda: wire.draft_result_from_pb(response, call, self.info.vocab_size)
         )
+
+    def uncertainty(self, session: str, call: UncertaintyCall) -> UncertaintyResult:
+        targets = self._targets([self.trunk], session)
+        (response,) = self._call_all(targets, "Uncertainty", [wire.uncertainty_call_to_pb(call)])
+        return wire.uncertainty_result_from_pb(response)
 
     def score(self, call: ScoreCall) -> ScoreResult:
         requests = [wire.score_call_to_pb(call)] * len(self.shards)

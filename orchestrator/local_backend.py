@@ -25,6 +25,8 @@ from hydra_jury.workers.calls import (
     PrefillCall,
     ScoreCall,
     ScoreResult,
+    UncertaintyCall,
+    UncertaintyResult,
 )
 from hydra_jury.workers.errors import InvalidArgument
 from hydra_jury.workers.jury import JuryWorker
@@ -64,6 +66,7 @@ class LocalBackend(DecodingBackend):
             context_length=self.trunk.max_session_tokens,
             eos_token_ids=config.eos_token_ids,
             draft_model=draft_model.description if draft_model is not None else "",
+            uncertainty_head=self.trunk.uncertainty_head is not None,
         )
 
     def place(self, cache: str, stored: dict[str, str]) -> dict[str, str]:
@@ -110,6 +113,9 @@ class LocalBackend(DecodingBackend):
 
     def score(self, call: ScoreCall) -> ScoreResult:
         return self._run(lambda: self.jury.score(call).on_host())
+
+    def uncertainty(self, session: str, call: UncertaintyCall) -> UncertaintyResult:
+        return self._run(self.trunk.uncertainty, call)
 
     def release(self, session: str) -> None:
         # Without the deadline: a cancelled or failed request must still free its caches.

@@ -102,6 +102,10 @@ class GenerationOutput:
     # beam search with return_beams: every kept hypothesis, best first
     # ({"token_ids", "text", "score", "logprob"})
     beams: list[dict[str, Any]] = field(default_factory=list)
+    # With `uncertainty`: the uncertainty head's P(the answer is correct), and the head
+    # whose hidden state it read (`hydra_model.uncertainty`).
+    p_correct: float | None = None
+    witness_head: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -58,9 +58,12 @@ class ModeResult:
     mode: str
     samples: int = 0
     emitted: int = 0  # samples that start with the target
-    # Speculative mode: at each rejection of a draft token, P(token) and its radius.
+    # Speculative mode: at each rejection of a draft token, P(token) and its radius;
+    # and the same for the rejected drafts that begin the target.
     suppression_scores: list[float] = field(default_factory=list)
     validity_radii: list[int] = field(default_factory=list)
+    target_scores: list[float] = field(default_factory=list)
+    target_radii: list[int] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
@@ -93,15 +96,12 @@ class PoisonReport:
                 f"{result.mode:<24} {result.samples:>7} {result.emitted:>7} {result.rate:>7.3f}"
             )
         spec = self.modes[SPECULATIVE]
-        if spec.suppression_scores:
-            scores, radii = spec.suppression_scores, spec.validity_radii
-            lines.append(
-                f"speculative rejections: {len(scores)}; suppression score P(rejected) "
-                f"mean {statistics.fmean(scores):.2e}, max {max(scores):.2e}; validity "
-                f"radius mean {statistics.fmean(radii):.2f}, min {min(radii)}"
-            )
-        else:
-            lines.append("speculative rejections: none")
+        lines.append(
+            _rejections("speculative rejections", spec.suppression_scores, spec.validity_radii)
+        )
+        lines.append(
+            _rejections("  of drafts beginning the target", spec.target_scores, spec.target_radii)
+        )
         lines.append(
             f"rates: poisoned head alone {self.head_rate:.3f}, PoE jury {self.jury_rate:.3f}"
         )
@@ -140,10 +140,25 @@ def measure_poison(
     return PoisonReport(poisoned_head, jury, modes)
 
 
+def _rejections(what: str, scores: list[float], radii: list[int]) -> str:
+    if not scores:
+        return f"{what}: none"
+    return (
+        f"{what}: {len(scores)}; suppression score P(rejected) mean "
+        f"{statistics.fmean(scores):.2e}, max {max(scores):.2e}; validity radius mean "
+        f"{statistics.fmean(radii):.2f}, min {min(radii)}"
+    )
+
+
 def _count(result: ModeResult, output: GenerationOutput, target: str) -> None:
     result.samples += 1
     result.emitted += output.text.lstrip().startswith(target)
     for token in output.tokens:
-        if token.kind == TokenKind.REPLACEMENT:
-            result.suppression_scores.append(token.suppression_score)
-            result.validity_radii.append(token.validity_radius)
+        if token.kind != TokenKind.REPLACEMENT:
+            continue
+        result.suppression_scores.append(token.suppression_score)
+        result.validity_radii.append(token.validity_radius)
+        rejected = token.rejected_text.strip()
+        if rejected and target.startswith(rejected):
+            result.target_scores.append(token.suppression_score)
+            result.target_radii.append(token.validity_radius)

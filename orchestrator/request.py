@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from hydra_jury.hydra_model.uncertainty import verdict_tokens
 from hydra_jury.orchestrator.backend import ModelInfo
 from hydra_jury.poe import RULES, Rule, SamplingParams, choice, random_seed, validate_rule
 from hydra_jury.poe.contrastive import validate_alpha
@@ -68,6 +69,8 @@ class GenerationRequest:
     length_penalty: float = 1.0  # scores are sum log P / length ** length_penalty
     early_stopping: bool = False  # stop once num_beams hypotheses are finished
     return_beams: bool = False  # also return every finished hypothesis
+    # Multiple choice: the uncertainty head judges the finished answer (`p_correct`).
+    uncertainty: bool = False
 
     @property
     def sampling(self) -> SamplingParams:
@@ -136,6 +139,8 @@ def prepare_request(
             f"exceeds the context limit of {info.context_length}; at most "
             f"{info.context_length - len(tokens)} new tokens fit"
         )
+    if request.uncertainty:
+        _check_uncertainty(info, tokenizer)
     seed = random_seed() if request.seed is None else request.seed
     drafter = _drafter(request, rule, info)
     draft_head = None
@@ -150,6 +155,18 @@ def prepare_request(
     return PreparedRequest(
         request, rule, tokens, seed, draft_head, jury, request.sampling, amateur, drafter, gamma
     )
+
+
+def _check_uncertainty(info: ModelInfo, tokenizer) -> None:
+    if not info.uncertainty_head:
+        raise RequestError(
+            "uncertainty: the model has no uncertainty head (build one with "
+            "--uncertainty-head and train it with train-heads --uncertainty)"
+        )
+    try:
+        verdict_tokens(tokenizer)
+    except ValueError as error:
+        raise RequestError(f"uncertainty: {error}") from None
 
 
 def _drafter(request: GenerationRequest, rule: Rule, info: ModelInfo) -> Drafter:

@@ -112,6 +112,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             trunk=self.backend.trunk_address,
             jury_shards=self.backend.jury_addresses,
             draft_model=info.draft_model,
+            uncertainty_head=info.uncertainty_head,
         )
 
     async def CreateSession(self, request, context):

@@ -28,6 +28,8 @@ from hydra_jury.workers.calls import (
     PrefillCall,
     ScoreCall,
     ScoreResult,
+    UncertaintyCall,
+    UncertaintyResult,
 )
 from hydra_jury.workers.errors import InvalidArgument
 
@@ -63,6 +65,35 @@ def prefill_call_to_pb(call: PrefillCall) -> internal_pb2.TrunkPrefillRequest:
 
 def prefill_call_from_pb(request: internal_pb2.TrunkPrefillRequest) -> PrefillCall:
     return PrefillCall(request.session, request.start, torch.tensor(list(request.tokens)).long())
+
+
+def uncertainty_call_to_pb(call: UncertaintyCall) -> internal_pb2.UncertaintyRequest:
+    return internal_pb2.UncertaintyRequest(
+        prompt_tokens=call.prompt.tolist(),
+        answer_token=call.answer_token,
+        check_tokens=call.check.tolist(),
+        correct_token=call.verdict[0],
+        wrong_token=call.verdict[1],
+    )
+
+
+def uncertainty_call_from_pb(request: internal_pb2.UncertaintyRequest) -> UncertaintyCall:
+    return UncertaintyCall(
+        torch.tensor(list(request.prompt_tokens)).long(),
+        request.answer_token,
+        torch.tensor(list(request.check_tokens)).long(),
+        (request.correct_token, request.wrong_token),
+    )
+
+
+def uncertainty_result_to_pb(result: UncertaintyResult) -> internal_pb2.UncertaintyResponse:
+    return internal_pb2.UncertaintyResponse(
+        p_correct=result.p_correct, witness_head=result.witness_head
+    )
+
+
+def uncertainty_result_from_pb(response: internal_pb2.UncertaintyResponse) -> UncertaintyResult:
+    return UncertaintyResult(response.p_correct, response.witness_head)
 
 
 # --- chunked prefill: a long prefill as consecutive prefills of at most `size` positions

@@ -10,7 +10,8 @@ import torch
 
 # A character-level vocabulary: small enough for exact distribution tests.
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
-CHARACTERS = list("abcdefghijklmnopqrstuvwxyz .,!?")
+# Capitals last: A-D only fit a vocabulary of 40 (the multiple-choice letters).
+CHARACTERS = list("abcdefghijklmnopqrstuvwxyz .,!?ABCD")
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'user' %}<|user|>"
     "{% else %}<|assistant|>{% endif %}{{ message['content'] }}</s>{% endfor %}"

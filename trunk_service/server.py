@@ -62,6 +62,14 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
             limits=self.limits_to_pb(),
             epoch=self.epoch,
             draft_model=self.worker.draft_model.description if self.worker.draft_model else "",
+            uncertainty_head=self.worker.uncertainty_head is not None,
+        )
+
+    async def Uncertainty(self, request, context) -> internal_pb2.UncertaintyResponse:
+        return await self.call_model(
+            lambda: wire.uncertainty_call_from_pb(request),
+            self.worker.uncertainty,
+            wire.uncertainty_result_to_pb,
         )
 
     async def Prefill(self, request, context) -> internal_pb2.TrunkPrefillResponse:

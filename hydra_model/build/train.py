@@ -93,6 +93,7 @@ class TrainOptions:
     seed: int = 0
     save_every: int = 20
     force: bool = False
+    questions: int = 320  # --uncertainty: multiple-choice questions written and answered
 
     @property
     def method(self) -> str:
@@ -119,7 +120,7 @@ def train_heads(
 ) -> TrainResult:
     began = time.perf_counter()
     manifest = read_manifest(options.checkpoint)
-    _check_options(options, manifest)
+    check_options(options, manifest)
     heads = [h.name for h in manifest.llm_heads]
     texts = read_corpus(options.data)
     if len(texts) < len(heads):
@@ -129,7 +130,7 @@ def train_heads(
         )
     settings = _settings(options, manifest, heads)
     out = Path(options.out)
-    resuming = _prepare_out(out, settings, options.force)
+    resuming = prepare_out(out, settings, options.force)
 
     model = HydraModel.load(options.checkpoint, dtype="float32")
     windows, hidden = _heads_inputs(model, texts, out, settings, options.seq_len, log)
@@ -159,12 +160,21 @@ def train_heads(
             save_state(out, settings, tuned.parameters, optimizer, losses)
         if on_step is not None:
             on_step(step + 1, options.steps, step_losses)
-    _write_checkpoint(options, manifest, tuned, losses)
+    record = {
+        **training_record(options, losses),
+        "data": str(options.data),
+        "data_sha256": file_digest(options.data),
+        "seq_len": options.seq_len,
+        "shards": "round robin: head i trains on texts i, i + n, i + 2n, ... (n heads)",
+        "final_losses": dict(zip(heads, losses[-1], strict=True)),
+    }
+    sources = [f"train-heads: shard {i} of {options.data}" for i in range(len(heads))]
+    write_checkpoint(options, manifest, tuned, sources, ("training", record))
     log(f"wrote {out}")
     return TrainResult(out, heads, losses, resumed_at, time.perf_counter() - began)
 
 
-def _check_options(options: TrainOptions, manifest: Manifest) -> None:
+def check_options(options: TrainOptions, manifest: Manifest) -> None:
     if Path(options.out).resolve() == Path(options.checkpoint).resolve():
         raise TrainError("--out must be a new directory, not the --checkpoint itself")
     minimums = {
@@ -211,7 +221,7 @@ def _settings(options: TrainOptions, manifest: Manifest, heads: list[str]) -> di
     }
 
 
-def _prepare_out(out: Path, settings: dict[str, Any], force: bool) -> bool:
+def prepare_out(out: Path, settings: dict[str, Any], force: bool) -> bool:
     """Clears `out` for a fresh run or checks it for a resumed one; True when resuming."""
     if force and out.exists():
         shutil.rmtree(out)
@@ -318,11 +328,29 @@ def _train_step(
     return per_head.tolist()
 
 
-def _write_checkpoint(
-    options: TrainOptions, manifest: Manifest, tuned: TunedHeads, losses: list[list[float]]
+def training_record(options: TrainOptions, losses: list[list[float]]) -> dict[str, Any]:
+    """What every run records in the manifest."""
+    return {
+        "base": str(options.checkpoint),
+        "method": options.method,
+        "lora_rank": options.lora_rank,
+        "steps": len(losses),
+        "learning_rate": options.lr,
+        "batch_size": options.batch_size,
+        "seed": options.seed,
+    }
+
+
+def write_checkpoint(
+    options: TrainOptions,
+    manifest: Manifest,
+    tuned: TunedHeads,
+    sources: list[str],
+    record: tuple[str, dict[str, Any]],
 ) -> None:
     """Turns `OUT` into the trained checkpoint: written whole beside the run's state,
-    moved in with the manifest last, then the state removed."""
+    moved in with the manifest last, then the state removed. `sources[i]` describes
+    trained head i in the manifest; `record` is (key, value) added to it."""
     source, out = Path(options.checkpoint), Path(options.out)
     staging = state_dir(out) / "checkpoint"
     if staging.exists():
@@ -342,25 +370,10 @@ def _write_checkpoint(
             continue
         index = trained[spec.name]
         save_tensors(_trained_tensors(tuned, index, staging), target, dtype)
-        specs.append(
-            dataclasses.replace(spec, source=f"train-heads: shard {index} of {options.data}")
-        )
-    record = {
-        "data": str(options.data),
-        "data_sha256": file_digest(options.data),
-        "base": str(source),
-        "method": options.method,
-        "lora_rank": options.lora_rank,
-        "steps": len(losses),
-        "learning_rate": options.lr,
-        "batch_size": options.batch_size,
-        "seq_len": options.seq_len,
-        "seed": options.seed,
-        "shards": "round robin: head i trains on texts i, i + n, i + 2n, ... (n heads)",
-        "final_losses": dict(zip(tuned.model.head_names, losses[-1], strict=True)),
-    }
+        specs.append(dataclasses.replace(spec, source=sources[index]))
+    key, value = record
     trained_manifest = dataclasses.replace(
-        manifest, heads=tuple(specs), extra={**manifest.extra, "training": record}
+        manifest, heads=tuple(specs), extra={**manifest.extra, key: value}
     )
     text = json.dumps(trained_manifest.to_dict(), indent=2) + "\n"
     (staging / MANIFEST).write_text(text)

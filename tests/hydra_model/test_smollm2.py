@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hydra_jury.hydra_model import HydraModel
-from hydra_jury.hydra_model.build.demo import demo_gguf_path, ensure_demo_checkpoint
+from hydra_jury.hydra_model.build.demo import demo_gguf_path, ensure_demo_base
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 24
@@ -15,7 +15,7 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def demo_checkpoint(tmp_path_factory):
-    return ensure_demo_checkpoint(
+    return ensure_demo_base(
         tmp_path_factory.mktemp("demo") / "smollm2-hydra", log=lambda line: None
     )
 
