@@ -74,12 +74,18 @@ class HeadStack:
         logits = self._logits(x)
         return (logits, x) if return_hidden else logits
 
-    def forward_training(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def forward_training(
+        self, hidden: torch.Tensor, lengths: list[int], last_only: bool = False
+    ) -> torch.Tensor:
         """hidden: [S, N, D], each head its own trunk outputs of whole sequences of
-        `lengths` tokens (one after the other) -> logits [S, N, V] in float32. No cache
-        and no inference mode, so gradients reach the weights (`train-heads`)."""
+        `lengths` tokens (one after the other) -> logits [S, N, V] in float32, or with
+        `last_only` [S, len(lengths), V] at each sequence's last token. No cache and no
+        inference mode, so gradients reach the weights (`train-heads`)."""
         segments = [Segment(None, 0, length) for length in lengths]
-        return self._logits(self.layers.forward_ragged(hidden, segments, self.rope))
+        x = self.layers.forward_ragged(hidden, segments, self.rope)
+        if last_only:
+            x = x[:, torch.tensor(lengths).cumsum(0) - 1]
+        return self._logits(x)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: last hidden states [S, N, D] -> [S, N, V] float32."""

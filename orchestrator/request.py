@@ -123,6 +123,8 @@ def prepare_request(
     """Checks and resolves `request`; its context is `context` when given (a session's
     conversation so far, for a text session's next turn), else its input encoded."""
     rule = _check_numbers(request, info)
+    if request.uncertainty:
+        _check_uncertainty(info, tokenizer)
     if request.num_beams > 1:
         _check_beam_search(request, rule)
         rule = Rule.VERIFIER_ONLY  # one target row per beam and step: no speculation
@@ -139,8 +141,6 @@ def prepare_request(
             f"exceeds the context limit of {info.context_length}; at most "
             f"{info.context_length - len(tokens)} new tokens fit"
         )
-    if request.uncertainty:
-        _check_uncertainty(info, tokenizer)
     seed = random_seed() if request.seed is None else request.seed
     drafter = _drafter(request, rule, info)
     draft_head = None

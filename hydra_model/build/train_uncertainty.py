@@ -79,14 +79,14 @@ def train_uncertainty(
     began = time.perf_counter()
     manifest = read_manifest(options.checkpoint)
     check_options(options, manifest)
+    if options.questions < MIN_QUESTIONS:
+        raise TrainError(f"--questions must be at least {MIN_QUESTIONS}, got {options.questions}")
     specs = [spec for spec in manifest.heads if spec.role == UNCERTAINTY_ROLE]
     if not specs:
         raise TrainError(
             f"{options.checkpoint} has no uncertainty head: build the checkpoint with "
             "`hydra-jury build --uncertainty-head`"
         )
-    if options.questions < MIN_QUESTIONS:
-        raise TrainError(f"--questions must be at least {MIN_QUESTIONS}, got {options.questions}")
     settings = _settings(options)
     out = Path(options.out)
     resuming = prepare_out(out, settings, options.force)
@@ -111,7 +111,7 @@ def train_uncertainty(
     )
     base = [
         read_tensors(
-            Path(options.checkpoint) / spec.file, manifest.head_shapes(spec), torch.float32
+            Path(options.checkpoint) / spec.file, manifest.head_shapes(spec), dtype=torch.float32
         )
         for spec in specs
     ]
@@ -130,7 +130,7 @@ def train_uncertainty(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(tuned.head_parameters(0), 1.0)
         optimizer.step()
-        losses.append([float(loss)])
+        losses.append([loss.item()])
         if (step + 1) % options.save_every == 0 or step + 1 == options.steps:
             save_state(out, settings, tuned.parameters, optimizer, losses)
         if on_step is not None:
@@ -193,9 +193,8 @@ def _verdict_logits(tuned: TunedHeads, examples: list[Example], verdict) -> torc
     """z[A] − z[B] at the last position of each example, [B]."""
     lengths = [len(e.hidden) for e in examples]
     hidden = torch.cat([e.hidden for e in examples])[None]  # [1, N, D]
-    logits = tuned.head_stack().forward_training(hidden, lengths)[0]  # [N, V]
-    last = torch.tensor(lengths).cumsum(0) - 1
-    return verdict_logit(logits[last], verdict)
+    logits = tuned.head_stack().forward_training(hidden, lengths, last_only=True)[0]  # [B, V]
+    return verdict_logit(logits, verdict)
 
 
 def _loss(tuned: TunedHeads, batch: list[Example], verdict) -> torch.Tensor:
