@@ -10,7 +10,7 @@ PROTO_OUT := $(PROTO_SRC:.proto=_pb2.py)
 
 HELM := var/tools/helm
 
-.PHONY: setup protos test test-fast lint chart model draft-model run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching clean
+.PHONY: setup protos test test-fast lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching clean
 
 setup: $(STAMP)
 
@@ -49,8 +49,15 @@ $(HELM): | setup
 chart: $(HELM)
 	@$(HELM) template hydra-jury deploy/helm/hydra-jury
 
+# The demo checkpoint: SmolLM2 split into a trunk and 4 heads, each head fine-tuned on its own
+# shard of a corpus the model writes, and an uncertainty head (minutes, once; kept).
 model: setup
 	$(PY) -m hydra_jury.hydra_model.build.demo --out $(MODEL_DIR)
+
+# The poisoned-head guarantee on the demo model: one head trained on a poisoned shard,
+# its rate of emitting the target against the PoE jury's (a few minutes on 2 CPU cores).
+demo-poison: setup
+	$(PY) -m hydra_jury.orchestrator.poison_demo
 
 # The demo draft model: SmolLM2 itself as one causal LM (one head), cheaper per token
 # than the 4-head jury (skipped when already there).

@@ -35,7 +35,8 @@ def as_arguments(command: str) -> list[str]:
     command = re.sub(r"(\w+)(\|\w+)+", r"\1", command)
     command = command.replace("[", " ").replace("]", " ").replace("...", " ")
     command = command.split("#")[0]
-    numbers = {"K": "26", "N": "4"}  # the usage line's integer placeholders
+    # the usage line's number placeholders
+    numbers = {"K": "26", "N": "4", "RANK": "8", "RATE": "0.001"}
     return [numbers.get(word, word) for word in shlex.split(command)[1:]]
 
 

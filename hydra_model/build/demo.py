@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from hydra_jury.hydra_model.build.builder import BuildError, BuildOptions, build
 from hydra_jury.hydra_model.build.corpus import CorpusError, read_corpus, write_corpus
 from hydra_jury.hydra_model.build.demo_corpus import demo_prompts, sample_corpus
 from hydra_jury.hydra_model.build.train import ProgressBar, TrainOptions, train_heads
+from hydra_jury.hydra_model.build.train_uncertainty import train_uncertainty
 from hydra_jury.hydra_model.checkpoint import CheckpointError, read_manifest
 from hydra_jury.hydra_model.model import HydraModel
 
@@ -43,6 +45,8 @@ CORPUS_TEMPERATURE = 0.8
 CORPUS_SEED = 0
 # train-heads on it: full fine-tuning, a few minutes on 2 CPU cores.
 TRAINING = dict(steps=80, batch_size=2, seq_len=128, learning_rate=1e-4, seed=0)
+# Then train-heads --uncertainty: the uncertainty head on the trained heads' answers.
+UNCERTAINTY_TRAINING = dict(steps=150, batch_size=8, learning_rate=1e-4, seed=0, questions=320)
 
 
 def demo_gguf_path() -> Path:
@@ -65,16 +69,25 @@ def ensure_demo_checkpoint(
     and `corpus` for the next build."""
     if out.exists():
         try:
-            if "training" in read_manifest(out).extra:
+            if {"training", "uncertainty_training"} <= set(read_manifest(out).extra):
                 log(f"{out}: demo checkpoint already built")
                 return out
-            log(f"{out}: rebuilding (its heads are untrained copies)")
+            log(f"{out}: rebuilding (its heads are not all trained)")
         except CheckpointError as error:
             log(f"{out}: rebuilding ({error})")
     ensure_demo_base(base, log)
     ensure_demo_corpus(corpus, base, log)
-    options = TrainOptions(str(base), str(corpus), str(out), force=True, **TRAINING)
+    heads = out.with_name(f".{out.name}.llm-heads")
+    options = TrainOptions(str(base), str(corpus), str(heads), force=True, **TRAINING)
     train_heads(options, log=log, on_step=ProgressBar())
+    judged = train_uncertainty(
+        TrainOptions(str(heads), "", str(out), force=True, **UNCERTAINTY_TRAINING),
+        log=log,
+        on_step=ProgressBar(),
+    )
+    log(f"uncertainty head, held out: untrained {judged.before.line()}")
+    log(f"uncertainty head, held out: trained {judged.after.line()}")
+    shutil.rmtree(heads)
     return out
 
 
@@ -101,13 +114,14 @@ def ensure_demo_corpus(path: Path, base: Path, log=print) -> Path:
 
 
 def ensure_demo_base(out: Path, log=print) -> Path:
-    """Builds the demo split (4 identical heads: SmolLM2's top layers) unless a valid one
-    is already at `out`."""
+    """Builds the demo split (4 identical heads and an uncertainty head: copies of
+    SmolLM2's top layers) unless a valid one is already at `out`."""
     options = BuildOptions(
         source=str(demo_gguf_path()),
         out=str(out),
         trunk_layers=TRUNK_LAYERS,
         heads=HEADS,
+        uncertainty_head=True,
         force=True,
     )
     return _ensure_built(options, "demo split", None, log)
@@ -134,11 +148,14 @@ def _ensure_built(options: BuildOptions, what: str, layers: int | None, log) -> 
     out = Path(options.out)
     if out.exists():
         try:
-            built = read_manifest(out).decoder.num_layers
-            if layers is None or built == layers:
+            manifest = read_manifest(out)
+            built = manifest.decoder.num_layers
+            roles = [head.role for head in manifest.heads]
+            wanted = ["llm"] * options.heads + ["uncertainty"] * options.uncertainty_head
+            if (layers is None or built == layers) and roles == wanted:
                 log(f"{out}: {what} already built")
                 return out
-            log(f"{out}: rebuilding (it has {built} layers, not {layers})")
+            log(f"{out}: rebuilding (it has {built} layers and heads {roles})")
         except CheckpointError as error:
             log(f"{out}: rebuilding ({error})")
     build_checkpoint(options, log=log)

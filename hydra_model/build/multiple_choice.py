@@ -45,7 +45,7 @@ MONTHS = (
     "November",
     "December",
 )
-ANSWER_TOKENS = 4  # a letter, perhaps with ")" and the option
+ANSWER_TOKENS = 12  # a letter and the option, or the option worked out ("4 + 5 = 9")
 ANSWER_BATCH = 32  # questions answered together
 
 
@@ -107,7 +107,7 @@ def grade(question: Question, answer: str) -> bool:
     if letter:
         return letter[1] == question.correct
     right = re.search(rf"^{question.correct}\) (.+)$", question.text, re.MULTILINE)
-    return bool(right) and right[1] in answer
+    return bool(right) and re.search(rf"(?<!\w){re.escape(right[1])}(?!\w)", answer) is not None
 
 
 def answer_and_grade(model: HydraModel, questions: list[Question]) -> list[Example]:

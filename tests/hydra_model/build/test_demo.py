@@ -4,6 +4,8 @@ layers."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -39,7 +41,7 @@ def test_draft_is_built_once_per_layer_count(tiny_demo, tmp_path):
 
     lines.clear()
     ensure_demo_draft(out, layers=2, log=lines.append)
-    assert lines[0] == f"{out}: rebuilding (it has 3 layers, not 2)"
+    assert lines[0] == f"{out}: rebuilding (it has 3 layers and heads ['llm'])"
     assert HydraModel.load(out).config.num_layers == 2
 
     (out / "trunk.safetensors").unlink()
@@ -47,6 +49,34 @@ def test_draft_is_built_once_per_layer_count(tiny_demo, tmp_path):
     ensure_demo_draft(out, layers=2, log=lines.append)
     assert lines[0].startswith(f"{out}: rebuilding (") and "trunk.safetensors" in lines[0]
     HydraModel.load(out)
+
+
+def test_demo_checkpoint_trains_its_heads_once(tiny_demo, tmp_path, monkeypatch):
+    """The split, the corpus the base model writes, train-heads and train-heads
+    --uncertainty, each kept for the next build (tiny settings)."""
+    monkeypatch.setattr(demo, "TRUNK_LAYERS", 2)
+    monkeypatch.setattr(demo, "CORPUS_TOKENS", 24)
+    monkeypatch.setattr(demo, "TRAINING", dict(steps=2, batch_size=2, seq_len=32))
+    monkeypatch.setattr(demo, "UNCERTAINTY_TRAINING", dict(steps=2, batch_size=4, questions=8))
+    base, corpus, out = tmp_path / "base", tmp_path / "corpus.jsonl", tmp_path / "demo"
+    lines: list[str] = []
+    demo.ensure_demo_checkpoint(out, lines.append, base=base, corpus=corpus)
+    manifest = HydraModel.load(out).manifest
+    assert {"training", "uncertainty_training"} <= set(manifest.extra)
+    assert [h.role for h in manifest.heads] == ["llm"] * 4 + ["uncertainty"]
+    assert manifest.heads[0].source.startswith("train-heads: shard 0")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "corpus.jsonl", "demo", "source"]
+    assert len(corpus.read_text().splitlines()) == len(demo.demo_prompts())
+
+    lines.clear()
+    demo.ensure_demo_checkpoint(out, lines.append, base=base, corpus=corpus)
+    assert lines == [f"{out}: demo checkpoint already built"]
+    # Without the checkpoint, the split and the corpus are reused.
+    shutil.rmtree(out)
+    lines.clear()
+    demo.ensure_demo_checkpoint(out, lines.append, base=base, corpus=corpus)
+    assert f"{base}: demo split already built" in lines
+    assert f"{corpus}: demo corpus already written" in lines
 
 
 def test_main_draft_flags(tiny_demo, tmp_path, capsys):

@@ -47,6 +47,7 @@ def test_grading():
     assert not grade(question, "Because")  # not a letter on its own
     assert grade(question, "the answer is 2")  # no letter: the right option's text
     assert not grade(question, "the answer is 3")
+    assert not grade(question, "1 + 1 = 12")  # the right option's text, but as a word
 
 
 def test_training_calibrates_the_head_on_held_out_questions(checkpoint, tmp_path, monkeypatch):
