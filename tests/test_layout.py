@@ -34,9 +34,9 @@ ALLOWED = {
     "jury_service": {"poe", "hydra_model", "workers", "protos", "serving"},
     "orchestrator": {"poe", "hydra_model", "workers", "protos", "serving"},
 }
-# modules that may use the offline tooling: the tooling itself and the CLI's build
-# and inspect commands
-BUILD_USERS = ("hydra_model/build/", "orchestrator/cli.py")
+# modules that may use the offline tooling: the tooling itself, the CLI's build, inspect
+# and train-heads commands, and the poisoned-head demo (which trains); no server
+BUILD_USERS = ("hydra_model/build/", "orchestrator/cli.py", "orchestrator/poison_demo.py")
 
 
 def imported_modules(path: Path) -> set[str]:

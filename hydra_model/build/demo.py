@@ -46,7 +46,7 @@ CORPUS_SEED = 0
 # train-heads on it: full fine-tuning, a few minutes on 2 CPU cores.
 TRAINING = dict(steps=80, batch_size=2, seq_len=128, learning_rate=1e-4, seed=0)
 # Then train-heads --uncertainty: the uncertainty head on the trained heads' answers.
-UNCERTAINTY_TRAINING = dict(steps=150, batch_size=8, learning_rate=1e-4, seed=0, questions=320)
+UNCERTAINTY_TRAINING = dict(steps=300, batch_size=8, learning_rate=1e-5, seed=0, questions=320)
 
 
 def demo_gguf_path() -> Path:
