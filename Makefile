@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_DIR ?= var/models/smollm2-hydra
 DRAFT_DIR ?= var/models/smollm2-draft
+# The demo split before train-heads (identical heads: SmolLM2 itself), kept by `make model`.
+BASE_DIR ?= var/models/smollm2-base
 PROTO_SRC := $(wildcard protos/hydrajury/v1/*.proto)
 PROTO_OUT := $(PROTO_SRC:.proto=_pb2.py)
 
@@ -75,7 +77,7 @@ serve: model protos
 	$(PY) -m hydra_jury.orchestrator.cli serve --checkpoint $(MODEL_DIR)
 
 bench-model: model
-	$(PY) bench/bench_model.py --checkpoint $(MODEL_DIR)
+	$(PY) bench/bench_model.py --checkpoint $(BASE_DIR)
 
 bench-one-host: model protos
 	$(PY) bench/bench_one_host.py --checkpoint $(MODEL_DIR)

@@ -65,13 +65,23 @@ OPEN = [
 ]
 SETS = {"extractive": EXTRACTIVE, "open": OPEN}
 BASELINE = "non-speculative PoE"
+# A head drafter leaves itself out of the jury, so its target is the product of the
+# other heads: its tokens are checked against non-speculative PoE over that jury.
+DRAFT_HEAD = "head0"
+HEAD_BASELINE = f"non-speculative PoE, jury without {DRAFT_HEAD}"
 MODES = {
     BASELINE: {"rule": "verifier_only"},
-    **{f"head γ={g}": {"gamma": g, "drafter": "head"} for g in (2, 4, 8)},
+    HEAD_BASELINE: {"rule": "verifier_only"},  # its jury is set from the checkpoint
+    **{f"head γ={g}": {"gamma": g, "drafter": "head", "draft_head": DRAFT_HEAD} for g in (2, 4, 8)},
     **{f"ngram γ={g}": {"gamma": g, "drafter": "ngram"} for g in (2, 4, 8)},
     **{f"model γ={g}": {"gamma": g, "drafter": "model"} for g in (2, 4, 8)},
     "auto": {"drafter": "auto"},
 }
+
+
+def reference_of(mode: str) -> str:
+    """The non-speculative mode whose tokens `mode` must reproduce (greedy, exact)."""
+    return HEAD_BASELINE if mode.startswith("head") else BASELINE
 
 
 @dataclass
@@ -142,8 +152,10 @@ def measure(run, modes: dict, new_tokens: int, title: str) -> None:
             for name, options in modes.items():
                 totals[name].add(*run(prompt, new_tokens, options))
         for name, total in totals.items():
-            reference = totals[BASELINE].outputs
-            assert total.outputs == reference, f"{name} gave other tokens than non-speculative"
+            reference = reference_of(name)
+            assert total.outputs == totals[reference].outputs, (
+                f"{name}: other tokens than {reference}"
+            )
         baseline = totals[BASELINE].tokens / totals[BASELINE].seconds
         print(f"\n{title}, {set_name} set ({len(prompts)} prompts)")
         print("| mode | tokens/s | vs non-speculative | acceptance | tokens/round | passes/token |")
@@ -158,6 +170,9 @@ def chosen(names: str) -> dict[str, dict]:
     unknown = [name for name in wanted if name not in MODES]
     if unknown:
         raise SystemExit(f"unknown modes {unknown}; choose from {list(MODES)}")
+    for name in list(wanted):
+        if reference_of(name) not in wanted:
+            wanted.insert(0, reference_of(name))
     if wanted and BASELINE not in wanted:
         wanted.insert(0, BASELINE)
     return {name: MODES[name] for name in wanted}
@@ -185,6 +200,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     model = HydraModel.load(args.checkpoint)
+    MODES[HEAD_BASELINE]["jury"] = [name for name in model.head_names if name != DRAFT_HEAD]
     draft = DraftModel.load(args.draft_model)
     print(
         f"{os.cpu_count()} cores, {args.checkpoint} ({model.dtype}), draft model "

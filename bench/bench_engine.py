@@ -8,7 +8,8 @@ forward call reads each layer's weights once, whatever the number of positions o
 stacked heads it covers: a call of the 4-head stack over 4 head layers is 16 head-layer
 passes); acceptance rate; mean accepted length (tokens committed per round); and the
 share of wall time spent outside model forward passes (loop, sampling, metrics,
-tokenizer, bookkeeping), from timers around `Trunk.forward` and `HeadStack.forward`.
+tokenizer, bookkeeping), from timers around the trunk's and the head stack's ragged
+forward and fill.
 """
 
 from __future__ import annotations
@@ -41,9 +42,12 @@ class ForwardTimer:
     def __init__(self) -> None:
         self.seconds = 0.0
 
+    # Every model pass the workers make goes through one of these (`forward` included).
+    PASSES = ((Trunk, "forward_ragged"), (HeadStack, "forward_ragged"), (HeadStack, "fill_ragged"))
+
     @contextmanager
     def installed(self):
-        originals = {cls: cls.forward for cls in (Trunk, HeadStack)}
+        originals = {(cls, name): getattr(cls, name) for cls, name in self.PASSES}
 
         def timed(original):
             def forward(*args, **kwargs):
@@ -55,13 +59,13 @@ class ForwardTimer:
 
             return forward
 
-        for cls, original in originals.items():
-            cls.forward = timed(original)
+        for (cls, name), original in originals.items():
+            setattr(cls, name, timed(original))
         try:
             yield self
         finally:
-            for cls, original in originals.items():
-                cls.forward = original
+            for (cls, name), original in originals.items():
+                setattr(cls, name, original)
 
 
 def run_mode(

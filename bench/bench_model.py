@@ -1,7 +1,7 @@
 """Greedy single-head decoding: this runtime (trunk + one head) against `transformers`
 `generate` on the same SmolLM2 weights, same prompt, same number of tokens.
 
-    python bench/bench_model.py --checkpoint var/models/smollm2-hydra
+    python bench/bench_model.py --checkpoint var/models/smollm2-base
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def reference(hf_model, prompt: list[int], new_tokens: int) -> tuple[list[int], 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", default="var/models/smollm2-hydra")
+    parser.add_argument("--checkpoint", default="var/models/smollm2-base")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
