@@ -81,7 +81,9 @@ MODES = {
 
 def reference_of(mode: str) -> str:
     """The non-speculative mode whose tokens `mode` must reproduce (greedy, exact)."""
-    return HEAD_BASELINE if mode.startswith("head") else BASELINE
+    if mode.startswith("head") or mode == HEAD_BASELINE:
+        return HEAD_BASELINE
+    return BASELINE
 
 
 @dataclass
