@@ -33,6 +33,7 @@ from hydra_jury.hydra_model.build.multiple_choice import (
     make_questions,
 )
 from hydra_jury.hydra_model.build.train import (
+    CLIP_NORM,
     StepCallback,
     TrainError,
     TrainOptions,
@@ -128,7 +129,7 @@ def train_uncertainty(
         loss = _loss(tuned, batch, verdict)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(tuned.head_parameters(0), 1.0)
+        torch.nn.utils.clip_grad_norm_(tuned.head_parameters(0), CLIP_NORM)
         optimizer.step()
         losses.append([loss.item()])
         if (step + 1) % options.save_every == 0 or step + 1 == options.steps:
