@@ -94,7 +94,6 @@ bench-batching: model
 
 bench: bench-model bench-batching bench-one-host bench-drafters bench-serving
 	$(PY) bench/bench_engine.py --checkpoint $(MODEL_DIR)
-	$(PY) bench/bench_grpc.py --checkpoint $(MODEL_DIR)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache protos/hydrajury/v1/*_pb2*.py protos/hydrajury/v1/*_pb2.pyi

@@ -15,6 +15,17 @@ each in turn (so all see the same machine state) and checks they return the same
 tokens. Reports the median tokens/s over the runs with the spread (min–max), and the two
 goals: the single-process server ≥ 0.95× the best in-process run, the split stack ≥
 0.85× the single-process server.
+
+Then where a round's time goes, in-process against the split stack: the loop run once
+more in a fresh in-process worker (OpenMP spinning) and once in this process over the
+gRPC backend, against the split stack's own trunk and shards. Per round: the draft and
+score calls as the services timed them, network and serialisation (the client's time
+of those calls less the services'), accept (acceptance, sampling, metrics in the loop),
+and the bytes on the wire.
+
+Every server holds at most 4 sessions (`--max-sessions 4`): each preallocates its cache
+slots, and three servers of the default 16 sessions of 4,096 positions need more than
+the 24 GiB of the development machine.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
 
 PROMPT = "Write a short story about a robot who learns to paint."
+SESSIONS = ["--max-sessions", "4"]  # cache slots per server (see above)
 MODES = {
     "speculative PoE γ=4": {"rule": "exact", "gamma": 4, "drafter": "head"},
     "non-speculative PoE": {"rule": "verifier_only"},
@@ -54,20 +66,69 @@ def request(mode: str, new_tokens: int) -> GenerationRequest:
     )
 
 
-def worker(checkpoint: str, mode: str, new_tokens: int) -> None:
-    """The in-process side: a warm-up, then one measured generation, as JSON."""
-    from hydra_jury.hydra_model import HydraModel
-    from hydra_jury.orchestrator.engine import Engine
-    from hydra_jury.orchestrator.local_backend import LocalBackend
-    from hydra_jury.workers.sessions import SessionLimits
+def round_means(rounds: list) -> dict[str, float]:
+    """Mean seconds per round of each part of the loop's round timings."""
+    return {
+        part: sum(r.timings[f"{part}_s"] for r in rounds) / len(rounds)
+        for part in ("draft", "score", "accept")
+    }
 
-    model = HydraModel.load(checkpoint)
-    engine = Engine(LocalBackend(model, limits=SessionLimits(1, 1024)), model.load_tokenizer())
+
+def worker(checkpoint: str, mode: str, new_tokens: int, breakdown: bool, services: str) -> None:
+    """One measured generation after a warm-up, as JSON: in-process, or (`services`:
+    "TRUNK,SHARD,...") over the gRPC backend against those services. `breakdown`: the
+    per-round timings instead (and, over gRPC, the services' own time and the bytes)."""
+    from hydra_jury.orchestrator.engine import Engine
+
+    if services:
+        from transformers import AutoTokenizer
+
+        from hydra_jury.orchestrator.grpc_backend import GrpcBackend
+
+        trunk, *shards = services.split(",")
+        backend = GrpcBackend.static(trunk, shards)
+        engine = Engine(backend, AutoTokenizer.from_pretrained(checkpoint))
+    else:
+        from hydra_jury.hydra_model import HydraModel
+        from hydra_jury.orchestrator.local_backend import LocalBackend
+        from hydra_jury.workers.sessions import SessionLimits
+
+        model = HydraModel.load(checkpoint)
+        backend = LocalBackend(model, limits=SessionLimits(1, 1024))
+        engine = Engine(backend, model.load_tokenizer())
     engine.generate(request(mode, 8))
-    began = time.perf_counter()
-    output = engine.generate(request(mode, new_tokens))
-    seconds = time.perf_counter() - began
-    print(json.dumps({"seconds": seconds, "tokens": output.token_ids}), flush=True)
+    if not breakdown:
+        began = time.perf_counter()
+        output = engine.generate(request(mode, new_tokens))
+        seconds = time.perf_counter() - began
+        print(json.dumps({"seconds": seconds, "tokens": output.token_ids}), flush=True)
+        return
+    if services:
+        backend.stats.__init__()
+    rounds = list(engine.stream(request(mode, new_tokens)))
+    count = len(rounds)
+    parts = {
+        part: sum(r.timings[f"{part}_s"] for r in rounds) / count
+        for part in ("draft", "score", "accept")
+    }
+    if services:
+        stats = backend.stats
+        parts["network"] = parts["draft"] + parts["score"]
+        for phase in ("draft", "score"):
+            parts[phase] = stats.server_ns[phase] / 1e9 / count
+            parts["network"] -= parts[phase]
+        parts["bytes"] = (stats.bytes_sent + stats.bytes_received) / count
+    print(json.dumps({"rounds": count, **parts}), flush=True)
+
+
+def run_worker(checkpoint: str, env: dict[str, str], mode: str, new_tokens: int, *flags: str):
+    """`worker` in a process of its own, started with `env`; its JSON answer."""
+    command = [
+        *(sys.executable, __file__, "--worker", "--checkpoint", checkpoint),
+        *("--mode", mode, "--new-tokens", str(new_tokens), *flags),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 class InProcess:
@@ -77,12 +138,7 @@ class InProcess:
         self.env = {**os.environ, "OMP_WAIT_POLICY": wait_policy}
 
     def generate(self, mode: str, new_tokens: int) -> tuple[float, list[int]]:
-        command = [
-            *(sys.executable, __file__, "--worker", "--checkpoint", self.checkpoint),
-            *("--mode", mode, "--new-tokens", str(new_tokens)),
-        ]
-        done = subprocess.run(command, capture_output=True, text=True, env=self.env, check=True)
-        answer = json.loads(done.stdout.strip().splitlines()[-1])
+        answer = run_worker(self.checkpoint, self.env, mode, new_tokens)
         return answer["seconds"], answer["tokens"]
 
 
@@ -117,9 +173,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
+    parser.add_argument("--breakdown", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--services", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.checkpoint, args.mode, args.new_tokens)
+        return worker(args.checkpoint, args.mode, args.new_tokens, args.breakdown, args.services)
     checkpoint = str(Path(args.checkpoint))
     configs: list = [InProcess(checkpoint, "ACTIVE"), InProcess(checkpoint, "PASSIVE")]
     server = start_child(
@@ -133,10 +191,14 @@ def main() -> None:
             checkpoint,
             "--listen",
             "127.0.0.1:0",
+            *SESSIONS,
         ],
         300,
     )
-    stacks = [LocalStack(checkpoint, shards=2, port=0), LocalStack(checkpoint, shards=1, port=0)]
+    stacks = [
+        LocalStack(checkpoint, shards=shards, port=0, extra_service_args=SESSIONS)
+        for shards in (2, 1)
+    ]
     try:
         if not server.address:
             raise RuntimeError(server.failure)
@@ -156,6 +218,7 @@ def main() -> None:
                     tokens = generated
                     results.add(config.name, mode, len(generated) / seconds)
         report(results, configs, args)
+        breakdown(configs[0], stacks[0], args)
     finally:
         server.process.terminate()
         server.process.wait(timeout=30)
@@ -190,6 +253,38 @@ def report(results: Results, configs: list, args: argparse.Namespace) -> None:
             f"{mode}: single-process server / best in-process = {server_ratio:.2f} "
             f"(goal 0.95); {splits} (goal 0.85)"
         )
+
+
+def breakdown(in_process: InProcess, stack: LocalStack, args: argparse.Namespace) -> None:
+    """Where a round's time goes: in-process (spinning) against the split stack's
+    services, reached from a process started like the stack's orchestrator."""
+    services = ",".join(child.address for child in stack.children[:-1])
+    split_env = stack.environment("orchestrator")
+    print(
+        "\nper round, ms: draft and score as the services timed them; network and "
+        "serialisation: the rest of those calls; accept: the loop's own work"
+    )
+    print(
+        "| mode | run | rounds | draft | score | network+serialisation | accept | round | bytes |"
+    )
+    print("|---" * 9 + "|")
+    for mode in MODES:
+        for name, env, flags in (
+            ("in-process", in_process.env, ()),
+            ("split stack", split_env, ("--services", services)),
+        ):
+            parts = run_worker(args.checkpoint, env, mode, args.new_tokens, "--breakdown", *flags)
+            network = parts.get("network")
+            cells = [
+                parts["draft"],
+                parts["score"],
+                network,
+                parts["accept"],
+                parts["draft"] + parts["score"] + parts["accept"] + (network or 0.0),
+            ]
+            shown = " | ".join("-" if c is None else f"{1e3 * c:.1f}" for c in cells)
+            wire = f"{parts['bytes']:,.0f}" if "bytes" in parts else "-"
+            print(f"| {mode} | {name} | {parts['rounds']} | {shown} | {wire} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,22 @@ from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
 
 LISTENING = re.compile(r"listening on (\S+?):(\d+)")
 
+# How the stack's processes wait between OpenMP parallel regions, since they share the
+# host (README, "One host"). They take turns (draft, score, accept), and a process whose
+# threads spin while it waits takes a core from the one working: with libgomp's default
+# (about 3.5 ms of spinning after every region on the development machine) the split
+# stack ran at 10.2 tokens/s. The shards (which score at the same time) and the
+# orchestrator wait passively. The trunk spins briefly: a draft is γ sequential trunk
+# steps of hundreds of short parallel regions each, and a kernel wake-up of its threads
+# before every region made a passive trunk's draft of 4 tokens take 197 ms instead of 130
+# (2-core machine). 30,000 spins (about 0.35 ms) bridge the gaps inside a step and the
+# service's hop between steps, and end soon after the draft does: split stack / single-
+# process server 0.64x → 0.85x (speculative γ=4), 0.72x → 0.85x (non-speculative).
+OPENMP_WAITING = {
+    "trunk": {"GOMP_SPINCOUNT": "30000"},
+    "other": {"OMP_WAIT_POLICY": "PASSIVE"},
+}
+
 
 @dataclass
 class Child:
@@ -162,16 +178,17 @@ class LocalStack:
             command += ["--metrics-port", str(self.metrics_port)]
         return self._spawn("orchestrator", command, timeout_s)
 
-    def environment(self) -> dict[str, str]:
-        """The children's environment: this one, with a passive OpenMP wait policy unless
-        one is set. The processes of the stack share the host and take turns (draft,
-        score, accept): threads that spin while their process waits take the cores the
-        working one needs (README, Benchmarks: on 2 cores the split stack ran at 10.2
-        tokens/s with libgomp's default spinning, 15.8 with a passive policy)."""
-        return {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
+    def environment(self, child: str) -> dict[str, str]:
+        """The environment of the child named `child` ("trunk", "jury0", ...,
+        "orchestrator"): this one, with how its OpenMP threads wait between parallel
+        regions (`OPENMP_WAITING`) unless the caller's environment says it
+        (`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT`)."""
+        if any(name in os.environ for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
+            return dict(os.environ)
+        return {**os.environ, **OPENMP_WAITING["trunk" if child == "trunk" else "other"]}
 
     def _spawn(self, name: str, command: list[str], timeout_s: float) -> str:
-        child = start_child(name, command, timeout_s, self.environment())
+        child = start_child(name, command, timeout_s, self.environment(name))
         self.children.append(child)
         if not child.address:
             raise RuntimeError(child.failure)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -151,6 +153,16 @@ def test_local_stack_serves_the_cli_and_shuts_down_gracefully(jury_checkpoint, e
         assert "INVALID_ARGUMENT: gamma" in capsys.readouterr().err
         assert stack.redis is not None and stack.sessions_url == stack.redis.url
         assert answers(stack.redis.port)
+        if sys.platform == "linux" and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+            # what each process was really started with
+            for child in stack.children:
+                started = Path(f"/proc/{child.process.pid}/environ").read_bytes().split(b"\0")
+                waiting = (
+                    {b"GOMP_SPINCOUNT=30000"}
+                    if child.name == "trunk"
+                    else {b"OMP_WAIT_POLICY=PASSIVE"}
+                )
+                assert waiting <= set(started), child.name
     finally:
         codes = stack.stop()
     assert codes == {"trunk": 0, "jury0": 0, "jury1": 0, "orchestrator": 0}
@@ -230,9 +242,22 @@ def test_the_single_process_server_refuses_bad_session_settings(jury_checkpoint,
     )
 
 
-def test_the_stack_waits_passively_unless_told_otherwise(monkeypatch, jury_checkpoint):
+def test_the_trunk_spins_briefly_and_the_rest_of_the_stack_waits_passively(
+    monkeypatch, jury_checkpoint
+):
     stack = LocalStack(str(jury_checkpoint))
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert stack.environment()["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert stack.environment()["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    trunk = stack.environment("trunk")
+    assert trunk["GOMP_SPINCOUNT"] == "30000" and "OMP_WAIT_POLICY" not in trunk
+    for child in ("jury0", "jury1", "orchestrator"):
+        environment = stack.environment(child)
+        assert environment["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in environment
+    # The caller's own setting wins, for every child.
+    for variable, value in (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "5")):
+        with monkeypatch.context() as patched:
+            patched.setenv(variable, value)
+            for child in ("trunk", "jury0", "orchestrator"):
+                environment = stack.environment(child)
+                assert environment[variable] == value
+                assert set(environment) - set(os.environ) == set()
