@@ -185,3 +185,16 @@ def test_tokens_pack_compactly_and_prefixes():
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert common_prefix([1, 2], [1, 2, 3]) == 2
     assert common_prefix([], [1]) == 0
+
+
+def test_a_document_holds_every_field_but_the_stores_the_tokens_and_the_result():
+    record = new_record(tokens=range(40))
+    record.kind, record.messages = "chat", [{"role": "user", "content": "hi"}]
+    record.processed, record.options, record.seed = 39, {"gamma": 4, "stop": ["\n"]}, 7
+    record.draft_head, record.jury = "head0", ["head1", "head2"]
+    record.replicas = {"trunk": "127.0.0.1:1@e1"}
+    record.version, record.owner, record.result = 5, "a", {"output": {"text": "x" * 100}}
+    restored = SessionRecord.from_document(record.document())
+    assert restored == SessionRecord(
+        **{**vars(record), "version": 0, "owner": "", "tokens": [], "result": None}
+    )
