@@ -553,7 +553,10 @@ def _add_services(commands: argparse._SubParsersAction) -> None:
         "up",
         help="run the local stack: trunk, jury shards and orchestrator",
         description="Start a trunk service, jury shards splitting the heads and the "
-        "orchestrator as separate processes on loopback; Ctrl-C stops them all.",
+        "orchestrator as separate processes on loopback; Ctrl-C stops them all. They share "
+        "the host: the trunk's OpenMP threads spin briefly between parallel regions "
+        "(GOMP_SPINCOUNT=30000), the others wait passively (OMP_WAIT_POLICY=PASSIVE), "
+        "unless the environment sets either. On one machine `serve` is faster.",
     )
     parser.add_argument("--checkpoint", default="var/models/smollm2-hydra", metavar="DIR")
     parser.add_argument("--shards", type=int, default=2, help="jury shards (default 2)")
@@ -562,7 +565,10 @@ def _add_services(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--metrics-port", type=int, default=9100)
     parser.add_argument(
-        "--shard-threads", type=int, help="CPU threads per jury shard (on one host: cores / shards)"
+        "--shard-threads",
+        type=int,
+        help="CPU threads per jury shard (default: torch's, every core; on a 2-core host one "
+        "thread each measured slower)",
     )
     parser.add_argument(
         "--redis-url",
