@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from hydra_jury.orchestrator.output import Progress
+from hydra_jury.orchestrator.output import FinishReason, Progress
 from hydra_jury.orchestrator.sessions.memory_store import MemoryStore
 from hydra_jury.orchestrator.sessions.record import (
     GenerationRecord,
@@ -194,6 +194,14 @@ def test_a_document_holds_every_field_but_the_stores_the_tokens_and_the_result()
     record.draft_head, record.jury = "head0", ["head1", "head2"]
     record.replicas = {"trunk": "127.0.0.1:1@e1"}
     record.version, record.owner, record.result = 5, "a", {"output": {"text": "x" * 100}}
+    record.generation.progress = Progress(
+        generated=[3, 4],
+        round_sizes=[2],
+        stats={"rounds": 1, "accepted_per_position": [1, 0]},
+        text="ab",
+        detokenizer_offsets=(1, 2),
+        finish_reason=FinishReason.STOP,
+    )
     restored = SessionRecord.from_document(record.document())
     assert restored == SessionRecord(
         **{**vars(record), "version": 0, "owner": "", "tokens": [], "result": None}
