@@ -8,6 +8,24 @@ from hydra_jury.hydra_model.kv_cache import KVCache
 from hydra_jury.hydra_model.layers import LayerStack, Segment, rms_norm
 from hydra_jury.hydra_model.rope import RotaryTable
 
+# Products of 4 to 15 rows with the shared LM head are padded to 16 rows. MKL (PyTorch's
+# CPU BLAS) multiplies a few rows by a large matrix with small-row kernels that are
+# slowest from 4 to 15 rows: with SmolLM2's 49,152 x 576 LM head out of cache on the 2-core
+# development machine, 8 rows took 13.6 ms and 16 rows 9.7 ms (1 row: 4.5 ms), and a jury
+# shard of 2 heads scoring 4 positions multiplies 8 (README, "One host"). From 16 rows on,
+# each row comes out the same whatever the rows beside it, so a shard's rows also equal,
+# bit for bit, the same rows of the whole jury's 16-row product.
+PADDED_ROWS = 16
+
+
+def shared_lm_head(rows: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """Logits of `rows` [M, D] under a shared LM head [V, D] -> [M, V]."""
+    count = rows.shape[0]
+    if 4 <= count < PADDED_ROWS:
+        padding = rows.new_zeros(PADDED_ROWS - count, rows.shape[1])
+        return (torch.cat([rows, padding]) @ lm_head.T)[:count]
+    return rows @ lm_head.T
+
 
 class HeadStack:
     """S heads over the same hidden states, one batched computation.
@@ -91,7 +109,8 @@ class HeadStack:
         """Final norm and LM head: last hidden states [S, N, D] -> [S, N, V] float32."""
         normed = rms_norm(x, self.norm, self.layers.config.rms_norm_eps)
         if self.shares_lm_head:
-            logits = normed @ self.lm_head.T  # [S, N, V]
+            logits = shared_lm_head(normed.flatten(0, 1), self.lm_head)  # [S * N, V]
+            logits = logits.unflatten(0, normed.shape[:2])  # [S, N, V]
         else:
             logits = torch.bmm(normed, self.lm_head.mT)
         return logits.float()
