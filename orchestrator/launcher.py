@@ -33,7 +33,7 @@ LISTENING = re.compile(r"listening on (\S+?):(\d+)")
 # before every region made a passive trunk's draft of 4 tokens take 197 ms instead of 130
 # (2-core machine). 30,000 spins (about 0.35 ms) bridge the gaps inside a step and the
 # service's hop between steps, and end soon after the draft does: split stack / single-
-# process server 0.64x → 0.85x (speculative γ=4), 0.72x → 0.85x (non-speculative).
+# process server 0.64x → 0.84x (speculative γ=4), 0.72x → 0.85-0.88x (non-speculative).
 OPENMP_WAITING = {
     "trunk": {"GOMP_SPINCOUNT": "30000"},
     "other": {"OMP_WAIT_POLICY": "PASSIVE"},

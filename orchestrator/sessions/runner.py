@@ -14,9 +14,10 @@ holds it). Then one of three things happens:
 Write order: each round is committed to the store (tokens, progress, its token records)
 before it is handed to the caller, so a caller never sees a token the store could lose;
 the next round computes while it commits, and is dropped uncommitted if the generation
-stops meanwhile. A refused commit (the session was taken over or closed) stops the generation and frees
-its caches; a store that cannot be reached stops it with UNAVAILABLE, the record left
-as of the last round. The lease is given back when the generation ends, however it ends.
+stops meanwhile. A refused commit (the session was taken over or closed) stops the
+generation and frees its caches; a store that cannot be reached stops it with
+UNAVAILABLE, the record left as of the last round. The lease is given back when the
+generation ends, however it ends.
 
 The loop runs in worker threads (its calls block on the model or the network); the
 store is asyncio, on the caller's event loop.
