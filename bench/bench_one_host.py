@@ -17,8 +17,9 @@ goals: the single-process server ≥ 0.95× the best in-process run, the split s
 0.85× the single-process server.
 
 Then where a round's time goes, in-process against the split stack: the loop run once
-more in a fresh in-process worker (OpenMP spinning) and once in this process over the
-gRPC backend, against the split stack's own trunk and shards. Per round: the draft and
+more in a fresh in-process worker (OpenMP spinning) and once over the gRPC backend,
+against the split stack's own trunk and shards, in a process started like the stack's
+orchestrator (waiting passively). Per round: the draft and
 score calls as the services timed them, network and serialisation (the client's time
 of those calls less the services'), accept (acceptance, sampling, metrics in the loop),
 and the bytes on the wire.
@@ -107,10 +108,7 @@ def worker(checkpoint: str, mode: str, new_tokens: int, breakdown: bool, service
         backend.stats.__init__()
     rounds = list(engine.stream(request(mode, new_tokens)))
     count = len(rounds)
-    parts = {
-        part: sum(r.timings[f"{part}_s"] for r in rounds) / count
-        for part in ("draft", "score", "accept")
-    }
+    parts = round_means(rounds)
     if services:
         stats = backend.stats
         parts["network"] = parts["draft"] + parts["score"]

@@ -15,14 +15,14 @@ from hydra_jury.hydra_model.rope import RotaryTable
 # shard of 2 heads scoring 4 positions multiplies 8 (README, "One host"). From 16 rows on,
 # each row comes out the same whatever the rows beside it, so a shard's rows also equal,
 # bit for bit, the same rows of the whole jury's 16-row product.
-PADDED_ROWS = 16
+PADDED_ROW_COUNTS = range(4, 16)  # products of these many rows run as 16 rows
 
 
 def shared_lm_head(rows: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
     """Logits of `rows` [M, D] under a shared LM head [V, D] -> [M, V]."""
     count = rows.shape[0]
-    if 4 <= count < PADDED_ROWS:
-        padding = rows.new_zeros(PADDED_ROWS - count, rows.shape[1])
+    if count in PADDED_ROW_COUNTS:
+        padding = rows.new_zeros(PADDED_ROW_COUNTS.stop - count, rows.shape[1])
         return (torch.cat([rows, padding]) @ lm_head.T)[:count]
     return rows @ lm_head.T
 
