@@ -556,7 +556,8 @@ def _add_services(commands: argparse._SubParsersAction) -> None:
         "orchestrator as separate processes on loopback; Ctrl-C stops them all. They share "
         "the host: the trunk's OpenMP threads spin briefly between parallel regions "
         "(GOMP_SPINCOUNT=30000), the others wait passively (OMP_WAIT_POLICY=PASSIVE), "
-        "unless the environment sets either. On one machine `serve` is faster.",
+        "unless the environment sets either (OMP_WAIT_POLICY=PASSIVE: every process "
+        "passive, faster for many concurrent sessions). On one machine `serve` is faster.",
     )
     parser.add_argument("--checkpoint", default="var/models/smollm2-hydra", metavar="DIR")
     parser.add_argument("--shards", type=int, default=2, help="jury shards (default 2)")
