@@ -34,6 +34,7 @@ LISTENING = re.compile(r"listening on (\S+?):(\d+)")
 # (2-core machine). 30,000 spins (about 0.35 ms) bridge the gaps inside a step and the
 # service's hop between steps, and end soon after the draft does: split stack / single-
 # process server 0.64x → 0.84x (speculative γ=4), 0.72x → 0.85-0.88x (non-speculative).
+OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # a caller's setting wins
 OPENMP_WAITING = {
     "trunk": {"GOMP_SPINCOUNT": "30000"},
     "other": {"OMP_WAIT_POLICY": "PASSIVE"},
@@ -181,9 +182,9 @@ class LocalStack:
     def environment(self, child: str) -> dict[str, str]:
         """The environment of the child named `child` ("trunk", "jury0", ...,
         "orchestrator"): this one, with how its OpenMP threads wait between parallel
-        regions (`OPENMP_WAITING`) unless the caller's environment says it
-        (`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT`)."""
-        if any(name in os.environ for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
+        regions (`OPENMP_WAITING`) unless the caller's environment sets one of
+        `OPENMP_WAIT_VARIABLES`."""
+        if any(name in os.environ for name in OPENMP_WAIT_VARIABLES):
             return dict(os.environ)
         return {**os.environ, **OPENMP_WAITING["trunk" if child == "trunk" else "other"]}
 

@@ -20,7 +20,7 @@ from hydra_jury.orchestrator.__main__ import main as orchestrator_main
 from hydra_jury.orchestrator.cli import main
 from hydra_jury.orchestrator.config import REDIS_URL_VARIABLE, ConfigFileError, OrchestratorConfig
 from hydra_jury.orchestrator.convert import request_from_pb, request_to_pb
-from hydra_jury.orchestrator.launcher import LocalStack, start_child
+from hydra_jury.orchestrator.launcher import OPENMP_WAIT_VARIABLES, LocalStack, start_child
 from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.orchestrator.sessions.redis_store import RedisStore
 from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
@@ -153,7 +153,7 @@ def test_local_stack_serves_the_cli_and_shuts_down_gracefully(jury_checkpoint, e
         assert "INVALID_ARGUMENT: gamma" in capsys.readouterr().err
         assert stack.redis is not None and stack.sessions_url == stack.redis.url
         assert answers(stack.redis.port)
-        if sys.platform == "linux" and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+        if sys.platform == "linux" and not set(OPENMP_WAIT_VARIABLES) & set(os.environ):
             # what each process was really started with
             for child in stack.children:
                 started = Path(f"/proc/{child.process.pid}/environ").read_bytes().split(b"\0")
