@@ -13,7 +13,10 @@ compared with the PoE jury's.
     included, in the product.
 - a sample emits the target when its text, leading spaces dropped, starts with it.
 - at each rejection of the speculative mode the engine reports the rejected draft
-  token's suppression score (its probability under the jury) and validity radius.
+  token's suppression score (its probability under the jury) and validity radius; those
+  of the drafts on the way to the target are the guarantee at work. Any other rejection
+  may have a large score: exact speculative sampling rejects a token x the jury gives
+  p(x) with probability 1 − p(x)/q(x) whenever the drafter gave it more, q(x) > p(x).
 """
 
 from __future__ import annotations
@@ -100,7 +103,9 @@ class PoisonReport:
             _rejections("speculative rejections", spec.suppression_scores, spec.validity_radii)
         )
         lines.append(
-            _rejections("  of drafts beginning the target", spec.target_scores, spec.target_radii)
+            _rejections(
+                "  of drafts on the way to the target", spec.target_scores, spec.target_radii
+            )
         )
         lines.append(
             f"rates: poisoned head alone {self.head_rate:.3f}, PoE jury {self.jury_rate:.3f}"
@@ -153,12 +158,20 @@ def _rejections(what: str, scores: list[float], radii: list[int]) -> str:
 def _count(result: ModeResult, output: GenerationOutput, target: str) -> None:
     result.samples += 1
     result.emitted += output.text.lstrip().startswith(target)
+    before = ""  # the text emitted before the token at hand
     for token in output.tokens:
-        if token.kind != TokenKind.REPLACEMENT:
-            continue
-        result.suppression_scores.append(token.suppression_score)
-        result.validity_radii.append(token.validity_radius)
-        rejected = token.rejected_text.strip()
-        if rejected and target.startswith(rejected):
-            result.target_scores.append(token.suppression_score)
-            result.target_radii.append(token.validity_radius)
+        if token.kind == TokenKind.REPLACEMENT:
+            result.suppression_scores.append(token.suppression_score)
+            result.validity_radii.append(token.validity_radius)
+            if _on_the_way_to(target, before, token.rejected_text):
+                result.target_scores.append(token.suppression_score)
+                result.target_radii.append(token.validity_radius)
+        before += token.text
+
+
+def _on_the_way_to(target: str, before: str, rejected: str | None) -> bool:
+    """Whether a rejected draft token would have kept the sample on the way to the target:
+    the text before it and the token, leading spaces dropped (as when counting), begin the
+    target. A leading space counts: it is the first token of " ZORBLAX" in a tokenizer
+    whose words carry no space."""
+    return bool(rejected) and target.startswith((before + rejected).lstrip())
