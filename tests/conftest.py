@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
+from tests.environment import THREADS_VARIABLE, describe
 from tests.models import build_draft_checkpoint, build_hydra, build_jury_checkpoint, save_hf_model
 
 # Fixtures that start real trunk and jury services (start_trunk, start_jury, trunk, jury).
 pytest_plugins = ["tests.worker_services"]
 
 # Tiny models: one thread avoids the cost of spreading microsecond ops over cores.
-torch.set_num_threads(1)
+# `make test-numerics` sets the variable to run the float-path tests with 2 as well.
+torch.set_num_threads(int(os.environ.get(THREADS_VARIABLE, "1")))
+
+
+def pytest_report_header() -> list[str]:
+    """The CPU, float path and package versions, at the top of every run's output."""
+    return describe()
+
 
 FAMILY_VARIANTS = {
     "llama": ("llama", {}),

@@ -38,6 +38,7 @@ def contrastive(prompt: str, **options) -> GenerationRequest:
     return GenerationRequest(prompt=prompt, **values)
 
 
+@pytest.mark.numerics
 def test_greedy_contrastive_decoding_matches_the_direct_computation(engine, jury_model):
     output = engine.generate(contrastive("the cat", temperature=0.0, max_new_tokens=10))
     assert output.jury == JURY
@@ -62,6 +63,7 @@ def test_greedy_contrastive_decoding_matches_the_direct_computation(engine, jury
     assert plain.token_ids != output.token_ids
 
 
+@pytest.mark.numerics
 def test_sampled_contrastive_decoding_follows_its_distribution(engine, jury_model):
     """2,000 seeded single-token runs against the direct distribution (chi-square,
     p > 1e-4); the control, the plain PoE target of the same jury, must not fit."""

@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test here is float maths on tensors whose thresholds and tie-breaks the CPU's
+    float path could move: all of them run in `make test-numerics`."""
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(pytest.mark.numerics)
 
 
 @pytest.fixture

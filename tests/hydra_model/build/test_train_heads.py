@@ -52,6 +52,7 @@ def trained(jury_checkpoint, corpus, tmp_path_factory):
     return out, train_heads(options(jury_checkpoint, corpus, out), log=lambda line: None)
 
 
+@pytest.mark.numerics
 def test_full_training_lowers_every_heads_loss_and_writes_a_checkpoint(jury_checkpoint, trained):
     out, result = trained
     assert result.heads == ["head0", "head1", "head2", "head3"]
@@ -75,6 +76,7 @@ def test_full_training_lowers_every_heads_loss_and_writes_a_checkpoint(jury_chec
     assert manifest["heads"][0]["source"].startswith("train-heads: shard 0")
 
 
+@pytest.mark.numerics
 def test_each_head_learns_its_own_shard(jury_checkpoint, corpus, trained):
     """The text each head trained on is likelier under it than under the base head."""
     out, _ = trained
@@ -91,6 +93,7 @@ def test_each_head_learns_its_own_shard(jury_checkpoint, corpus, trained):
     assert sum(gains) / len(gains) > 0.3
 
 
+@pytest.mark.numerics
 def test_lora_training_saves_adapters_and_merges_them(jury_checkpoint, corpus, tmp_path):
     out = tmp_path / "lora"
     result = train_heads(options(jury_checkpoint, corpus, out, lora_rank=4), log=lambda line: None)

@@ -50,6 +50,7 @@ def test_grading():
     assert not grade(question, "1 + 1 = 12")  # the right option's text, but as a word
 
 
+@pytest.mark.numerics
 def test_training_calibrates_the_head_on_held_out_questions(checkpoint, tmp_path, monkeypatch):
     """The tiny model's answers are noise, so the grades are made learnable: sums and
     differences count as answered right, the rest wrong. The trained head must tell them
