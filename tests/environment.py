@@ -63,7 +63,7 @@ def describe() -> list[str]:
     return [
         f"cpu: {cpu_model()} ({os.cpu_count()} logical cores, {platform.machine()})",
         f"torch float path: capability {torch.backends.cpu.get_cpu_capability()}, "
-        f"{torch.get_num_threads()} threads; "
+        f"threads {torch.get_num_threads()}; "
         f"{', '.join(settings) if settings else 'no float-path variables set'}",
         "packages: " + ", ".join(f"{name} {package_version(name)}" for name in KEY_PACKAGES),
         f"python: {platform.python_version()}",

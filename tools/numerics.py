@@ -57,7 +57,7 @@ def run_configuration(capability: str, threads: int, pytest_args: list[str]) -> 
     )
     seconds = time.monotonic() - started
     output = result.stdout + result.stderr
-    header = re.search(r"torch float path: capability (\w+), (\d+) threads", output)
+    header = re.search(r"torch float path: capability (\w+), threads (\d+)", output)
     took_effect = (
         header is not None
         and header.group(1).lower() == capability
