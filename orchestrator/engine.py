@@ -232,7 +232,9 @@ class Engine:
                 output.timings = {**timings, "accept_s": spent - sum(timings.values())}
                 yield output
         finally:
-            if not run.keep_caches:
+            if run.keep_caches:
+                self.backend.finish(run.session)
+            else:
                 self.backend.release(run.session)
 
     def _round_and_commit(self, run: _Run, timings: dict[str, float]) -> RoundOutput:

@@ -446,6 +446,23 @@ class GrpcBackend(DecodingBackend):
             with suppress(grpc.RpcError):
                 replica.stub.Release(request, timeout=5)
 
+    def finish(self, session: str) -> None:
+        """Tells the replicas that hold the session's caches, all at once, that its
+        generation ended. A hint: a replica that misses it reclaims the slot after its
+        --reclaim-after-s instead."""
+        request = internal_pb2.ReleaseRequest(session=session, keep_caches=True)
+        with self._lock:
+            placed = dict(self._placements.get(session, {}))
+            replicas = [
+                c.replicas[placed[c.name]]
+                for c in self.components
+                if placed.get(c.name) in c.replicas
+            ]
+        pending = [replica.stub.Release.future(request, timeout=5) for replica in replicas]
+        for call in pending:
+            with suppress(grpc.RpcError):
+                call.result()
+
     def _account(self, phase: str, began_ns: int, requests: list, responses: list) -> None:
         stats = self.stats
         stats.client_ns[phase] += time.perf_counter_ns() - began_ns

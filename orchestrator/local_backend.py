@@ -125,6 +125,13 @@ class LocalBackend(DecodingBackend):
         self.trunk.release(session)
         self.jury.release(session)
 
+    def finish(self, session: str) -> None:
+        self.run_round(self._finish_everywhere, session)
+
+    def _finish_everywhere(self, session: str) -> None:
+        self.trunk.finish(session)
+        self.jury.finish(session)
+
     def close(self) -> None:
         if self._thread is not None:
             self._thread.shutdown()

@@ -32,6 +32,7 @@ from hydra_jury.orchestrator.sessions.runner import SessionRunner
 from hydra_jury.orchestrator.sessions.store import SessionStore
 from hydra_jury.poe import RULES
 from hydra_jury.protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
+from hydra_jury.serving.metrics import SessionMetrics
 from hydra_jury.serving.model_thread import ModelThread, start_model_thread
 from hydra_jury.serving.server import GrpcServer, RunningServer
 from hydra_jury.workers.calls import MAX_GAMMA
@@ -192,7 +193,7 @@ async def start_generation_server(
     server = GrpcServer(
         lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
         [SERVICE_NAME],
-        on_error=lambda method, code: metrics.errors.labels(code.name).inc(),
+        on_error=lambda method, error, code: metrics.errors.labels(code.name).inc(),
     )
     try:
         await store.ping()  # a clear error now rather than on the first request
@@ -269,7 +270,7 @@ async def serve_embedded(
 
     # Loaded and built on the model thread: one OpenMP team (see serving.model_thread).
     model, backend = await start_model_thread("model", build)
-    return await start_generation_server(
+    running = await start_generation_server(
         backend,
         model.load_tokenizer(),
         store,
@@ -278,3 +279,5 @@ async def serve_embedded(
         metrics_address=metrics_address,
         max_concurrency=max_concurrency,
     )
+    SessionMetrics(running.servicer.metrics.registry).watch(backend.trunk.sessions)
+    return running

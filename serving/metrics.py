@@ -7,8 +7,17 @@ Batching, per batched RPC (`rpc` = Prefill, Draft, Score):
 - batch_seconds{rpc}: a batch's time on the model thread
 - queue_wait_seconds{rpc}: a call's wait in the queue before its batch began
 - queue_length{rpc}: calls waiting now (gauge)
-- refused_calls_total{rpc, reason="queue_full"|"waited_too_long"}
+- refused_calls_total{rpc, reason}: "queue_full", "waited_too_long" (admission control),
+  "sessions_running" (every slot held by a running generation), "session_length" (past
+  the tokens per session)
+
+Sessions:
 - service_sessions: sessions the service holds (gauge)
+- service_running_sessions: of which a generation is using (gauge; the others are
+  finished, kept for a next turn)
+- reclaimed_sessions_total{reason}: slots freed for a new session, "finished" (its
+  generation had ended) or "idle" (running but idle past --reclaim-after-s), and
+  sessions "evicted" (idle past --idle-timeout-s)
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from hydra_jury.workers.sessions import SessionTable
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 CALL_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
@@ -53,6 +64,31 @@ class BatchObserver:
 
     def refused(self, reason: str) -> None:
         self._refused.labels(self.rpc, reason).inc()
+
+
+class SessionMetrics:
+    """A session table's occupancy and reclaimed slots (`workers.sessions`): a trunk or
+    jury service's, or the single-process server's (its trunk's table, which opens and
+    frees each session with its jury's)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.held = Gauge("hydrajury_service_sessions", "Sessions held", registry=registry)
+        self.running = Gauge(
+            "hydrajury_service_running_sessions",
+            "Sessions held for a running generation",
+            registry=registry,
+        )
+        self.reclaimed = Counter(
+            "hydrajury_reclaimed_sessions",
+            "Sessions whose caches were dropped for a new session or evicted as idle",
+            ["reason"],
+            registry=registry,
+        )
+
+    def watch(self, table: SessionTable) -> None:
+        self.held.set_function(lambda: len(table))
+        self.running.set_function(lambda: table.running)
+        table.on_reclaim = lambda reason: self.reclaimed.labels(reason).inc()
 
 
 class ServiceMetrics:
@@ -94,13 +130,11 @@ class ServiceMetrics:
         )
         self.refused = Counter(
             "hydrajury_refused_calls",
-            "Calls refused by admission control",
+            "Calls refused by admission control or for want of capacity",
             ["rpc", "reason"],
             registry=r,
         )
-        self.sessions = Gauge(
-            "hydrajury_service_sessions", "Sessions the service holds", registry=r
-        )
+        self.sessions = SessionMetrics(r)
 
     def observer(self, rpc: str) -> BatchObserver:
         return BatchObserver(self, rpc)

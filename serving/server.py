@@ -37,7 +37,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turns an exception escaping any RPC into its status code (`serving.errors`) and a
     readable detail; an untyped one is a bug, logged with its traceback."""
 
-    def __init__(self, on_error: Callable[[str, grpc.StatusCode], None] | None = None) -> None:
+    def __init__(
+        self, on_error: Callable[[str, Exception, grpc.StatusCode], None] | None = None
+    ) -> None:
         self.on_error = on_error
 
     async def _abort(self, method: str, context, error: Exception) -> None:
@@ -45,7 +47,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if code == grpc.StatusCode.INTERNAL:
             log.error("internal error in %s", method, exc_info=error)
         if self.on_error is not None:
-            self.on_error(method, code)
+            self.on_error(method, error, code)
         await context.abort(code, detail_for(error))
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -105,7 +107,7 @@ class GrpcServer:
         add_servicers: Callable[[grpc.aio.Server], None],
         service_names: Iterable[str],
         *,
-        on_error: Callable[[str, grpc.StatusCode], None] | None = None,
+        on_error: Callable[[str, Exception, grpc.StatusCode], None] | None = None,
     ) -> None:
         self.server = grpc.aio.server(
             interceptors=[ErrorInterceptor(on_error)], options=SERVER_OPTIONS

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, Self, TypeVar
 
+import grpc
+
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.protos.codec import dtype_name
 from hydra_jury.protos.hydrajury.v1 import internal_pb2
@@ -19,7 +21,7 @@ from hydra_jury.serving.batcher import BatchLimits, CallBatcher, run_isolated
 from hydra_jury.serving.metrics import ServiceMetrics
 from hydra_jury.serving.model_thread import ModelThread
 from hydra_jury.serving.server import new_epoch
-from hydra_jury.workers.errors import InvalidArgument
+from hydra_jury.workers.errors import CapacityError, InvalidArgument
 
 log = logging.getLogger("hydra_jury.service")
 
@@ -74,7 +76,7 @@ def batch_calls(calls: list[Call]) -> list[Call]:
 
 class WorkerServicer:
     """The base of the trunk and jury servicers. A worker has `model`, `sessions`,
-    `max_session_tokens` and `release(session)`."""
+    `max_session_tokens`, `release(session)` and `finish(session)`."""
 
     def __init__(
         self, worker: Any, thread: ModelThread, batch_limits: BatchLimits | None = None
@@ -84,13 +86,19 @@ class WorkerServicer:
         self.batch_limits = batch_limits or BatchLimits()
         self.batchers: dict[str, CallBatcher] = {}
         self.metrics = ServiceMetrics()
-        self.metrics.sessions.set_function(lambda: len(worker.sessions))
+        self.metrics.sessions.watch(worker.sessions)
         self.epoch = new_epoch()
         # Built once: `Info` never re-reads the checkpoint.
         self.model_description = model_description_to_pb(worker.model, worker.max_session_tokens)
         self.dtype = self.model_description.dtype
         self.hidden_size = self.model_description.hidden_size
         self._evictor: asyncio.Task | None = None
+
+    def count_refusal(self, method: str, error: Exception, code: grpc.StatusCode) -> None:
+        """Counts a call the worker refused for want of capacity, by its reason (the
+        admission queue counts its own refusals)."""
+        if isinstance(error, CapacityError) and error.reason is not None:
+            self.metrics.refused.labels(method.rpartition("/")[2], error.reason).inc()
 
     def listening_detail(self) -> str:
         """What follows "listening on HOST:PORT" in the start-up line."""
@@ -210,8 +218,9 @@ class WorkerServicer:
     ) -> internal_pb2.ReleaseResponse:
         if not request.session:
             raise InvalidArgument("session: a non-empty session id is required")
-        released = await self.thread.run(self.worker.release, request.session)
-        return internal_pb2.ReleaseResponse(released=released, epoch=self.epoch)
+        end = self.worker.finish if request.keep_caches else self.worker.release
+        held = await self.thread.run(end, request.session)
+        return internal_pb2.ReleaseResponse(released=held, epoch=self.epoch)
 
     def start_idle_eviction(self) -> None:
         """Evicts idle sessions every so often (nothing to do without an idle timeout).

@@ -43,7 +43,7 @@ class ServiceOptions:
     max_sessions: int = 16
     max_session_tokens: int = 4096
     idle_timeout_s: float | None = None  # None or 0: never evicted
-    reclaim_after_s: float = 1.0  # a full service drops its LRU session idle this long
+    reclaim_after_s: float = 1.0  # a running session idle this long may lose its slot
     dtype: str | None = None  # None: the checkpoint's
     device: str = "cpu"
     draft_model: str | Path | None = None  # the trunk's draft model (a Hydra checkpoint)
@@ -109,7 +109,9 @@ async def serve_worker(spec: WorkerServiceSpec, options: ServiceOptions) -> Runn
     # Loaded and built on the model thread: one OpenMP team (see serving.model_thread).
     servicer = await start_model_thread(spec.name.split()[0] + "-model", build)
     server = GrpcServer(
-        lambda grpc_server: spec.add_servicer(servicer, grpc_server), [spec.service_name]
+        lambda grpc_server: spec.add_servicer(servicer, grpc_server),
+        [spec.service_name],
+        on_error=servicer.count_refusal,
     )
     metrics_port = None
     try:
@@ -187,8 +189,9 @@ def build_parser(spec: WorkerServiceSpec, prog: str) -> argparse.ArgumentParser:
         "--reclaim-after-s",
         type=float,
         default=1.0,
-        help="when full, drop the least recently used session if idle this long "
-        "(its orchestrator re-prefills it from the session record if it comes back)",
+        help="when full, a new session takes the slot of the least recently used "
+        "finished one at once, else of a running one idle this long (its orchestrator "
+        "re-prefills from the session record if it comes back)",
     )
     if spec.hosts_draft_model:
         parser.add_argument(

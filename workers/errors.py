@@ -28,5 +28,15 @@ class UnknownSessionError(PositionError):
     held, so the caller re-prefills (FAILED_PRECONDITION over gRPC)."""
 
 
+# Why a worker refused a call for capacity (the refused-calls metric's reasons).
+SESSIONS_RUNNING = "sessions_running"  # every slot is held by a running generation
+SESSION_LENGTH = "session_length"  # the call would pass the tokens per session
+
+
 class CapacityError(RuntimeError):
-    """Too many sessions, or a session longer than the worker's limit."""
+    """Too many sessions, or a session longer than the worker's limit. `reason` says which
+    (None where it is not known: an error rebuilt from a status code)."""
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason

@@ -50,6 +50,10 @@ class JuryWorker:
     def release(self, session: str) -> bool:
         return self.sessions.release(session)
 
+    def finish(self, session: str) -> bool:
+        """The session's generation ended: its caches stay, reclaimable at once."""
+        return self.sessions.finish(session)
+
     def _hidden(self, hidden: HiddenStates) -> torch.Tensor:
         """The hidden states [T, D] on the model's device, their shape checked."""
         tensor = hidden.tensor()

@@ -7,12 +7,18 @@ Terms
   start beyond what the worker holds is a `PositionError`: the caller re-prefills.
 - limits: how many sessions a worker holds at once, how many positions one may reach,
   and how long an idle one is kept.
-- reclaim: a full table makes room for a new session by dropping the least recently
-  used one, if that one has been idle at least `reclaim_after_s`. Sessions outlive
-  requests (a conversation's next turn reuses its caches), and the orchestrator's
-  session record can always rebuild dropped caches (a re-prefill), so an idle session's
-  caches are a cache, not a commitment; a session used within the last moments is
-  probably mid-generation, and the newcomer is refused (`CapacityError`) instead.
+- running / finished: a session is running from any call on it until the caller says its
+  generation ended (`finish`); then it is finished, its caches kept for the
+  conversation's next turn, which makes it running again.
+- reclaim: a full table makes room for a new session by dropping, least recently used
+  first, a finished session at once, else a running one idle at least `reclaim_after_s`
+  (a generation between rounds is never idle that long; one idle longer was abandoned
+  without a word, its orchestrator gone). The orchestrator's session record can always
+  rebuild dropped caches (a re-prefill), so a finished session's caches are a cache,
+  not a commitment. Only when every slot is held by a running session is the newcomer
+  refused (`CapacityError`, reason `sessions_running`).
+- on_reclaim: told why each slot was freed for another or evicted ("finished", "idle",
+  "evicted"), for the service's metrics.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from hydra_jury.workers.errors import (
+    SESSION_LENGTH,
+    SESSIONS_RUNNING,
     CapacityError,
     InvalidArgument,
     PositionError,
@@ -39,7 +47,7 @@ class SessionLimits:
     max_sessions: int = 4
     max_session_tokens: int = 2048  # capped by the model's context length
     idle_timeout_s: float | None = None  # None (or 0 from a flag): never evicted
-    reclaim_after_s: float = 1.0  # a full table drops its LRU session if idle this long
+    reclaim_after_s: float = 1.0  # a running session idle this long may be reclaimed
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1:
@@ -56,15 +64,22 @@ class SessionLimits:
             object.__setattr__(self, "idle_timeout_s", None)
 
 
+# Why a session's slot was freed for another (the reclaimed-sessions metric's reasons).
+FINISHED = "finished"  # its generation had ended
+IDLE = "idle"  # running, but idle past the reclaim grace
+EVICTED = "evicted"  # idle past the idle timeout
+
+
 @dataclass
 class _Entry(Generic[State]):
     state: State
     last_used: float = field(default_factory=time.monotonic)
     held: bool = False  # a call spanning several model-thread jobs is using it
+    running: bool = True  # a generation is using it (until `finish`)
 
 
 class SessionTable(Generic[State]):
-    """Session id -> worker state, with a fixed maximum and idle eviction."""
+    """Session id -> worker state, with a fixed maximum, reclaiming and idle eviction."""
 
     def __init__(
         self,
@@ -77,12 +92,19 @@ class SessionTable(Generic[State]):
         self.reclaim_after_s = limits.reclaim_after_s
         self._create, self._destroy = create, destroy
         self._entries: dict[str, _Entry[State]] = {}
+        self.on_reclaim: Callable[[str], None] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def running(self) -> int:
+        """Sessions a generation is using (the others are finished, kept for a next turn)."""
+        return sum(entry.running for entry in self._entries.values())
+
     def get(self, session: str, *, start: int) -> State:
-        """The session's state for a call starting at `start`; a call at 0 may open it."""
+        """The session's state for a call starting at `start`; a call at 0 may open it.
+        Either way the session is running from now on."""
         entry = self._entries.get(session)
         if entry is None:
             if start != 0:
@@ -93,12 +115,24 @@ class SessionTable(Generic[State]):
             self.evict_idle()
             if len(self._entries) >= self.max_sessions and not self._reclaim():
                 raise CapacityError(
-                    f"all {self.max_sessions} sessions are in use; retry later "
-                    f"or raise --max-sessions"
+                    f"all {self.max_sessions} sessions are in use by running generations; "
+                    f"retry later or raise --max-sessions",
+                    reason=SESSIONS_RUNNING,
                 )
             entry = self._entries[session] = _Entry(self._create())
         entry.last_used = time.monotonic()
+        entry.running = True
         return entry.state
+
+    def finish(self, session: str) -> bool:
+        """The session's generation ended: its caches stay for a next turn, but its slot
+        goes to the first newcomer that needs one. False if the table does not hold it."""
+        entry = self._entries.get(session)
+        if entry is None:
+            return False
+        entry.running = False
+        entry.last_used = time.monotonic()
+        return True
 
     def hold(self, session: str) -> None:
         """Keeps the session from being reclaimed or evicted as idle while a call that
@@ -124,14 +158,20 @@ class SessionTable(Generic[State]):
         return entry is not None
 
     def _reclaim(self) -> bool:
-        """Drops the least recently used session if it has been idle long enough."""
-        idle = [session for session, entry in self._entries.items() if not entry.held]
-        if not idle:
-            return False
-        oldest = min(idle, key=lambda s: self._entries[s].last_used)
-        if time.monotonic() - self._entries[oldest].last_used < self.reclaim_after_s:
-            return False
-        self.release(oldest)
+        """Drops the least recently used finished session, else the least recently used
+        running one idle past the grace; False when neither exists."""
+        free = [(s, e) for s, e in self._entries.items() if not e.held]
+        finished = [(s, e) for s, e in free if not e.running]
+        if finished:
+            session, reason = min(finished, key=lambda item: item[1].last_used)[0], FINISHED
+        else:
+            now = time.monotonic()
+            stale = [(s, e) for s, e in free if now - e.last_used >= self.reclaim_after_s]
+            if not stale:
+                return False
+            session, reason = min(stale, key=lambda item: item[1].last_used)[0], IDLE
+        self.release(session)
+        self._reclaimed(reason)
         return True
 
     def evict_idle(self) -> list[str]:
@@ -145,7 +185,12 @@ class SessionTable(Generic[State]):
         ]
         for session in idle:
             self.release(session)
+            self._reclaimed(EVICTED)
         return idle
+
+    def _reclaimed(self, reason: str) -> None:
+        if self.on_reclaim is not None:
+            self.on_reclaim(reason)
 
 
 def check_start(start: int, held: int, what: str) -> None:
@@ -167,5 +212,6 @@ def check_capacity(end: int, capacity: int) -> None:
     if end > capacity:
         raise CapacityError(
             f"the session would reach {end} positions, over the limit of "
-            f"{capacity} tokens per session"
+            f"{capacity} tokens per session",
+            reason=SESSION_LENGTH,
         )

@@ -170,6 +170,10 @@ class TrunkWorker:
     def release(self, session: str) -> bool:
         return self.sessions.release(session)
 
+    def finish(self, session: str) -> bool:
+        """The session's generation ended: its caches stay, reclaimable at once."""
+        return self.sessions.finish(session)
+
     def prefill(self, call: PrefillCall) -> HiddenStates:
         """Runs the tokens through the trunk; returns their hidden states [T, D]."""
         return self.prefill_batch([call])[0]

@@ -11,10 +11,9 @@ from tests.grpc_stack import Stack
 from tests.orchestrator.test_grpc_stack import to_pb
 
 SESSIONS = 8
-# Finished requests keep their caches (for a next turn) until a new session needs the
-# slot: with room for them and a reclaim delay no running session ever waits that
-# long, no running session loses its caches (that is tested elsewhere; here it would
-# only cost rebuilds).
+# Room for every running session (a finished one's slot goes to a new session at once);
+# the grace before a running session idle between rounds may lose its slot is far longer
+# than a round here.
 SESSION_ROOM = {"max_sessions": 64, "reclaim_after_s": 0.5}
 PROMPTS = [
     "the cat",

@@ -14,6 +14,7 @@ from tests import calls
 from tests.worker_services import (
     GREEDY,
     PROMPT,
+    PROMPT_LENGTH,
     SAMPLED,
     assert_error,
     assert_refused,
@@ -179,3 +180,36 @@ def test_trunk_positions_and_capacity(trunk):
         Code.RESOURCE_EXHAUSTED,
         r"all 2 sessions are in use",
     )
+
+
+def test_a_finished_session_keeps_its_caches_until_a_newcomer_needs_its_slot(start_trunk):
+    trunk = start_trunk(max_sessions=1, reclaim_after_s=60)
+    keep = internal_pb2.ReleaseRequest(session="a", keep_caches=True)
+    trunk.stub.Prefill(prefill_request("a"))
+    assert trunk.stub.Release(keep).released
+    # Its next turn continues from its caches, and ends again.
+    trunk.stub.Prefill(prefill_request("a", start=PROMPT_LENGTH, tokens=[11]))
+    trunk.stub.Release(keep)
+    trunk.stub.Prefill(prefill_request("b"))  # takes the finished slot at once
+    assert_error(
+        trunk.stub.Prefill,
+        prefill_request("a", start=PROMPT_LENGTH + 1, tokens=[12]),
+        Code.FAILED_PRECONDITION,
+        "re-prefill from 0",
+    )
+    assert_error(  # "b" is running, within the minute's grace
+        trunk.stub.Prefill,
+        prefill_request("c"),
+        Code.RESOURCE_EXHAUSTED,
+        "all 1 sessions are in use by running generations",
+    )
+    nobody = internal_pb2.ReleaseRequest(session="nobody", keep_caches=True)
+    assert not trunk.stub.Release(nobody).released
+    registry = trunk.servicer.metrics.registry
+    assert (
+        registry.get_sample_value("hydrajury_reclaimed_sessions_total", {"reason": "finished"}) == 1
+    )
+    refused = {"rpc": "Prefill", "reason": "sessions_running"}
+    assert registry.get_sample_value("hydrajury_refused_calls_total", refused) == 1
+    assert registry.get_sample_value("hydrajury_service_running_sessions") == 1
+    assert registry.get_sample_value("hydrajury_service_sessions") == 1
