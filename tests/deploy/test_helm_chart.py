@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from collections.abc import Iterable
 
 import pytest
 import yaml
@@ -48,6 +49,13 @@ def shards_of(case: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def releases(render) -> dict[str, list[dict]]:
     return {case: manifests(render(*[p for p in [path] if p])) for case, path in CASES.items()}
+
+
+def every(items: Iterable, what: str) -> list:
+    """`items` as a list, asserted non-empty: a loop over nothing would check nothing."""
+    items = list(items)
+    assert items, f"no {what} rendered: the check would pass on nothing"
+    return items
 
 
 def objects(docs: list[dict], kind: str) -> dict[str, dict]:
@@ -122,7 +130,7 @@ def test_one_deployment_and_service_per_shard_with_its_heads(releases, case):
     deployments, services = objects(docs, "Deployment"), objects(docs, "Service")
     jury_deployments = {n for n in deployments if n.startswith(f"{PREFIX}-jury-")}
     assert jury_deployments == {f"{PREFIX}-jury-{shard['name']}" for shard in shards_of(case)}
-    for shard in shards_of(case):
+    for shard in every(shards_of(case), "jury shards"):
         name = f"{PREFIX}-jury-{shard['name']}"
         (server,) = deployments[name]["spec"]["template"]["spec"]["containers"]
         assert server["args"][0] == "jury"
@@ -142,7 +150,7 @@ def test_one_deployment_and_service_per_shard_with_its_heads(releases, case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_every_server_has_grpc_probes(releases, case):
-    for container in servers(releases[case]):
+    for container in every(servers(releases[case]), "servers"):
         (port,) = [p["containerPort"] for p in container["ports"] if p["name"] == "grpc"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == port, (container["name"], probe)
@@ -165,12 +173,12 @@ def test_only_orchestrators_reach_trunk_shards_and_redis(releases, case):
         labels = deployments[name]["spec"]["template"]["metadata"]["labels"]
         selecting = [p for p in policies if matches(p["spec"]["podSelector"], labels)]
         assert selecting, f"no NetworkPolicy selects {name}"
-        for policy in selecting:
+        for policy in selecting:  # not empty: asserted above
             assert policy["spec"]["policyTypes"] == ["Ingress"]
-            for rule in policy["spec"]["ingress"]:
+            for rule in every(policy["spec"]["ingress"], "ingress rules"):
                 if rule["ports"] == [{"protocol": "TCP", "port": 9100}]:
                     continue  # the metrics port: test_metrics_are_scraped_from_every_server
-                for peer in rule["from"]:
+                for peer in every(rule["from"], "ingress peers"):
                     assert set(peer) == {"podSelector"}, peer
                     assert matches(peer["podSelector"], orchestrator_labels)
                     other_pods = [
@@ -184,14 +192,14 @@ def test_only_orchestrators_reach_trunk_shards_and_redis(releases, case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_no_container_runs_as_root(releases, case):
-    for name, pod in pod_specs(releases[case]).items():
+    for name, pod in every(pod_specs(releases[case]).items(), "pods"):
         pod_context = pod["securityContext"]
         assert pod_context["runAsNonRoot"] is True, name
         assert pod_context["runAsUser"] != 0 and pod_context["seccompProfile"] == {
             "type": "RuntimeDefault"
         }
         assert pod["automountServiceAccountToken"] is False or name.endswith("-orchestrator")
-        for container in containers(pod):
+        for container in every(containers(pod), f"containers in {name}"):
             context = container["securityContext"]
             assert context["runAsNonRoot"] is True and context.get("runAsUser", 1) != 0
             assert context["allowPrivilegeEscalation"] is False
@@ -201,8 +209,8 @@ def test_no_container_runs_as_root(releases, case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_every_container_has_requests_and_limits(releases, case):
-    for name, pod in pod_specs(releases[case]).items():
-        for container in containers(pod):
+    for name, pod in every(pod_specs(releases[case]).items(), "pods"):
+        for container in every(containers(pod), f"containers in {name}"):
             resources = container["resources"]
             for kind in ("requests", "limits"):
                 assert {"cpu", "memory"} <= set(resources[kind]), (name, container["name"], kind)
@@ -210,11 +218,13 @@ def test_every_container_has_requests_and_limits(releases, case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_checkpoint_is_mounted_read_only(releases, case):
-    for name, pod in pod_specs(releases[case]).items():
+    checked = []
+    for name, pod in every(pod_specs(releases[case]).items(), "pods"):
         volumes = {volume["name"]: volume for volume in pod["volumes"]}
         for container in pod["containers"]:
             if container["args"][0] not in SERVERS:
                 continue
+            checked.append(name)
             (mount,) = [m for m in container["volumeMounts"] if m["name"] == "checkpoint"]
             assert mount["readOnly"] is True and mount["mountPath"] == "/checkpoint", name
             assert arguments(container)["checkpoint"] == "/checkpoint"
@@ -223,6 +233,7 @@ def test_the_checkpoint_is_mounted_read_only(releases, case):
             assert "emptyDir" in volumes["tmp"]
         if "persistentVolumeClaim" in volumes.get("checkpoint", {}):
             assert volumes["checkpoint"]["persistentVolumeClaim"]["readOnly"] is True
+    assert len(checked) >= 3, f"servers checked: {checked}"  # trunk, a shard, orchestrator
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -231,7 +242,7 @@ def test_disruption_budgets_and_autoscalers(releases, case):
     deployments = objects(docs, "Deployment")
     budgets = objects(docs, "PodDisruptionBudget")
     autoscalers = objects(docs, "HorizontalPodAutoscaler")
-    for name, deployment in deployments.items():
+    for name, deployment in every(deployments.items(), "deployments"):
         if name.endswith("-redis"):
             continue  # one trial instance: nothing to keep available
         labels = deployment["spec"]["template"]["metadata"]["labels"]
@@ -521,7 +532,7 @@ def test_metrics_are_scraped_from_every_server(releases, case):
     docs = releases[case]
     deployments = objects(docs, "Deployment")
     policies = list(objects(docs, "NetworkPolicy").values())
-    for name, deployment in deployments.items():
+    for name, deployment in every(deployments.items(), "deployments"):
         if name.endswith("-redis"):
             continue
         template = deployment["spec"]["template"]

@@ -211,23 +211,36 @@ def test_per_token_metrics_and_request_stats(engine):
 
 @pytest.mark.parametrize("rule", [r for r in RULES if r != "verifier_only"])
 def test_every_rule_runs(engine, rule):
+    """What every speculative rule must do: keep at most what it drafted, replace a rejected
+    token with another (the residual max(π − q, 0) is 0 wherever q ≥ π, which is where a
+    draft can be rejected), and draw the same tokens for the same seed."""
     lenience = 0.3 if rule in ("lenient",) or rule.startswith("cascade") else 0.0
-    output = engine.generate(
-        GenerationRequest(
-            prompt="hi",
-            rule=rule,
-            lenience=lenience,
-            max_new_tokens=12,
-            seed=4,
-            temperature=0.7,
-            top_p=0.9,
-            ignore_eos=True,
-        )
+    request = GenerationRequest(
+        prompt="hi",
+        rule=rule,
+        lenience=lenience,
+        drafter="head",  # a fixed round structure (the automatic mode's follows timings)
+        max_new_tokens=12,
+        seed=4,
+        temperature=0.7,
+        top_p=0.9,
+        ignore_eos=True,
     )
-    assert len(output.token_ids) == 12
+    output = engine.generate(request)
+    stats = output.stats
+    assert len(output.token_ids) == 12 and sum(output.rounds) == 12
+    assert 0 <= stats["accepted"] <= stats["drafted"] and stats["rounds"] == len(output.rounds)
     if rule == "drafter_only":
-        assert output.stats["accepted"] == output.stats["drafted"] == 12
+        assert stats["accepted"] == stats["drafted"] == 12
         assert output.jury == [] and output.tokens[0].entropy is None
+        assert {t.kind for t in output.tokens} == {"draft"}
+    else:
+        assert output.jury and stats["drafted"] > 0
+        assert {t.kind for t in output.tokens} <= {"draft", "replacement", "bonus"}
+        for record in output.tokens:
+            if record.kind == "replacement":
+                assert record.rejected_token != record.token_id
+    assert engine.generate(request).token_ids == output.token_ids
 
 
 @pytest.mark.parametrize(
