@@ -12,9 +12,9 @@ from hydra_jury.hydra_model.rope import RotaryTable
 # CPU BLAS) multiplies a few rows by a large matrix with small-row kernels that are
 # slowest from 4 to 15 rows: with SmolLM2's 49,152 x 576 LM head out of cache on the 2-core
 # development machine, 8 rows took 13.6 ms and 16 rows 9.7 ms (1 row: 4.5 ms), and a jury
-# shard of 2 heads scoring 4 positions multiplies 8 (README, "One host"). From 16 rows on,
-# each row comes out the same whatever the rows beside it, so a shard's rows also equal,
-# bit for bit, the same rows of the whole jury's 16-row product.
+# shard of 2 heads scoring 4 positions multiplies 8 (docs/benchmarks.md, "One host"). From
+# 16 rows on, each row comes out the same whatever the rows beside it, so a shard's rows
+# also equal, bit for bit, the same rows of the whole jury's 16-row product.
 PADDED_ROW_COUNTS = range(4, 16)  # products of these many rows run as 16 rows
 
 

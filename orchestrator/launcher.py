@@ -24,7 +24,7 @@ from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
 LISTENING = re.compile(r"listening on (\S+?):(\d+)")
 
 # How the stack's processes wait between OpenMP parallel regions, since they share the
-# host (README, "One host"). They take turns (draft, score, accept), and a process whose
+# host (docs/benchmarks.md, "One host"). They take turns (draft, score, accept), and a process whose
 # threads spin while it waits takes a core from the one working: with libgomp's default
 # (about 3.5 ms of spinning after every region on the development machine) the split
 # stack ran at 10.2 tokens/s. The shards (which score at the same time) and the

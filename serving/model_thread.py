@@ -6,7 +6,7 @@ no other thread of the process ever runs parallel CPU work: OpenMP keeps a team 
 threads for every thread that did, and once a process's teams hold more threads than
 there are cores, libgomp stops spinning between parallel regions and every region pays
 a wake-up. Measured on the 2-core development machine, that is the difference between
-16.4 and 18.7 tokens/s (README, Benchmarks).
+16.4 and 18.7 tokens/s (docs/benchmarks.md).
 """
 
 from __future__ import annotations

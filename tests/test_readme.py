@@ -1,6 +1,6 @@
-"""Every command the README shows works as written in a fresh clone: each
-`.venv/bin/hydra-jury ...` parses with the real argument parsers, and each `make TARGET`
-names a target of the Makefile."""
+"""Every command the README and the documents in docs/ show works as written in a fresh
+clone: each `.venv/bin/hydra-jury ...` parses with the real argument parsers, each `make
+TARGET` names a target of the Makefile, and every relative link leads to a file."""
 
 from __future__ import annotations
 
@@ -17,16 +17,18 @@ from hydra_jury.serving.worker_service import build_parser as service_parser
 from hydra_jury.trunk_service.server import TRUNK_SERVICE
 
 REPO = Path(__file__).resolve().parents[1]
-README = (REPO / "README.md").read_text()
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+TEXTS = {path: path.read_text() for path in DOCUMENTS}
 CLI = ".venv/bin/hydra-jury"
 
 
 def shell_lines() -> list[str]:
     """Lines of the ```sh blocks, continuations joined, and inline `...` commands."""
     lines = []
-    for block in re.findall(r"```sh\n(.*?)```", README, re.S):
-        lines += [line.strip() for line in block.replace("\\\n", " ").splitlines()]
-    lines += re.findall(r"`(\.venv/bin/hydra-jury [^`]+)`", README)
+    for text in TEXTS.values():
+        for block in re.findall(r"```sh\n(.*?)```", text, re.S):
+            lines += [line.strip() for line in block.replace("\\\n", " ").splitlines()]
+        lines += re.findall(r"`(\.venv/bin/hydra-jury [^`]+)`", text)
     return [line for line in lines if line and not line.startswith("#")]
 
 
@@ -71,3 +73,19 @@ def test_every_command_parses(command):
 @pytest.mark.parametrize("target", MAKE_TARGETS)
 def test_every_make_target_exists(target):
     assert re.search(rf"^{re.escape(target)}:", (REPO / "Makefile").read_text(), re.M), target
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=lambda path: path.name)
+def test_every_relative_link_leads_to_a_file(path):
+    targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", TEXTS[path])
+    relative = [t for t in targets if not re.match(r"\w+://", t)]
+    missing = [t for t in relative if not (path.parent / t).exists()]
+    assert not missing, missing
+
+
+def test_the_readme_is_short_and_leads_to_every_document():
+    readme = TEXTS[REPO / "README.md"]
+    assert len(readme.splitlines()) <= 250
+    for path in DOCUMENTS[1:]:
+        assert f"(docs/{path.name})" in readme, f"the README does not lead to docs/{path.name}"
+    assert "../shared" not in "".join(TEXTS.values()), "a user has no ../shared"
