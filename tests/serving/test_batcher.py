@@ -222,6 +222,9 @@ def test_a_session_drafting_is_held_and_its_release_fails_only_its_call(start_tr
     # A new session needs a slot: "b" (idle) is reclaimed, never "a" (drafting).
     newcomer = trunk.stub.Prefill.future(prefill_request("c"), timeout=10)
     wait_until(lambda: trunk.servicer.batchers["Draft"].queued == 2)
+    # The newcomer waits on the held model thread ahead of the drafts' next step, in
+    # which "b" would be drafting (held, so not reclaimable).
+    wait_until(lambda: trunk.servicer.batchers["Prefill"].running == 1)
     blocked.release.set()
     newcomer.result()
     assert len(long.result().tokens) == 6
