@@ -160,16 +160,14 @@ class SessionTable(Generic[State]):
     def _reclaim(self) -> bool:
         """Drops the least recently used finished session, else the least recently used
         running one idle past the grace; False when neither exists."""
-        free = [(s, e) for s, e in self._entries.items() if not e.held]
-        finished = [(s, e) for s, e in free if not e.running]
-        if finished:
-            session, reason = min(finished, key=lambda item: item[1].last_used)[0], FINISHED
-        else:
-            now = time.monotonic()
-            stale = [(s, e) for s, e in free if now - e.last_used >= self.reclaim_after_s]
-            if not stale:
-                return False
-            session, reason = min(stale, key=lambda item: item[1].last_used)[0], IDLE
+        free = {s: e for s, e in self._entries.items() if not e.held}
+        finished = [s for s, e in free.items() if not e.running]
+        now = time.monotonic()
+        stale = [s for s, e in free.items() if now - e.last_used >= self.reclaim_after_s]
+        candidates, reason = (finished, FINISHED) if finished else (stale, IDLE)
+        if not candidates:
+            return False
+        session = min(candidates, key=lambda s: free[s].last_used)
         self.release(session)
         self._reclaimed(reason)
         return True
