@@ -27,6 +27,11 @@ def reference(model, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens[None]).logits[0]
 
 
+def build(base, tmp_path, **options):
+    """`base` built into `tmp_path / "hydra"` over a trunk of `TRUNK_LAYERS` layers."""
+    return build_hydra(base, tmp_path / "hydra", trunk_layers=TRUNK_LAYERS, **options)
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     return save_hf_model(
@@ -36,13 +41,7 @@ def base(tmp_path_factory):
 
 def test_head_from_reproduces_the_fine_tune(base, tmp_path):
     tuned = fine_tune_top_layers(base, tmp_path / "tuned", TRUNK_LAYERS, seed=11)
-    out = build_hydra(
-        base,
-        tmp_path / "hydra",
-        trunk_layers=TRUNK_LAYERS,
-        heads=2,
-        head_from=[str(tmp_path / "tuned")],
-    )
+    out = build(base, tmp_path, heads=2, head_from=[str(tmp_path / "tuned")])
     model = HydraModel.load(out)
     tokens = torch.arange(30) % 40
     assert (head_logits(model, 0, tokens) - reference(tuned, tokens)).abs().max() <= TOLERANCE
@@ -71,13 +70,7 @@ def make_lora_adapter(base, out, layers: list[int]):
 
 def test_lora_head_reproduces_the_merged_adapter(base, tmp_path):
     merged = make_lora_adapter(base, tmp_path / "adapter", layers=[2, 3])
-    out = build_hydra(
-        base,
-        tmp_path / "hydra",
-        trunk_layers=TRUNK_LAYERS,
-        heads=2,
-        lora=[str(tmp_path / "adapter")],
-    )
+    out = build(base, tmp_path, heads=2, lora=[str(tmp_path / "adapter")])
     model = HydraModel.load(out)
     tokens = torch.arange(25) % 40
     expected = reference(merged, tokens)
@@ -88,13 +81,7 @@ def test_lora_head_reproduces_the_merged_adapter(base, tmp_path):
 def test_lora_on_trunk_layers_is_refused(base, tmp_path):
     make_lora_adapter(base, tmp_path / "adapter", layers=[1, 2])
     with pytest.raises(BuildError, match="adapts layer 1, which is in the shared trunk"):
-        build_hydra(
-            base,
-            tmp_path / "hydra",
-            trunk_layers=TRUNK_LAYERS,
-            heads=1,
-            lora=[str(tmp_path / "adapter")],
-        )
+        build(base, tmp_path, heads=1, lora=[str(tmp_path / "adapter")])
     assert not (tmp_path / "hydra").exists()  # nothing half-written is left behind
 
 
