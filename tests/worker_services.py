@@ -11,7 +11,7 @@ stopped when the test ends.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,7 +114,11 @@ def background_loop():
     loop.close()
 
 
-def _starter(spec, stub_class, checkpoint, loop: BackgroundLoop):
+def _services(
+    spec, stub_class, checkpoint, loop: BackgroundLoop
+) -> Iterator[Callable[..., Service]]:
+    """A fixture's body: yields `start(**ServiceOptions fields)`, which starts one more
+    service of `spec`, and stops every service it started once the test is over."""
     started: list[Service] = []
 
     def start(**options) -> Service:
@@ -125,32 +129,24 @@ def _starter(spec, stub_class, checkpoint, loop: BackgroundLoop):
         started.append(service)
         return service
 
-    def stop_all() -> None:
-        for service in started:
-            service.channel.close()
-            loop.run(service.running.stop())
-
-    return start, stop_all
+    yield start
+    for service in started:
+        service.channel.close()
+        loop.run(service.running.stop())
 
 
 @pytest.fixture
 def start_trunk(jury_checkpoint, background_loop) -> Callable[..., Service]:
     """start_trunk(**ServiceOptions fields) → a running trunk service."""
-    start, stop_all = _starter(
+    yield from _services(
         TRUNK_SERVICE, internal_pb2_grpc.TrunkStub, jury_checkpoint, background_loop
     )
-    yield start
-    stop_all()
 
 
 @pytest.fixture
 def start_jury(jury_checkpoint, background_loop) -> Callable[..., Service]:
     """start_jury(**ServiceOptions fields) → a running jury service."""
-    start, stop_all = _starter(
-        JURY_SERVICE, internal_pb2_grpc.JuryStub, jury_checkpoint, background_loop
-    )
-    yield start
-    stop_all()
+    yield from _services(JURY_SERVICE, internal_pb2_grpc.JuryStub, jury_checkpoint, background_loop)
 
 
 @pytest.fixture
