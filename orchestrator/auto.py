@@ -22,7 +22,7 @@ is the largest expected tokens over predicted seconds.
 
 Head drafts are candidates under greedy decoding only. There every choice gives the
 same tokens; under sampling the candidates are n-gram and draft-model drafts and plain
-steps, which (by the coupling of `Engine._accept_coupled`) give the tokens of
+steps, which (by the coupling of `poe.verify_coupled`) give the tokens of
 non-speculative sampling. So with the exact rule the automatic mode changes the speed,
 never the output.
 """
@@ -32,16 +32,20 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from hydra_jury.orchestrator.request import DrafterKind
+
+HEAD, MODEL, NGRAM, NONE = DrafterKind.HEAD, DrafterKind.MODEL, DrafterKind.NGRAM, DrafterKind.NONE
+
 # Until measured: a head-drafted round of γ costs this many plain steps per draft token
 # (a trunk step and a draft-head step each) plus one jury call.
 HEAD_STEP_PRIOR = 0.6
 VERIFY_POSITION_PRIOR = 0.05  # an extra verified position, in plain steps (batched)
 MODEL_STEP_PRIOR = 0.3  # a draft-model step, in plain steps (a smaller model)
-PRIOR_ACCEPTANCE = {"ngram": 0.5, "head": 0.7, "model": 0.5}
+PRIOR_ACCEPTANCE = {NGRAM: 0.5, HEAD: 0.7, MODEL: 0.5}
 PRIOR_WEIGHT = 2.0  # pseudo-positions behind the acceptance prior
 ACCEPTANCE_DECAY = 0.9  # per round: recent rounds count more
 EXPLORE_EVERY = 16  # rounds: a request measures each kind of round this often
-EXPLORE_AT = {"verify": 4, "head": 8, "model": 12}  # at these rounds of every EXPLORE_EVERY
+EXPLORE_AT = {NGRAM: 4, HEAD: 8, MODEL: 12}  # at these rounds of every EXPLORE_EVERY
 
 
 class LinearCost:
@@ -82,23 +86,23 @@ class LinearCost:
 
 class CostModel:
     """What an engine's requests measure for each other: the costs of the three kinds
-    of rounds ("verify", "head", "model"), and the acceptance of each drafter pooled
-    over requests."""
+    of rounds, keyed by their drafter (NGRAM: every one-pass round, a plain step
+    included; HEAD; MODEL), and the acceptance of each drafter pooled over requests."""
 
     def __init__(self) -> None:
-        self.lines = {kind: LinearCost() for kind in ("verify", "head", "model")}
+        self.lines = {kind: LinearCost() for kind in (NGRAM, HEAD, MODEL)}
         self.acceptance = {d: Acceptance.prior(d) for d in PRIOR_ACCEPTANCE}
         self._lock = threading.Lock()
 
     @property
-    def verify(self) -> LinearCost:
-        return self.lines["verify"]
+    def one_pass(self) -> LinearCost:
+        return self.lines[NGRAM]
 
-    def observe(self, kind: str, positions: int, seconds: float) -> None:
+    def observe(self, kind: DrafterKind, positions: int, seconds: float) -> None:
         with self._lock:
             self.lines[kind].observe(positions, seconds)
 
-    def observe_acceptance(self, drafter: str, reached: int, kept: int) -> None:
+    def observe_acceptance(self, drafter: DrafterKind, reached: int, kept: int) -> None:
         with self._lock:
             self.acceptance[drafter].observe(reached, kept)
 
@@ -111,22 +115,22 @@ class CostModel:
                 for drafter, counts in self.acceptance.items()
             }
 
-    def known(self, kind: str) -> bool:
+    def known(self, kind: DrafterKind) -> bool:
         with self._lock:
             return self.lines[kind].known
 
-    def predict(self, kind: str, positions: int) -> float:
+    def predict(self, kind: DrafterKind, positions: int) -> float:
         """Predicted seconds of a round (relative units before any measurement)."""
         with self._lock:
-            plain = self.verify.mean() if self.verify.known else 1.0
+            plain = self.one_pass.mean() if self.one_pass.known else 1.0
             cost = self.lines[kind]
             line = cost.line()
             if line is not None:
                 return line[0] + line[1] * positions
-            if kind == "verify":
+            if kind == NGRAM:
                 return plain * (1 + VERIFY_POSITION_PRIOR * (positions - 1))
             # A drafted round: γ steps of its drafter and a jury call.
-            step = HEAD_STEP_PRIOR if kind == "head" else MODEL_STEP_PRIOR
+            step = HEAD_STEP_PRIOR if kind == HEAD else MODEL_STEP_PRIOR
             if cost.known:  # one size seen: scale it by γ
                 return cost.mean() * (0.5 + step * positions) / (0.5 + step * max(cost.sizes))
             return plain * (1 + step * positions)
@@ -140,7 +144,7 @@ class Acceptance:
     reached: float
 
     @classmethod
-    def prior(cls, drafter: str) -> Acceptance:
+    def prior(cls, drafter: DrafterKind) -> Acceptance:
         return cls(PRIOR_ACCEPTANCE[drafter] * PRIOR_WEIGHT, PRIOR_WEIGHT)
 
     def observe(self, reached: int, kept: int) -> None:
@@ -161,7 +165,7 @@ def expected_tokens(acceptance: float, drafts: int, bonus: bool) -> float:
 
 @dataclass(frozen=True)
 class Choice:
-    drafter: str  # "none" (a plain step), "ngram", "head" or "model"
+    drafter: DrafterKind  # NONE (a plain step), NGRAM, HEAD or MODEL
     drafts: int  # k n-gram drafts, or γ head or draft-model drafts
 
 
@@ -169,7 +173,7 @@ class Choice:
 class AutoState:
     """One request's side of the automatic mode."""
 
-    acceptance: dict[str, Acceptance] = field(
+    acceptance: dict[DrafterKind, Acceptance] = field(
         default_factory=lambda: {d: Acceptance.prior(d) for d in PRIOR_ACCEPTANCE}
     )
     rounds: int = 0
@@ -184,18 +188,18 @@ class AutoState:
         """The best round: `ngram_drafts` tokens are on offer from prompt lookup; head
         drafts (greedy only) up to `head_cap`; draft-model drafts up to `model_cap` (0:
         no draft model)."""
-        if not costs.known("verify") or self._explores("verify"):
+        if not costs.known(NGRAM) or self._explores(NGRAM):
             # Every other cost is predicted against a one-pass round (a plain step is
             # one): measure that first, or the predictions mix units, and now and then.
-            return Choice("ngram", ngram_drafts) if ngram_drafts else Choice("none", 0)
-        best, best_rate = Choice("none", 0), 1.0 / costs.predict("verify", 1)
-        alpha = self.acceptance["ngram"].rate
+            return Choice(NGRAM, ngram_drafts) if ngram_drafts else Choice(NONE, 0)
+        best, best_rate = Choice(NONE, 0), 1.0 / costs.predict(NGRAM, 1)
+        alpha = self.acceptance[NGRAM].rate
         for k in range(1, ngram_drafts + 1):
-            rate = expected_tokens(alpha, k, bonus=True) / costs.predict("verify", k + 1)
+            rate = expected_tokens(alpha, k, bonus=True) / costs.predict(NGRAM, k + 1)
             if rate > best_rate:
-                best, best_rate = Choice("ngram", k), rate
+                best, best_rate = Choice(NGRAM, k), rate
         # (drafter, the most it may draft, whether its rounds end with a bonus token)
-        drafted = [("head", head_cap if greedy else 0, False), ("model", model_cap, True)]
+        drafted = [(HEAD, head_cap if greedy else 0, False), (MODEL, model_cap, True)]
         for drafter, cap, bonus in drafted:
             if cap <= 0:
                 continue
@@ -208,13 +212,13 @@ class AutoState:
                     best, best_rate = Choice(drafter, gamma), rate
         return best
 
-    def _explores(self, kind: str) -> bool:
+    def _explores(self, kind: DrafterKind) -> bool:
         """Whether this round measures `kind` whatever it is predicted to cost."""
         return self.rounds % EXPLORE_EVERY == EXPLORE_AT[kind]
 
     def observe(self, costs: CostModel, choice: Choice, reached: int, kept: int) -> None:
         self.rounds += 1
-        if choice.drafter != "none":
+        if choice.drafter != NONE:
             self.acceptance[choice.drafter].observe(reached, kept)
             costs.observe_acceptance(choice.drafter, reached, kept)
 
@@ -222,8 +226,8 @@ class AutoState:
         """What the choices are made from, for the request's statistics."""
         return {
             **{f"{drafter}_acceptance": counts.rate for drafter, counts in self.acceptance.items()},
-            "plain_step_s": costs.predict("verify", 1),
-            "verify_position_s": costs.predict("verify", 2) - costs.predict("verify", 1),
-            "head_round_4_s": costs.predict("head", 4),
-            "model_round_4_s": costs.predict("model", 4),
+            "plain_step_s": costs.predict(NGRAM, 1),
+            "verify_position_s": costs.predict(NGRAM, 2) - costs.predict(NGRAM, 1),
+            "head_round_4_s": costs.predict(HEAD, 4),
+            "model_round_4_s": costs.predict(MODEL, 4),
         }

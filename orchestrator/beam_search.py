@@ -13,12 +13,12 @@ since they parted. The bookkeeping (which beams live, which hypotheses are kept)
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from hydra_jury.orchestrator.backend import DecodingBackend
+from hydra_jury.orchestrator.round_timer import RoundTimer
 from hydra_jury.orchestrator.sessions.record import common_prefix
 from hydra_jury.poe import RequestStats, normalise_logprobs
 from hydra_jury.poe.beam import BeamSearch
@@ -43,7 +43,7 @@ class BeamRun:
     temperature: float
     beta: float
     stats: RequestStats
-    timings: dict[str, float]
+    timer: RoundTimer
 
     def search(self, context: list[int], search: BeamSearch) -> None:
         """Runs `search` to its end from `context` (slot 0 holds all but its last
@@ -98,18 +98,17 @@ class BeamRun:
             else:
                 start, tokens = 0, base + tail
             prefills.append(PrefillCall(slot_name(self.cache, slot), start, torch.tensor(tokens)))
-        began = time.perf_counter()
-        hidden = self.backend.trunk_forward_batch(prefills)
-        middle = time.perf_counter()
-        scores = self.backend.score_batch(
-            [
-                ScoreCall(call.session, call.start, rows, self.jury, self.temperature, self.beta)
-                for call, rows in zip(prefills, hidden, strict=True)
-            ]
-        )
-        ended = time.perf_counter()
-        self.timings["draft_s"] = self.timings.get("draft_s", 0.0) + middle - began
-        self.timings["score_s"] = self.timings.get("score_s", 0.0) + ended - middle
+        with self.timer.phase("draft_s"):
+            hidden = self.backend.trunk_forward_batch(prefills)
+        with self.timer.phase("score_s"):
+            scores = self.backend.score_batch(
+                [
+                    ScoreCall(
+                        call.session, call.start, rows, self.jury, self.temperature, self.beta
+                    )
+                    for call, rows in zip(prefills, hidden, strict=True)
+                ]
+            )
         self.stats.trunk_steps += sum(len(call.tokens) for call in prefills)
         self.stats.head_evaluations += sum(score.head_evaluations for score in scores)
         for tail, slot in zip(tails, slots, strict=True):

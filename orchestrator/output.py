@@ -1,10 +1,23 @@
-"""What a generation returns: per-token records, per-round messages, the whole output."""
+"""What a generation returns: per-token records, per-round messages, the whole output;
+and what a round decided (`Verdict`), from which its token records are made."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
+
+import torch
+
+from hydra_jury.orchestrator.request import DrafterKind
+from hydra_jury.poe import (
+    RequestStats,
+    entropy,
+    stability_margin,
+    stability_radius,
+    suppression_score,
+    validity_radius,
+)
 
 
 class TokenKind(StrEnum):
@@ -41,6 +54,56 @@ class TokenRecord:
 
 
 @dataclass
+class Verdict:
+    """What one round decided, before stop conditions: its tokens and, where a target
+    was computed, what the per-token metrics are read from."""
+
+    tokens: list[int]
+    kinds: list[TokenKind]
+    drafted: int
+    accepted: int
+    drafter: DrafterKind
+    target_probs: torch.Tensor | None = None  # [rows, V] unfiltered target
+    votes: torch.Tensor | None = None  # [rows, J]
+    voters: tuple[str, ...] = ()
+    rejected: int | None = None  # the draft token the replacement took the place of
+    bonus: bool = False  # a one-pass round kept every draft and drew one more token
+
+
+def token_records(
+    tokenizer, verdict: Verdict, tokens: list[int], first_position: int
+) -> list[TokenRecord]:
+    """The records of the round's emitted `tokens` (the verdict's, up to a stop
+    condition) at positions from `first_position`, with the target's metrics."""
+    records = [
+        TokenRecord(token, tokenizer.decode([token]), first_position + i, kind)
+        for i, (token, kind) in enumerate(zip(tokens, verdict.kinds, strict=False))
+    ]
+    if verdict.target_probs is None or not records:
+        return records
+    rows = len(records)
+    target = verdict.target_probs[:rows]
+    votes = verdict.votes[:rows]
+    entropies = entropy(target).tolist()
+    margins = stability_margin(target).tolist()
+    radii = stability_radius(votes, torch.tensor(tokens)).tolist()
+    vote_lists = votes.tolist()
+    for i, record in enumerate(records):
+        record.entropy, record.stability_margin = entropies[i], margins[i]
+        record.stability_radius = radii[i]
+        record.votes = dict(zip(verdict.voters, vote_lists[i], strict=True))
+        if record.kind == TokenKind.REPLACEMENT:
+            rejected = verdict.rejected
+            record.rejected_token = rejected
+            record.rejected_text = tokenizer.decode([rejected])
+            record.validity_radius = validity_radius(vote_lists[i], rejected)
+            record.suppression_score = float(
+                suppression_score(target[i : i + 1], torch.tensor([rejected]))[0]
+            )
+    return records
+
+
+@dataclass
 class RoundOutput:
     """The tokens one round committed, sent as soon as they are committed."""
 
@@ -53,7 +116,7 @@ class RoundOutput:
     # Wall time of the round: draft_s (draft call), score_s (jury call), accept_s (the
     # rest: acceptance, sampling, metrics, commit).
     timings: dict[str, float] = field(default_factory=dict)
-    drafter: str = "none"  # who drafted this round: "head", "ngram", "none" (no draft)
+    drafter: DrafterKind = DrafterKind.NONE  # who drafted this round
 
 
 @dataclass
@@ -63,7 +126,7 @@ class Progress:
 
     generated: list[int] = field(default_factory=list)
     round_sizes: list[int] = field(default_factory=list)
-    stats: dict[str, Any] = field(default_factory=dict)  # `poe.RequestStats` counters
+    stats: RequestStats = field(default_factory=RequestStats)
     text: str = ""  # of the generated tokens, up to a stop sequence
     sent: int = 0  # characters of `text` handed out in round deltas
     detokenizer_offsets: tuple[int, int] = (0, 0)
@@ -77,7 +140,7 @@ class Progress:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Progress:
-        progress = cls(**values)
+        progress = cls(**{**values, "stats": RequestStats(**values["stats"])})
         progress.detokenizer_offsets = tuple(progress.detokenizer_offsets)
         if progress.finish_reason is not None:
             progress.finish_reason = FinishReason(progress.finish_reason)

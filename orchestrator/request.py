@@ -26,11 +26,16 @@ class RequestError(InvalidArgument):
     """An invalid request option; the message names it."""
 
 
-class Drafter(StrEnum):
+class DrafterKind(StrEnum):
+    """Who drafts: what a request's `drafter` option names (`DRAFTERS`), and who drafted
+    each round (`RoundOutput.drafter`)."""
+
     AUTO = "auto"  # chosen per round from measured costs and acceptance (`orchestrator.auto`)
     HEAD = "head"  # a head on the trunk drafts, one trunk step per draft token
     NGRAM = "ngram"  # prompt lookup; the draft is checked in one trunk + jury pass
     MODEL = "model"  # the trunk service's draft model; checked in one pass, like ngram
+    NONE = "none"  # a round of no draft: a plain step
+    BEAM = "beam"  # a beam search, as one round
 
 
 DEFAULT_GAMMA = 4  # draft length of the head, n-gram and model drafters when unset
@@ -38,7 +43,8 @@ AUTO_GAMMA = 8  # the most the automatic mode drafts in a round when gamma is un
 MAX_BEAMS = 32  # beams of one request: each holds a cache slot on every service
 
 
-DRAFTERS = tuple(Drafter)
+# What a request may name as its drafter.
+DRAFTERS = (DrafterKind.AUTO, DrafterKind.HEAD, DrafterKind.NGRAM, DrafterKind.MODEL)
 
 
 @dataclass
@@ -93,7 +99,7 @@ class PreparedRequest:
     jury: list[str]  # empty for drafter_only
     sampling: SamplingParams
     amateur: str | None = None  # contrastive decoding's amateur head
-    drafter: Drafter = Drafter.HEAD
+    drafter: DrafterKind = DrafterKind.HEAD
     gamma: int = DEFAULT_GAMMA  # resolved: the draft length (auto: the most per round)
 
 
@@ -144,14 +150,14 @@ def prepare_request(
     seed = random_seed() if request.seed is None else request.seed
     drafter = _drafter(request, rule, info)
     draft_head = None
-    if drafter not in (Drafter.NGRAM, Drafter.MODEL):
+    if drafter not in (DrafterKind.NGRAM, DrafterKind.MODEL):
         draft_head = _draft_head(request, rule, info, seed)
     amateur = _amateur(request, rule, info)
     # Outside a head's own rounds no head drafts: every head is a juror. The automatic
     # mode keeps that jury in its head rounds too (greedy only), so its target never
     # changes with the drafter it picks.
-    jury = _jury(request, rule, info, draft_head if drafter == Drafter.HEAD else None, amateur)
-    gamma = request.gamma or (AUTO_GAMMA if drafter == Drafter.AUTO else DEFAULT_GAMMA)
+    jury = _jury(request, rule, info, draft_head if drafter == DrafterKind.HEAD else None, amateur)
+    gamma = request.gamma or (AUTO_GAMMA if drafter == DrafterKind.AUTO else DEFAULT_GAMMA)
     return PreparedRequest(
         request, rule, tokens, seed, draft_head, jury, request.sampling, amateur, drafter, gamma
     )
@@ -169,18 +175,18 @@ def _check_uncertainty(info: ModelInfo, tokenizer) -> None:
         raise RequestError(f"uncertainty: {error}") from None
 
 
-def _drafter(request: GenerationRequest, rule: Rule, info: ModelInfo) -> Drafter:
+def _drafter(request: GenerationRequest, rule: Rule, info: ModelInfo) -> DrafterKind:
     if request.drafter not in DRAFTERS:
         raise RequestError(
             f"unknown drafter {request.drafter!r}; choose one of {', '.join(DRAFTERS)}"
         )
-    drafter = Drafter(request.drafter)
-    if drafter == Drafter.HEAD:
+    drafter = DrafterKind(request.drafter)
+    if drafter == DrafterKind.HEAD:
         return drafter
-    if drafter == Drafter.AUTO:
+    if drafter == DrafterKind.AUTO:
         # The baselines have no choice to make: drafter_only drafts with its head,
         # verifier_only does not draft.
-        return Drafter.HEAD if rule in (Rule.DRAFTER_ONLY, Rule.VERIFIER_ONLY) else drafter
+        return DrafterKind.HEAD if rule in (Rule.DRAFTER_ONLY, Rule.VERIFIER_ONLY) else drafter
     if rule in (Rule.DRAFTER_ONLY, Rule.VERIFIER_ONLY):
         raise RequestError(
             f"drafter {str(drafter)!r} conflicts with rule {str(rule)!r}: that rule "
@@ -190,7 +196,7 @@ def _drafter(request: GenerationRequest, rule: Rule, info: ModelInfo) -> Drafter
         raise RequestError(
             f"drafter {str(drafter)!r} drafts without a head: leave draft_head unset"
         )
-    if drafter == Drafter.MODEL and not info.draft_model:
+    if drafter == DrafterKind.MODEL and not info.draft_model:
         raise RequestError(
             "drafter 'model': the trunk hosts no draft model (start it with --draft-model DIR)"
         )
@@ -244,7 +250,7 @@ def _check_beam_search(request: GenerationRequest, rule: Rule) -> None:
     """Beam search neither speculates nor samples: options of either conflict with it."""
     conflicts = {
         f"rule {str(rule)!r}": rule not in (Rule.EXACT, Rule.VERIFIER_ONLY),
-        f"drafter {request.drafter!r}": request.drafter != Drafter.AUTO,
+        f"drafter {request.drafter!r}": request.drafter != DrafterKind.AUTO,
         "gamma": request.gamma is not None,
         "draft_head": request.draft_head is not None,
         "top_k": request.top_k != 0,

@@ -4,6 +4,7 @@ Modules
 - target: the PoE target log-probabilities (per-shard partials, their sum) and the draft's.
 - filters: sampling options and the top-k / top-p / min-p filters.
 - rules: acceptance rules (exact, lenient, speculative cascades, baselines).
+- verify: verification of a draft (greedy, sampled, coupled) and single-token draws.
 - metrics: per-token metrics (entropy, stability, validity, suppression) and request counters.
 - randomness: counter-based draws keyed by (seed, position, purpose).
 - contrastive: contrastive decoding scores (the jury as expert, one head as amateur).
@@ -27,6 +28,7 @@ from hydra_jury.poe.metrics import (
 from hydra_jury.poe.randomness import PURPOSES, categorical, choice, random_seed, uniforms
 from hydra_jury.poe.rules import (
     RULES,
+    Distributions,
     Rule,
     acceptance_probs,
     greedy_tokens,
@@ -43,26 +45,38 @@ from hydra_jury.poe.target import (
     partial_log_product,
     target_logprobs,
 )
+from hydra_jury.poe.verify import (
+    Verification,
+    draw_token,
+    leading_true,
+    verify_coupled,
+    verify_greedy,
+    verify_sampled,
+)
 
 __all__ = [
     "PURPOSES",
     "RULES",
     "BeamSearch",
+    "Distributions",
     "Hypothesis",
     "RequestStats",
     "Rule",
     "SamplingParams",
+    "Verification",
     "acceptance_probs",
     "categorical",
     "choice",
     "combine_partials",
     "contrastive_logprobs",
     "draft_logprobs",
+    "draw_token",
     "effective_temperature",
     "entropy",
     "filter_logprobs",
     "greedy_tokens",
     "greedy_verdict",
+    "leading_true",
     "ngram_draft",
     "normalise_logprobs",
     "partial_log_product",
@@ -78,4 +92,7 @@ __all__ = [
     "uniforms",
     "validate_rule",
     "validity_radius",
+    "verify_coupled",
+    "verify_greedy",
+    "verify_sampled",
 ]

@@ -2,10 +2,10 @@
 
 Terms
 - draft token x: the token the draft head proposed at a position, drawn from q.
-- q (`draft_probs`): the draft distribution; P (`target_probs`): the jury's target.
-  Both tempered and filtered, as the tokens are sampled from them.
-- decision distributions (`decision_draft_probs`, `decision_target_probs`): q and P at
-  temperature 1 without filters. The cascade rules decide on these, so that the
+- q (`Distributions.draft`): the draft distribution; P (`Distributions.target`): the
+  jury's target. Both tempered and filtered, as the tokens are sampled from them.
+- decision distributions (`Distributions.decision_draft`, `.decision_target`): q and P
+  at temperature 1 without filters. The cascade rules decide on these, so that the
   deferral decision does not move with the sampling settings.
 - lenience λ: how much quality a rule may trade for acceptance. Its range depends on
   the rule (see `validate_rule`).
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
@@ -107,78 +108,101 @@ def validate_rule(rule: str, lenience: float) -> Rule:
     return Rule(rule)
 
 
-def rule_target(
-    rule: str,
-    lenience: float,
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    decision_draft_probs: torch.Tensor,
-    decision_target_probs: torch.Tensor,
-) -> torch.Tensor:
-    """The rule's effective target π: [B, V] float32 (table in the module docstring).
+@dataclass(frozen=True)
+class Distributions:
+    """The draft q and the target P at the B positions one verification decides on,
+    each [B, V] (float32 once built).
 
-    draft_probs, target_probs: [B, V] tempered and filtered q and P; π is built from them.
-    decision_draft_probs, decision_target_probs: [B, V] temperature-1 unfiltered q and P;
-    the deferral decisions are taken on them.
+    draft, target: tempered and filtered, as the tokens are sampled from them.
+    decision_draft, decision_target: temperature 1 and unfiltered, what the cascade rules
+    defer on; left out (None), they are the sampled ones.
     """
-    rule = validate_rule(rule, lenience)
-    draft_probs, target_probs, decision_draft_probs, decision_target_probs = _check_probs(
-        draft_probs, target_probs, decision_draft_probs, decision_target_probs
-    )
-    if rule in (Rule.EXACT, Rule.LENIENT, Rule.VERIFIER_ONLY):
-        return target_probs
-    if rule == Rule.DRAFTER_ONLY:
-        return draft_probs
 
-    max_draft = decision_draft_probs.amax(dim=-1, keepdim=True)  # [B, 1]
-    max_target = decision_target_probs.amax(dim=-1, keepdim=True)  # [B, 1]
+    draft: torch.Tensor
+    target: torch.Tensor
+    decision_draft: torch.Tensor | None = None
+    decision_target: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        named = {
+            "draft": self.draft,
+            "target": self.target,
+            "decision_draft": self.draft if self.decision_draft is None else self.decision_draft,
+            "decision_target": (
+                self.target if self.decision_target is None else self.decision_target
+            ),
+        }
+        for name, tensor in named.items():
+            check_float(name, tensor, dims=2)
+            check_same_shape("draft", self.draft, **{name: tensor})
+            object.__setattr__(self, name, tensor.float())
+
+    @property
+    def rows(self) -> int:
+        return self.draft.shape[0]
+
+    def row(self, index: int) -> Distributions:
+        """The distributions of row `index` alone ([1, V] each)."""
+        pick = slice(index, index + 1)
+        return Distributions(
+            self.draft[pick],
+            self.target[pick],
+            self.decision_draft[pick],
+            self.decision_target[pick],
+        )
+
+
+def rule_target(rule: str, lenience: float, probs: Distributions) -> torch.Tensor:
+    """The rule's effective target π: [B, V] float32 (table in the module docstring),
+    built from the sampled q and P, its deferral decisions taken on the decision ones."""
+    rule = validate_rule(rule, lenience)
+    if rule in (Rule.EXACT, Rule.LENIENT, Rule.VERIFIER_ONLY):
+        return probs.target
+    if rule == Rule.DRAFTER_ONLY:
+        return probs.draft
+
+    decision_draft, decision_target = probs.decision_draft, probs.decision_target
+    max_draft = decision_draft.amax(dim=-1, keepdim=True)  # [B, 1]
+    max_target = decision_target.amax(dim=-1, keepdim=True)  # [B, 1]
     if rule in (Rule.CASCADE_CHOW, Rule.CASCADE_DIFF, Rule.CASCADE_OPT):
         if rule == Rule.CASCADE_CHOW:
             threshold = torch.full_like(max_draft, 1 - lenience)
         elif rule == Rule.CASCADE_DIFF:
             threshold = max_target - lenience
         else:
-            total_variation = (decision_draft_probs - decision_target_probs).clamp(min=0)
+            total_variation = (decision_draft - decision_target).clamp(min=0)
             threshold = max_target - lenience * total_variation.sum(dim=-1, keepdim=True)
         defer_to_draft = max_draft >= threshold  # [B, 1]
-        return torch.where(defer_to_draft, draft_probs, target_probs)
+        return torch.where(defer_to_draft, probs.draft, probs.target)
 
     if rule == Rule.CASCADE_TOKEN_V1:
-        draft_set = decision_draft_probs >= max_target - lenience  # [B, V]
+        draft_set = decision_draft >= max_target - lenience  # [B, V]
     elif rule == Rule.CASCADE_TOKEN_V2:
-        draft_set = decision_target_probs >= max_target - lenience
+        draft_set = decision_target >= max_target - lenience
     else:
-        draft_set = decision_target_probs >= (1 - lenience) * max_target
-    draft_part = draft_probs * draft_set  # [B, V]
+        draft_set = decision_target >= (1 - lenience) * max_target
+    draft_part = probs.draft * draft_set  # [B, V]
     # Clamped: the draft mass inside the set can round to a hair above 1.
     target_weight = (1 - draft_part.sum(dim=-1, keepdim=True)).clamp(min=0)  # [B, 1]
-    return draft_part + target_weight * target_probs
+    return draft_part + target_weight * probs.target
 
 
 def acceptance_probs(
-    rule: str,
-    lenience: float,
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    decision_draft_probs: torch.Tensor,
-    decision_target_probs: torch.Tensor,
+    rule: str, lenience: float, probs: Distributions, draft_tokens: torch.Tensor
 ) -> torch.Tensor:
     """Probability of keeping each draft token: [B] float32 in [0, 1].
 
-    draft_tokens: [B] long, the tokens drawn from draft_probs; the other arguments as in
-    `rule_target`. A draft token with q(x) = 0 cannot have been drawn from q; it gets
-    probability 0 (rejected, the residual then samples π) rather than a NaN.
+    draft_tokens: [B] long, the tokens drawn from `probs.draft`. A draft token with
+    q(x) = 0 cannot have been drawn from q; it gets probability 0 (rejected, the residual
+    then samples π) rather than a NaN.
     """
-    target = rule_target(
-        rule, lenience, draft_probs, target_probs, decision_draft_probs, decision_target_probs
-    )
+    target = rule_target(rule, lenience, probs)
     check_long("draft_tokens", draft_tokens, dims=1)
-    check_rows("draft_tokens", draft_tokens, draft_probs.shape[0])
+    check_rows("draft_tokens", draft_tokens, probs.rows)
     if rule == Rule.DRAFTER_ONLY:
         return torch.ones(draft_tokens.shape, dtype=torch.float32, device=draft_tokens.device)
     index = draft_tokens[:, None]
-    draft_token_probs = draft_probs.float().gather(1, index).squeeze(1)  # [B]
+    draft_token_probs = probs.draft.gather(1, index).squeeze(1)  # [B]
     target_token_probs = target.gather(1, index).squeeze(1)  # [B]
     if rule == Rule.LENIENT:
         draft_token_probs = (1 - lenience) * draft_token_probs
@@ -187,24 +211,15 @@ def acceptance_probs(
     return torch.where(producible, ratio.clamp(max=1), 0.0)
 
 
-def residual_probs(
-    rule: str,
-    lenience: float,
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    decision_draft_probs: torch.Tensor,
-    decision_target_probs: torch.Tensor,
-) -> torch.Tensor:
+def residual_probs(rule: str, lenience: float, probs: Distributions) -> torch.Tensor:
     """Distribution of the replacement after a rejection: [B, V] float32, rows sum to 1.
 
     normalise(max(0, π − q)), with π = P for `lenient`. Where that has (near-)zero mass,
     π ≈ q and rejections (almost) never happen; π itself is returned there so that the
     result is always a distribution.
     """
-    target = rule_target(
-        rule, lenience, draft_probs, target_probs, decision_draft_probs, decision_target_probs
-    )
-    excess = (target - draft_probs.float()).clamp(min=0)  # [B, V]
+    target = rule_target(rule, lenience, probs)
+    excess = (target - probs.draft).clamp(min=0)  # [B, V]
     excess_mass = excess.double().sum(dim=-1, keepdim=True)  # [B, 1]
     has_residual = excess_mass > _MIN_RESIDUAL_MASS
     residual = excess / torch.where(has_residual, excess_mass, 1.0).float()
@@ -212,15 +227,11 @@ def residual_probs(
 
 
 def greedy_verdict(
-    rule: str,
-    lenience: float,
-    draft_tokens: torch.Tensor,
-    decision_draft_probs: torch.Tensor,
-    decision_target_probs: torch.Tensor,
+    rule: str, lenience: float, draft_tokens: torch.Tensor, probs: Distributions
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy (T = 0) verification: returns (accepted [B] bool, replacement [B] long).
 
-    draft_tokens: [B] long; decision_draft_probs, decision_target_probs: [B, V], the
+    draft_tokens: [B] long. Only the decision distributions of `probs` are read, the
     temperature-1 unfiltered q and P (filters never change an argmax of P; they are
     ignored in greedy mode).
     - exact, verifier_only: accepted iff x = argmax P; replacement argmax P.
@@ -231,14 +242,8 @@ def greedy_verdict(
     calls `greedy_tokens` on the same float32 P, so the two agree token for token.
     `replacement` is filled on every row; it is emitted where rejected.
     """
-    target = rule_target(
-        rule,
-        lenience,
-        decision_draft_probs,
-        decision_target_probs,
-        decision_draft_probs,
-        decision_target_probs,
-    )
+    decisions = Distributions(probs.decision_draft, probs.decision_target)
+    target = rule_target(rule, lenience, decisions)
     check_long("draft_tokens", draft_tokens, dims=1)
     check_rows("draft_tokens", draft_tokens, target.shape[0])
     replacement = greedy_tokens(target)  # [B]
@@ -257,26 +262,3 @@ def greedy_tokens(target_probs: torch.Tensor) -> torch.Tensor:
     every greedy path must break that tie the same way."""
     check_float("target_probs", target_probs, dims=2)
     return target_probs.argmax(dim=-1)
-
-
-def _check_probs(
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    decision_draft_probs: torch.Tensor,
-    decision_target_probs: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Checks the four [B, V] distributions agree in shape; returns them as float32."""
-    check_float("draft_probs", draft_probs, dims=2)
-    for name, tensor in (
-        ("target_probs", target_probs),
-        ("decision_draft_probs", decision_draft_probs),
-        ("decision_target_probs", decision_target_probs),
-    ):
-        check_float(name, tensor, dims=2)
-        check_same_shape("draft_probs", draft_probs, **{name: tensor})
-    return (
-        draft_probs.float(),
-        target_probs.float(),
-        decision_draft_probs.float(),
-        decision_target_probs.float(),
-    )

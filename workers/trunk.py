@@ -31,7 +31,7 @@ from hydra_jury.hydra_model.uncertainty import (
     load_uncertainty_head,
     p_correct,
 )
-from hydra_jury.poe import categorical, draft_logprobs, filter_logprobs
+from hydra_jury.poe import draft_logprobs, draw_token
 from hydra_jury.workers.calls import (
     DraftCall,
     DraftResult,
@@ -428,14 +428,13 @@ class _Draws:
     def draw(self, logits: torch.Tensor, position: int) -> int:
         """The token at `position` from next-token logits [1, V]."""
         sampling = self.call.sampling
-        step_logprobs = draft_logprobs(logits, sampling.temperature)  # [1, V]
-        if sampling.greedy:
-            # Greedy reads the temperature-1 draft; filters never move its argmax.
-            token = int(step_logprobs[0].argmax())
-        else:
-            step_logprobs = filter_logprobs(step_logprobs, sampling)
-            draw_at = torch.tensor([position])
-            token = int(categorical(step_logprobs.exp(), self.call.seed, draw_at, "draft")[0])
+        token, step_logprobs = draw_token(
+            draft_logprobs(logits, sampling.temperature),
+            sampling,
+            self.call.seed,
+            position,
+            "draft",
+        )
         self.tokens.append(token)
         self.logprobs.append(step_logprobs)
         if self.call.with_decision:

@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 from hydra_jury.orchestrator.engine import Engine, Generation
 from hydra_jury.orchestrator.output import GenerationOutput, RoundOutput, token_record_from_dict
 from hydra_jury.orchestrator.request import (
+    DrafterKind,
     GenerationRequest,
     PreparedRequest,
     RequestError,
@@ -304,7 +305,9 @@ class SessionRunner:
                 request = replace(request, seed=record.seed)
             # The session's draft head, for a turn that drafts with a head (prompt lookup
             # takes none, verifier_only does not draft).
-            head_drafts = request.rule != Rule.VERIFIER_ONLY and request.drafter != "ngram"
+            head_drafts = (
+                request.rule != Rule.VERIFIER_ONLY and request.drafter != DrafterKind.NGRAM
+            )
             if request.draft_head is None and record.draft_head is not None and head_drafts:
                 request = replace(request, draft_head=record.draft_head)
             context = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hydra_jury.orchestrator.auto import AutoState, Choice, CostModel, LinearCost, expected_tokens
-from hydra_jury.orchestrator.request import GenerationRequest
+from hydra_jury.orchestrator.request import DrafterKind, GenerationRequest
 from tests.orchestrator.test_engine import REPEATING
 
 
@@ -26,7 +26,7 @@ def measured(verify=(0.05, 0.001), head=(0.02, 0.03)) -> CostModel:
     20 ms + 30 ms per draft token."""
     costs = CostModel()
     for positions in range(1, 9):
-        costs.observe("verify", positions, verify[0] + verify[1] * positions)
+        costs.observe(DrafterKind.NGRAM, positions, verify[0] + verify[1] * positions)
         costs.observe("head", positions, head[0] + head[1] * positions)
     return costs
 
@@ -75,7 +75,7 @@ def test_each_kind_of_round_is_measured_first_and_now_and_then():
     costs, state = CostModel(), AutoState()
     assert state.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == Choice("ngram", 3)
     assert state.choose(costs, 0, head_cap=4, greedy=True, model_cap=4) == Choice("none", 0)
-    costs.observe("verify", 1, 0.05)
+    costs.observe(DrafterKind.NGRAM, 1, 0.05)
     assert state.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == Choice("head", 4)
     costs.observe("head", 4, 0.2)
     assert state.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == Choice("model", 4)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from hydra_jury.poe import acceptance_probs, ngram_draft, point_mass_logprobs, residual_probs
+from hydra_jury.poe import (
+    Distributions,
+    acceptance_probs,
+    ngram_draft,
+    point_mass_logprobs,
+    residual_probs,
+)
 
 
 def test_the_latest_occurrence_of_the_longest_suffix_is_continued():
@@ -29,8 +35,8 @@ def test_a_point_mass_draft_is_accepted_with_the_target_probability():
     tokens = torch.tensor([1, 2])
     draft = point_mass_logprobs(tokens, 3).exp()
     assert draft.tolist() == [[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]
-    keep = acceptance_probs("exact", 0.0, draft, target, tokens, draft, target)
+    keep = acceptance_probs("exact", 0.0, Distributions(draft, target), tokens)
     assert torch.allclose(keep, torch.tensor([0.3, 0.8]))
-    residual = residual_probs("exact", 0.0, draft, target, draft, target)
+    residual = residual_probs("exact", 0.0, Distributions(draft, target))
     # P without the draft token, renormalised.
     assert torch.allclose(residual, torch.tensor([[5 / 7, 0.0, 2 / 7], [0.5, 0.5, 0.0]]))

@@ -8,6 +8,7 @@ from hydra_jury.poe.filters import SamplingParams, filter_logprobs
 from hydra_jury.poe.randomness import categorical, uniforms
 from hydra_jury.poe.rules import (
     RULES,
+    Distributions,
     acceptance_probs,
     greedy_verdict,
     residual_probs,
@@ -97,11 +98,10 @@ def sample_with_rule(rule, lenience, draft_probs, target_probs, decision_draft, 
     rows = draft_probs.shape[0]
     positions = torch.arange(rows) + 10_000  # distinct keys: independent draws per row
     draft_tokens = categorical(draft_probs, 0, positions, "draft")
-    rule_args = (draft_probs, target_probs)
-    decisions = (decision_draft, decision_target)
-    keep_probs = acceptance_probs(rule, lenience, *rule_args, draft_tokens, *decisions)
+    probs = Distributions(draft_probs, target_probs, decision_draft, decision_target)
+    keep_probs = acceptance_probs(rule, lenience, probs, draft_tokens)
     accepted = uniforms(0, positions, "accept") < keep_probs.double()
-    residual = residual_probs(rule, lenience, *rule_args, *decisions)
+    residual = residual_probs(rule, lenience, probs)
     replacement = categorical(residual, 0, positions, "residual")
     return torch.where(accepted, draft_tokens, replacement)
 
@@ -159,7 +159,7 @@ def test_chi_square_detects_a_wrong_residual(pairs):
     draft_rows, target_rows = draft_probs[pair_of_row], target_probs[pair_of_row]
     draft_tokens = categorical(draft_rows, 0, positions, "draft")
     keep_probs = acceptance_probs(
-        "exact", 0.0, draft_rows, target_rows, draft_tokens, draft_rows, target_rows
+        "exact", 0.0, Distributions(draft_rows, target_rows), draft_tokens
     )
     accepted = uniforms(0, positions, "accept") < keep_probs.double()
     wrong = categorical(target_rows, 0, positions, "residual")
@@ -176,7 +176,7 @@ P_DEC = torch.tensor([[0.1, 0.2, 0.7]])
 
 
 def target_of(rule, lenience, draft=Q_DEC, target=P_DEC, decision_draft=Q_DEC):
-    return rule_target(rule, lenience, draft, target, decision_draft, P_DEC)
+    return rule_target(rule, lenience, Distributions(draft, target, decision_draft, P_DEC))
 
 
 @pytest.mark.parametrize(
@@ -230,11 +230,12 @@ def test_rule_targets(rule, lenience, expected):
 
 def test_acceptance_probs_on_hand_made_cases():
     tokens = torch.tensor([0])
-    exact = acceptance_probs("exact", 0.0, Q_DEC, P_DEC, tokens, Q_DEC, P_DEC)
+    hand_made = Distributions(Q_DEC, P_DEC)
+    exact = acceptance_probs("exact", 0.0, hand_made, tokens)
     torch.testing.assert_close(exact, torch.tensor([0.1 / 0.6]))
-    lenient = acceptance_probs("lenient", 0.5, Q_DEC, P_DEC, tokens, Q_DEC, P_DEC)
+    lenient = acceptance_probs("lenient", 0.5, hand_made, tokens)
     torch.testing.assert_close(lenient, torch.tensor([0.1 / 0.3]))
-    cheap = acceptance_probs("drafter_only", 0.0, Q_DEC, P_DEC, tokens, Q_DEC, P_DEC)
+    cheap = acceptance_probs("drafter_only", 0.0, hand_made, tokens)
     torch.testing.assert_close(cheap, torch.tensor([1.0]))
 
 
@@ -243,42 +244,45 @@ def test_draft_token_of_zero_draft_probability_is_rejected_without_nan():
     for rule in RULES:
         if rule == "drafter_only":
             continue
-        keep = acceptance_probs(rule, 0.5, draft, P_DEC, torch.tensor([2]), draft, P_DEC)
+        keep = acceptance_probs(rule, 0.5, Distributions(draft, P_DEC), torch.tensor([2]))
         assert keep.item() == 0.0, rule
 
 
 def test_residual_falls_back_to_the_target_when_draft_equals_target():
-    residual = residual_probs("exact", 0.0, P_DEC, P_DEC, P_DEC, P_DEC)
+    residual = residual_probs("exact", 0.0, Distributions(P_DEC, P_DEC))
     torch.testing.assert_close(residual, P_DEC)
-    residual = residual_probs("drafter_only", 0.0, Q_DEC, P_DEC, Q_DEC, P_DEC)
+    residual = residual_probs("drafter_only", 0.0, Distributions(Q_DEC, P_DEC))
     torch.testing.assert_close(residual, Q_DEC)
 
 
 def test_residual_is_the_normalised_excess():
-    residual = residual_probs("exact", 0.0, Q_DEC, P_DEC, Q_DEC, P_DEC)
+    residual = residual_probs("exact", 0.0, Distributions(Q_DEC, P_DEC))
     torch.testing.assert_close(residual, torch.tensor([[0.0, 0.0, 1.0]]))
     both_ways = torch.tensor([[0.2, 0.5, 0.3]])
-    residual = residual_probs("lenient", 0.2, both_ways, P_DEC, both_ways, P_DEC)
+    residual = residual_probs("lenient", 0.2, Distributions(both_ways, P_DEC))
     torch.testing.assert_close(residual, torch.tensor([[0.0, 0.0, 1.0]]))
 
 
 def test_verifier_only_behaves_as_exact(make_logits):
     draft, target = make_logits(2, 5, 10, seed=9).softmax(-1)
     tokens = torch.tensor([1, 4, 7, 0, 9])
+    probs = Distributions(draft, target)
     for function, extra in ((acceptance_probs, (tokens,)), (residual_probs, ())):
-        exact = function("exact", 0.0, draft, target, *extra, draft, target)
-        assert torch.equal(
-            function("verifier_only", 0.0, draft, target, *extra, draft, target), exact
-        )
+        exact = function("exact", 0.0, probs, *extra)
+        assert torch.equal(function("verifier_only", 0.0, probs, *extra), exact)
 
 
 def test_shape_errors():
     with pytest.raises(ValueError, match="shape"):
-        rule_target("exact", 0.0, Q_DEC, torch.ones(1, 4) / 4, Q_DEC, P_DEC)
+        Distributions(Q_DEC, torch.ones(1, 4) / 4)
+    with pytest.raises(ValueError, match="shape"):
+        Distributions(Q_DEC, P_DEC, decision_target=torch.ones(2, 3) / 3)
+    with pytest.raises(ValueError, match="floating-point"):
+        Distributions(Q_DEC, torch.tensor([[1, 0, 0]]))
     with pytest.raises(ValueError, match="rows"):
-        acceptance_probs("exact", 0.0, Q_DEC, P_DEC, torch.tensor([0, 1]), Q_DEC, P_DEC)
+        acceptance_probs("exact", 0.0, Distributions(Q_DEC, P_DEC), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="int64"):
-        acceptance_probs("exact", 0.0, Q_DEC, P_DEC, torch.tensor([0.0]), Q_DEC, P_DEC)
+        acceptance_probs("exact", 0.0, Distributions(Q_DEC, P_DEC), torch.tensor([0.0]))
 
 
 # --- greedy ---
@@ -287,13 +291,8 @@ def test_shape_errors():
 def verdict(rule, lenience, tokens, decision_draft=Q_DEC, decision_target=P_DEC):
     """greedy_verdict for several draft tokens against the same one-row distributions."""
     rows = len(tokens)
-    accepted, replacement = greedy_verdict(
-        rule,
-        lenience,
-        torch.tensor(tokens),
-        decision_draft.expand(rows, -1),
-        decision_target.expand(rows, -1),
-    )
+    decisions = Distributions(decision_draft.expand(rows, -1), decision_target.expand(rows, -1))
+    accepted, replacement = greedy_verdict(rule, lenience, torch.tensor(tokens), decisions)
     return accepted.tolist(), replacement.tolist()
 
 
@@ -359,5 +358,6 @@ def test_opt_at_lenience_one_always_defers_to_the_draft(make_logits):
     decision_target = make_logits(1000, 16, seed=12, scale=3.0).softmax(-1)
     draft = torch.full_like(decision_draft, 1 / 16)  # a marker to see which side π took
     target = torch.zeros_like(decision_target)
-    picked = rule_target("cascade_opt", 1.0, draft, target, decision_draft, decision_target)
+    probs = Distributions(draft, target, decision_draft, decision_target)
+    picked = rule_target("cascade_opt", 1.0, probs)
     assert torch.equal(picked, draft)

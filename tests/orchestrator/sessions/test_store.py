@@ -21,6 +21,7 @@ from hydra_jury.orchestrator.sessions.record import (
 )
 from hydra_jury.orchestrator.sessions.redis_store import RedisStore, redacted
 from hydra_jury.orchestrator.sessions.store import SessionBusy, StoreSettings
+from hydra_jury.poe import RequestStats
 from hydra_jury.serving.errors import (
     ServiceUnavailable,
     SessionConflict,
@@ -197,7 +198,7 @@ def test_a_document_holds_every_field_but_the_stores_the_tokens_and_the_result()
     record.generation.progress = Progress(
         generated=[3, 4],
         round_sizes=[2],
-        stats={"rounds": 1, "accepted_per_position": [1, 0]},
+        stats=RequestStats(rounds=1, accepted_per_position=[1, 0]),
         text="ab",
         detokenizer_offsets=(1, 2),
         finish_reason=FinishReason.STOP,

@@ -1,0 +1,341 @@
+"""One round of the loop, up to its verdict: draft (a draft head, prompt lookup, the
+draft model, or a beam search), score with the jury, verify (`poe.verify`). What the
+round decided is committed by the engine.
+
+Kinds of round
+- head: γ draft tokens from the draft head (γ trunk steps), one jury call over them.
+- one pass (n-gram or draft-model drafts): the trunk runs over the pending token and
+  the k drafts at once, one jury call scores the k + 1 positions, and a bonus token is
+  drawn when every draft is kept. With no draft it is a plain step.
+- baselines: `verifier_only` is a plain step per token; `drafter_only` keeps the draft.
+- auto: the automatic mode picks one of the above per round (`orchestrator.auto`).
+- beam: a whole beam search as one round (`orchestrator.beam_search`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hydra_jury.orchestrator.auto import CostModel
+from hydra_jury.orchestrator.backend import DecodingBackend
+from hydra_jury.orchestrator.beam_search import BeamRun
+from hydra_jury.orchestrator.output import TokenKind, Verdict
+from hydra_jury.orchestrator.request import DrafterKind
+from hydra_jury.orchestrator.run import Run
+from hydra_jury.poe import (
+    BeamSearch,
+    Distributions,
+    RequestStats,
+    Rule,
+    Verification,
+    contrastive_logprobs,
+    draw_token,
+    filter_logprobs,
+    ngram_draft,
+    normalise_logprobs,
+    point_mass_logprobs,
+    reached_positions,
+    verify_coupled,
+    verify_greedy,
+    verify_sampled,
+)
+from hydra_jury.workers.calls import (
+    DraftCall,
+    DraftResult,
+    HiddenStates,
+    PrefillCall,
+    ScoreCall,
+    ScoreResult,
+)
+
+
+class Rounds:
+    """Decides rounds over `backend`; `costs` is the automatic mode's cost model, shared
+    by every request of the engine."""
+
+    def __init__(self, backend: DecodingBackend, costs: CostModel) -> None:
+        self.backend = backend
+        self.costs = costs
+
+    def decide(self, run: Run) -> Verdict:
+        """Runs the round `run` is due and returns what it decided (nothing committed)."""
+        prepared = run.prepared
+        remaining = prepared.request.max_new_tokens - len(run.progress.generated)
+        if prepared.request.num_beams > 1:
+            return self._beam_round(run, remaining)
+        if prepared.drafter == DrafterKind.AUTO:
+            return self._auto_round(run, remaining)
+        # One-pass rounds commit up to k + 1 tokens: room for the bonus under the limit.
+        if prepared.drafter == DrafterKind.NGRAM:
+            return self._ngram_round(
+                run, ngram_draft(run.committed, min(prepared.gamma, remaining - 1))
+            )
+        if prepared.drafter == DrafterKind.MODEL:
+            return self._model_round(run, min(prepared.gamma, remaining - 1), coupled=False)
+        gamma = 1 if prepared.rule == Rule.VERIFIER_ONLY else min(prepared.gamma, remaining)
+        return self._head_round(run, gamma)
+
+    def _auto_round(self, run: Run, remaining: int) -> Verdict:
+        """The round the automatic mode chooses (`orchestrator.auto`), measured for the
+        next choices."""
+        prepared = run.prepared
+        began = time.perf_counter()
+        drafts = ngram_draft(run.committed, min(prepared.gamma, remaining - 1))
+        head_cap = min(prepared.gamma, remaining) if prepared.draft_head else 0
+        model_cap = min(prepared.gamma, remaining - 1) if self.backend.info.draft_model else 0
+        choice = run.auto.choose(
+            self.costs, len(drafts), head_cap, prepared.sampling.greedy, model_cap
+        )
+        if choice.drafter == DrafterKind.HEAD:
+            verdict = self._head_round(run, choice.drafts)
+            kind, positions = DrafterKind.HEAD, choice.drafts
+        elif choice.drafter == DrafterKind.MODEL:
+            # Coupled under sampling: every choice gives the tokens of a plain step.
+            verdict = self._model_round(run, choice.drafts, coupled=True)
+            kind, positions = DrafterKind.MODEL, choice.drafts
+        else:  # n-gram drafts or none: a one-pass round over the pending token and k drafts
+            verdict = self._ngram_round(run, drafts[: choice.drafts])
+            kind, positions = DrafterKind.NGRAM, choice.drafts + 1
+        self.costs.observe(kind, positions, time.perf_counter() - began)
+        reached = reached_positions(verdict.drafted, verdict.accepted)
+        run.auto.observe(self.costs, choice, reached, verdict.accepted)
+        return verdict
+
+    def _beam_round(self, run: Run, remaining: int) -> Verdict:
+        """The whole beam search as one round: its best hypothesis (`orchestrator.beam_search`)."""
+        request = run.prepared.request
+        search = BeamSearch(
+            num_beams=request.num_beams,
+            length_penalty=request.length_penalty,
+            early_stopping=request.early_stopping,
+            max_new_tokens=remaining,
+            eos_token_ids=frozenset(() if request.ignore_eos else self.backend.info.eos_token_ids),
+        )
+        beams = BeamRun(
+            self.backend,
+            run.session,
+            tuple(run.prepared.jury),
+            request.temperature,
+            request.beta,
+            run.progress.stats,
+            run.timer,
+        )
+        beams.search(run.committed, search)
+        run.hypotheses = search.best()
+        tokens = list(run.hypotheses[0].tokens)
+        return Verdict(tokens, [TokenKind.BEAM] * len(tokens), 0, 0, DrafterKind.BEAM)
+
+    def _head_round(self, run: Run, gamma: int) -> Verdict:
+        """γ draft tokens from the draft head (γ trunk steps), one jury call over them;
+        verifier_only: one trunk step and one jury call, no draft."""
+        rule = run.prepared.rule
+        draft = self._draft(run, gamma)
+        if rule == Rule.DRAFTER_ONLY:
+            return self._keep_draft(draft)
+        score = self._score(run, draft.hidden, draft.decision_logprobs is not None)
+        target_logprobs = normalise_logprobs(score.log_product)  # [γ, V]
+        if rule == Rule.VERIFIER_ONLY:
+            return self._sample_target(run, target_logprobs, score)
+        return self._verify(run, draft, target_logprobs, score, DrafterKind.HEAD, coupled=False)
+
+    def _draft(self, run: Run, gamma: int, draft_model: bool = False) -> DraftResult:
+        prepared = run.prepared
+        plain = prepared.rule == Rule.VERIFIER_ONLY or draft_model
+        call = DraftCall(
+            run.session,
+            run.start,
+            run.committed[-1],
+            gamma,
+            None if plain else prepared.draft_head,
+            prepared.sampling,
+            prepared.seed,
+            with_decision=_decides_apart(run),
+            draft_model=draft_model,
+        )
+        with run.timer.phase("draft_s"):
+            draft = self.backend.draft(call)
+        _count_work(run.progress.stats, draft.trunk_steps, draft.head_evaluations)
+        return draft
+
+    def _ngram_round(self, run: Run, drafts: list[int]) -> Verdict:
+        """Prompt-lookup drafts (point masses), checked in one pass; the trunk forward
+        over the pending token and the k drafts is this round's only trunk call. No
+        draft: a plain step."""
+        tokens = torch.tensor([run.committed[-1], *drafts])
+        with run.timer.phase("draft_s"):
+            hidden = self.backend.trunk_forward(PrefillCall(run.session, run.start, tokens))
+        _count_work(run.progress.stats, len(tokens), 0)
+        draft_tokens = torch.tensor(drafts, dtype=torch.long)
+        point_mass = point_mass_logprobs(draft_tokens, self.backend.info.vocab_size)
+        decision = point_mass if _decides_apart(run) else None
+        draft = DraftResult(draft_tokens, point_mass, decision, hidden)
+        return self._check_in_one_pass(run, draft, DrafterKind.NGRAM, coupled=True)
+
+    def _model_round(self, run: Run, gamma: int, *, coupled: bool) -> Verdict:
+        """γ drafts from the trunk service's draft model, which then runs the trunk over
+        the pending token and the drafts in the same call; checked in one pass. With
+        `coupled`, sampled drafts are kept only where a plain step would draw them."""
+        if gamma == 0:  # no room for a draft under the token limit: a plain step
+            return self._ngram_round(run, [])
+        draft = self._draft(run, gamma, draft_model=True)
+        return self._check_in_one_pass(run, draft, DrafterKind.MODEL, coupled)
+
+    def _check_in_one_pass(
+        self, run: Run, draft: DraftResult, drafter: DrafterKind, coupled: bool
+    ) -> Verdict:
+        """Outside draft tokens checked in one pass: `draft.hidden` holds the trunk
+        outputs of the pending token and the k drafts (k+1 positions); one jury call
+        scores them, acceptance runs left to right and — when all k are kept — a bonus
+        token is drawn from the target at the last position. No draft: a plain step that
+        samples from the target."""
+        score = self._score(run, draft.hidden, draft.decision_logprobs is not None)
+        target_logprobs = normalise_logprobs(score.log_product)  # [k + 1, V]
+        k = len(draft.tokens)
+        if k == 0:
+            return self._sample_target(run, target_logprobs, score)
+        # Every row's target, the bonus's too, is kept for the metrics.
+        verdict = self._verify(run, draft, target_logprobs, score, drafter, coupled)
+        if verdict.accepted == k:
+            verdict.tokens.append(self._draw(run, target_logprobs[k:], run.start + 1 + k))
+            verdict.kinds.append(TokenKind.BONUS)
+            verdict.bonus = True
+        return verdict
+
+    def _draw(self, run: Run, logprobs: torch.Tensor, position: int) -> int:
+        """The token at `position` from the target row `logprobs` [1, V]."""
+        prepared = run.prepared
+        return draw_token(logprobs, prepared.sampling, prepared.seed, position, "sample")[0]
+
+    def _score(self, run: Run, hidden: HiddenStates, with_decision: bool) -> ScoreResult:
+        prepared = run.prepared
+        call = ScoreCall(
+            run.session,
+            run.start,
+            hidden,
+            tuple(prepared.jury),
+            prepared.request.temperature,
+            prepared.request.beta,
+            with_decision=with_decision,
+            amateur=prepared.amateur,
+        )
+        with run.timer.phase("score_s"):
+            score = self.backend.score(call)
+        _count_work(run.progress.stats, 0, score.head_evaluations)
+        return score
+
+    @staticmethod
+    def _keep_draft(draft: DraftResult) -> Verdict:
+        """drafter_only: every draft token is kept; no jury, no metrics."""
+        gamma = len(draft.tokens)
+        kinds = [TokenKind.DRAFT] * gamma
+        return Verdict(draft.tokens.tolist(), kinds, gamma, gamma, DrafterKind.HEAD)
+
+    def _sample_target(
+        self, run: Run, target_logprobs: torch.Tensor, score: ScoreResult
+    ) -> Verdict:
+        """A plain step: one token from the target (or, contrastive, from the contrastive
+        distribution of the target and the amateur), nothing drafted."""
+        prepared = run.prepared
+        chosen_from = target_logprobs
+        if prepared.amateur is not None:
+            alpha = prepared.request.contrastive_alpha
+            chosen_from = contrastive_logprobs(target_logprobs, score.amateur_logprobs, alpha)
+        token = self._draw(run, chosen_from, run.start + 1)
+        return Verdict(
+            [token],
+            [TokenKind.SAMPLE],
+            0,
+            0,
+            DrafterKind.NONE,
+            target_logprobs.exp(),
+            score.votes,
+            score.voters,
+        )
+
+    @staticmethod
+    def _verify(
+        run: Run,
+        draft: DraftResult,
+        target_logprobs: torch.Tensor,
+        score: ScoreResult,
+        drafter: DrafterKind,
+        coupled: bool,
+    ) -> Verdict:
+        """The k draft tokens checked against the target rows `target_logprobs[:k]`:
+        greedy, by coupling (`coupled`: outside drafts, whose kept tokens are then the
+        draws of a plain step — for the draft model, the automatic mode's choice so that
+        it never changes a seeded request's tokens), else by speculative sampling."""
+        prepared = run.prepared
+        rule, lenience, seed = prepared.rule, prepared.request.lenience, prepared.seed
+        k = len(draft.tokens)
+        probs = _distributions(run, draft, target_logprobs[:k], score)
+        positions = torch.arange(run.start + 1, run.start + 1 + k)  # of the drafts
+        if prepared.sampling.greedy:
+            verification = verify_greedy(rule, lenience, draft.tokens, probs)
+        elif coupled and rule != Rule.LENIENT:  # lenient keeps more than π(d)
+            verification = verify_coupled(rule, lenience, draft.tokens, probs, seed, positions)
+        else:
+            verification = verify_sampled(rule, lenience, draft.tokens, probs, seed, positions)
+        return _verdict(draft, verification, target_logprobs.exp(), score, drafter)
+
+
+def _decides_apart(run: Run) -> bool:
+    """Whether the round needs decision distributions of its own: cascade rules decide
+    with temperature-1, unfiltered distributions (greedy reads those anyway)."""
+    return run.prepared.rule.is_cascade and not run.prepared.sampling.greedy
+
+
+def _count_work(stats: RequestStats, trunk_steps: int, head_evaluations: int) -> None:
+    stats.trunk_steps += trunk_steps
+    stats.head_evaluations += head_evaluations
+
+
+def _distributions(
+    run: Run, draft: DraftResult, target_logprobs: torch.Tensor, score: ScoreResult
+) -> Distributions:
+    """What a verdict decides on: the draft q and the target P as sampled (tempered,
+    filtered), and the decision q and P the cascade rules defer on (temperature 1,
+    unfiltered; the sampled ones when the round asked for none). Greedy reads the
+    decision ones: the unfiltered draft and target."""
+    draft_probs = draft.logprobs.exp()
+    if run.prepared.sampling.greedy:
+        return Distributions(draft_probs, target_logprobs.exp())
+    sampled_target = filter_logprobs(target_logprobs, run.prepared.sampling).exp()
+    if draft.decision_logprobs is None:
+        return Distributions(draft_probs, sampled_target)
+    rows = len(draft.tokens)
+    decision_target = normalise_logprobs(score.decision_log_product[:rows]).exp()
+    return Distributions(
+        draft_probs, sampled_target, draft.decision_logprobs.exp(), decision_target
+    )
+
+
+def _verdict(
+    draft: DraftResult,
+    verification: Verification,
+    target_probs: torch.Tensor,
+    score: ScoreResult,
+    drafter: DrafterKind,
+) -> Verdict:
+    """The verdict of a speculative round: the kept draft tokens, then the replacement."""
+    draft_tokens = draft.tokens.tolist()
+    kept = verification.accepted
+    tokens, kinds = draft_tokens[:kept], [TokenKind.DRAFT] * kept
+    rejected = None
+    if verification.replacement is not None:
+        tokens.append(verification.replacement)
+        kinds.append(TokenKind.REPLACEMENT)
+        rejected = draft_tokens[kept]
+    return Verdict(
+        tokens,
+        kinds,
+        len(draft_tokens),
+        kept,
+        drafter,
+        target_probs,
+        score.votes,
+        score.voters,
+        rejected,
+    )
