@@ -126,6 +126,19 @@ class Stack:
             self.servicer, self.metrics_port = running.servicer, running.metrics_port
         return self
 
+    def orchestrator_argv(self) -> list[str]:
+        """The flags of an orchestrator process (`python -m hydra_jury.orchestrator`) over
+        the stack's services and sessions, listening on an ephemeral port."""
+        flags = {
+            "--checkpoint": self.checkpoint,
+            "--trunk": self.addresses["trunk"],
+            "--jury": ",".join(self.jury_addresses),
+            "--listen": "127.0.0.1:0",
+            "--redis-url": self.redis_url,
+            "--redis-key-prefix": self.prefix,
+        }
+        return [part for flag in flags.items() for part in flag]
+
     def start_embedded(self, **options) -> Stack:
         """The single-process server in place of services and orchestrator."""
         limits = SessionLimits(

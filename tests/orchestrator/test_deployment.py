@@ -88,20 +88,7 @@ def test_orchestrator_refuses_a_bad_layout(jury_checkpoint, redis_url, capsys):
     shards = [["head0", "head1"], ["head1", "head2", "head3"]]
     stack = Stack(str(jury_checkpoint), shards, redis_url).start_services()
     try:
-        code = orchestrator_main(
-            [
-                "--checkpoint",
-                str(jury_checkpoint),
-                "--trunk",
-                stack.addresses["trunk"],
-                "--jury",
-                ",".join(stack.jury_addresses),
-                "--listen",
-                "127.0.0.1:0",
-                "--redis-url",
-                redis_url,
-            ]
-        )
+        code = orchestrator_main(stack.orchestrator_argv())
         assert code == 2
         assert "'head1' is hosted by both" in capsys.readouterr().err
     finally:

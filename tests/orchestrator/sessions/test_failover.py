@@ -32,28 +32,9 @@ def start_stack(checkpoint, redis_url: str) -> Stack:
 
 def spawn_orchestrator(stack: Stack):
     """A second orchestrator, in a process of its own, on the same services and sessions."""
+    command = [sys.executable, "-m", "hydra_jury.orchestrator", *stack.orchestrator_argv()]
     child = start_child(
-        "orchestrator-a",
-        [
-            sys.executable,
-            "-m",
-            "hydra_jury.orchestrator",
-            "--checkpoint",
-            stack.checkpoint,
-            "--trunk",
-            stack.addresses["trunk"],
-            "--jury",
-            ",".join(stack.jury_addresses),
-            "--listen",
-            "127.0.0.1:0",
-            "--redis-url",
-            stack.redis_url,
-            "--redis-key-prefix",
-            stack.prefix,
-            "--session-lease-s",
-            str(LEASE_S),
-        ],
-        timeout_s=120,
+        "orchestrator-a", [*command, "--session-lease-s", str(LEASE_S)], timeout_s=120
     )
     assert child.address, child.failure
     channel = grpc.insecure_channel(child.address)
