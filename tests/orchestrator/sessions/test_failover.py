@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -30,15 +31,32 @@ def start_stack(checkpoint, redis_url: str) -> Stack:
     return stack.start_services().start_orchestrator()
 
 
-def spawn_orchestrator(stack: Stack):
-    """A second orchestrator, in a process of its own, on the same services and sessions."""
+@contextmanager
+def second_orchestrator(stack: Stack):
+    """A second orchestrator, in a process of its own, on the same services and sessions:
+    its process and a client of it, the process killed (if still alive) on leaving."""
     command = [sys.executable, "-m", "hydra_jury.orchestrator", *stack.orchestrator_argv()]
     child = start_child(
         "orchestrator-a", [*command, "--session-lease-s", str(LEASE_S)], timeout_s=120
     )
     assert child.address, child.failure
     channel = grpc.insecure_channel(child.address)
-    return child, channel, generation_pb2_grpc.GenerationStub(channel)
+    try:
+        yield child.process, generation_pb2_grpc.GenerationStub(channel)
+    finally:
+        channel.close()
+        if child.process.poll() is None:
+            child.process.kill()
+        child.process.wait()
+
+
+def reference_and_resumable(generation, text: str, request_id: str, options: dict):
+    """The response to `text` generated uninterrupted, and the same request in a new session
+    under `request_id`: the one to interrupt and then send again."""
+    reference = generation.Generate(chat([user(text)], **options), timeout=60)
+    session = generation.CreateSession(generation_pb2.CreateSessionRequest(), timeout=5)
+    request = chat([user(text)], session_id=session.session_id, request_id=request_id, **options)
+    return reference, request
 
 
 def assert_between_rounds(record) -> None:
@@ -62,27 +80,18 @@ def stack(jury_checkpoint, redis_url):
 def test_a_killed_orchestrator_s_request_resumes_on_another(stack, options):
     options = {**options, **LONG}
     survivor = stack.generation()
-    reference = survivor.Generate(chat([user("tell me")], **options), timeout=60)
-    child, channel, doomed = spawn_orchestrator(stack)
-    try:
-        session = survivor.CreateSession(generation_pb2.CreateSessionRequest(), timeout=5)
-        request = chat(
-            [user("tell me")], session_id=session.session_id, request_id="r-kill", **options
-        )
+    reference, request = reference_and_resumable(survivor, "tell me", "r-kill", options)
+    with second_orchestrator(stack) as (process, doomed):
         stream = doomed.GenerateStream(request, timeout=60)
         for _ in range(3):
             next(stream)
-        child.process.send_signal(signal.SIGKILL)
-        child.process.wait()
-        interrupted = stack.load_record(session.session_id)
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        interrupted = stack.load_record(request.session_id)
         assert_between_rounds(interrupted)
         assert not interrupted.generation.finished  # it really was cut mid-generation
         # The survivor waits out the dead owner's lease, then goes on from its last round.
         resumed = survivor.Generate(request, timeout=60)
-    finally:
-        channel.close()
-        if child.process.poll() is None:
-            child.process.kill()
     assert list(resumed.token_ids) == list(reference.token_ids)
     assert resumed.stats.resumed_rounds == len(interrupted.generation.progress.round_sizes) > 0
 
@@ -90,29 +99,20 @@ def test_a_killed_orchestrator_s_request_resumes_on_another(stack, options):
 def test_a_frozen_owner_is_fenced_off_when_it_wakes(stack):
     options = {**SAMPLED, **LONG}
     survivor = stack.generation()
-    reference = survivor.Generate(chat([user("freeze")], **options), timeout=60)
-    child, channel, frozen = spawn_orchestrator(stack)
-    try:
-        session = survivor.CreateSession(generation_pb2.CreateSessionRequest(), timeout=5)
-        request = chat(
-            [user("freeze")], session_id=session.session_id, request_id="r-stop", **options
-        )
+    reference, request = reference_and_resumable(survivor, "freeze", "r-stop", options)
+    with second_orchestrator(stack) as (process, frozen):
         stream = frozen.GenerateStream(request, timeout=60)
         next(stream)
-        os.kill(child.process.pid, signal.SIGSTOP)
-        stale_cache = stack.load_record(session.session_id).cache_id
+        os.kill(process.pid, signal.SIGSTOP)
+        stale_cache = stack.load_record(request.session_id).cache_id
         resumed = survivor.Generate(request, timeout=60)  # takes over once the lease ran out
-        os.kill(child.process.pid, signal.SIGCONT)
+        os.kill(process.pid, signal.SIGCONT)
         with pytest.raises(grpc.RpcError) as raised:
             list(stream)
         assert raised.value.code() == grpc.StatusCode.ABORTED
         assert "taken over" in raised.value.details()
-    finally:
-        channel.close()
-        child.process.kill()
-        child.process.wait()
     assert list(resumed.token_ids) == list(reference.token_ids)
-    record = stack.load_record(session.session_id)
+    record = stack.load_record(request.session_id)
     assert record.cache_id != stale_cache  # the new owner never read the stale caches
     assert record.result["output"]["token_ids"] == list(reference.token_ids)
     assert record.owner == "" and record.generation.finished
@@ -125,11 +125,7 @@ def test_redis_killed_mid_generation(jury_checkpoint, tmp_path, persistent):
     try:
         generation = stack.generation()
         options = {**SAMPLED, **LONG}
-        reference = generation.Generate(chat([user("redis")], **options), timeout=60)
-        session = generation.CreateSession(generation_pb2.CreateSessionRequest(), timeout=5)
-        request = chat(
-            [user("redis")], session_id=session.session_id, request_id="r-redis", **options
-        )
+        reference, request = reference_and_resumable(generation, "redis", "r-redis", options)
         stream = generation.GenerateStream(request, timeout=60)
         next(stream)
         redis.kill()
@@ -139,7 +135,7 @@ def test_redis_killed_mid_generation(jury_checkpoint, tmp_path, persistent):
         assert "Redis at" in raised.value.details()
         redis = LocalRedis(port=redis.port, data_dir=redis.data_dir).start()
         if persistent:
-            assert_between_rounds(stack.load_record(session.session_id))
+            assert_between_rounds(stack.load_record(request.session_id))
             resumed = generation.Generate(request, timeout=60)
             assert list(resumed.token_ids) == list(reference.token_ids)
         else:
