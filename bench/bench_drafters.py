@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from hydra_jury.hydra_model import DraftModel, HydraModel
+from hydra_jury.orchestrator.cli import LOCAL_LIMITS
 from hydra_jury.orchestrator.convert import request_to_pb
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.launcher import LocalStack
@@ -209,7 +210,8 @@ def main() -> int:
         f"{draft.description}, {args.new_tokens} new tokens, greedy, exact rule; "
         "tokens/s = the set's tokens over its wall time"
     )
-    engine = Engine(LocalBackend(model, draft_model=draft), model.load_tokenizer())
+    backend = LocalBackend(model, draft_model=draft, limits=LOCAL_LIMITS)
+    engine = Engine(backend, model.load_tokenizer())
     in_process_modes = chosen(args.in_process_modes)
     if in_process_modes:
         measure(in_process(engine), in_process_modes, args.new_tokens, "in-process")

@@ -7,9 +7,14 @@ import argparse
 import asyncio
 import logging
 import sys
+from dataclasses import fields
 
-from hydra_jury.orchestrator.config import OrchestratorConfig
+from hydra_jury.orchestrator.config import DISCOVERY_MODES, OrchestratorConfig
+from hydra_jury.orchestrator.flags import add_generation_server_flags
 from hydra_jury.serving.errors import EXPECTED_FAILURES, failure_line
+
+# Every setting the command line can override: the configuration's fields, one flag each.
+SETTINGS = [setting.name for setting in fields(OrchestratorConfig)]
 
 
 def build_parser(prog: str = "python -m hydra_jury.orchestrator") -> argparse.ArgumentParser:
@@ -28,29 +33,19 @@ def build_parser(prog: str = "python -m hydra_jury.orchestrator") -> argparse.Ar
     )
     parser.add_argument(
         "--discovery",
-        choices=["static", "kubernetes"],
-        help="static: the addresses as given (default); kubernetes: follow the ready "
-        "endpoints of the named Services (in-cluster), placing each session on replicas",
+        choices=DISCOVERY_MODES,
+        default=OrchestratorConfig.discovery,
+        help="static: the addresses as given; kubernetes: follow the ready endpoints of the "
+        "named Services (in-cluster), placing each session on replicas (%(default)s)",
     )
     parser.add_argument("--namespace", help="kubernetes discovery: default, the pod's own")
-    parser.add_argument("--listen", help="address to serve on (default 127.0.0.1:50050)")
-    parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics HTTP port")
-    parser.add_argument("--metrics-address", help="default 127.0.0.1")
-    parser.add_argument("--max-concurrency", type=int, help="requests in progress at once")
-    parser.add_argument("--connect-timeout-s", type=float)
-    parser.add_argument("--grace-s", type=float, help="graceful shutdown time")
     parser.add_argument(
-        "--redis-url",
-        help="where sessions live: redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS "
-        "(default $HYDRA_JURY_REDIS_URL)",
-    )
-    parser.add_argument("--redis-key-prefix", help='prefix of every key (default "hydra-jury:")')
-    parser.add_argument("--session-ttl-s", type=float, help="idle sessions expire (default 3600)")
-    parser.add_argument(
-        "--session-lease-s",
+        "--connect-timeout-s",
         type=float,
-        help="an orchestrator that stops committing loses its sessions after this (default 30)",
+        default=OrchestratorConfig.connect_timeout_s,
+        help="how long the services may take to be ready (%(default)g)",
     )
+    add_generation_server_flags(parser, redis_fallback="")
     return parser
 
 
@@ -76,29 +71,12 @@ async def _serve(config: OrchestratorConfig) -> None:
 
 def main(argv: list[str] | None = None, prog: str = "python -m hydra_jury.orchestrator") -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    args = build_parser(prog).parse_args(argv)
-    overrides = {
-        k: getattr(args, k)
-        for k in (
-            "checkpoint",
-            "trunk",
-            "jury",
-            "discovery",
-            "namespace",
-            "listen",
-            "metrics_port",
-            "metrics_address",
-            "max_concurrency",
-            "connect_timeout_s",
-            "grace_s",
-            "redis_url",
-            "redis_key_prefix",
-            "session_ttl_s",
-            "session_lease_s",
-        )
-    }
+    # Every setting starts unset, so argparse fills in no default: a flag overrides the
+    # --config file only when given.
+    unset = argparse.Namespace(**dict.fromkeys(SETTINGS))
+    args = build_parser(prog).parse_args(argv, unset)
     try:
-        config = OrchestratorConfig.load(args.config, overrides)
+        config = OrchestratorConfig.load(args.config, {k: getattr(args, k) for k in SETTINGS})
         asyncio.run(_serve(config))
     except EXPECTED_FAILURES as error:
         print(failure_line("orchestrator", error), file=sys.stderr)

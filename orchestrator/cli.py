@@ -10,11 +10,15 @@ from typing import TYPE_CHECKING
 from hydra_jury.hydra_model.checkpoint import DTYPES
 from hydra_jury.orchestrator.config import REDIS_URL_VARIABLE
 from hydra_jury.serving.errors import EXPECTED_FAILURES, failure_line
+from hydra_jury.workers.sessions import SessionLimits
 
 if TYPE_CHECKING:  # the command modules import torch: only when a command runs
     from hydra_jury.orchestrator.request import GenerationRequest
 
 CONNECT_TIMEOUT_S = 10.0  # `chat`: how long a server may take to answer at all
+# `generate --local` holds one request in this process: a few sessions (a beam search
+# takes one per beam), not the caches a server reserves for its SessionLimits().
+LOCAL_LIMITS = SessionLimits(max_sessions=4, max_session_tokens=2048)
 
 
 def _add_build(commands: argparse._SubParsersAction) -> None:
@@ -415,7 +419,7 @@ def _generate_local(args: argparse.Namespace, request: GenerationRequest) -> int
         draft_model = DraftModel.load(
             _resolved_draft_model(args.draft_model), dtype=args.dtype, device=args.device
         )
-    backend = LocalBackend(model, draft_model=draft_model)
+    backend = LocalBackend(model, draft_model=draft_model, limits=LOCAL_LIMITS)
     runner = SessionRunner(Engine(backend, model.load_tokenizer()), MemoryStore())
 
     async def generate() -> None:
@@ -682,7 +686,6 @@ def _run_serve(args: argparse.Namespace) -> int:
     from hydra_jury.orchestrator.sessions.redis_store import RedisStore
     from hydra_jury.orchestrator.sessions.store import StoreSettings
     from hydra_jury.serving.model_thread import set_compute_threads
-    from hydra_jury.workers.sessions import SessionLimits
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # Checked before anything starts: a bad setting is one line, not a half-started server.

@@ -31,7 +31,9 @@ from hydra_jury.orchestrator.discovery import (
     StaticDiscovery,
     component_names,
 )
+from hydra_jury.orchestrator.sessions.redis_store import KEY_PREFIX
 from hydra_jury.orchestrator.sessions.store import StoreSettings
+from hydra_jury.serving.flags import GRACE_S, METRICS_ADDRESS
 
 REDIS_URL_VARIABLE = "HYDRA_JURY_REDIS_URL"  # below the config file and the flags
 DISCOVERY_MODES = ("static", "kubernetes")
@@ -50,14 +52,14 @@ class OrchestratorConfig:
     namespace: str | None = None
     listen: str = "127.0.0.1:50050"
     metrics_port: int | None = None
-    metrics_address: str = "127.0.0.1"
+    metrics_address: str = METRICS_ADDRESS
     max_concurrency: int = 32
     connect_timeout_s: float = 30.0
-    grace_s: float = 5.0
+    grace_s: float = GRACE_S
     redis_url: str = ""
-    redis_key_prefix: str = "hydra-jury:"
-    session_ttl_s: float = 3600.0
-    session_lease_s: float = 30.0
+    redis_key_prefix: str = KEY_PREFIX
+    session_ttl_s: float = StoreSettings.ttl_s
+    session_lease_s: float = StoreSettings.lease_s
 
     @classmethod
     def load(cls, path: str | Path | None, overrides: dict[str, Any]) -> OrchestratorConfig:

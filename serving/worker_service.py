@@ -20,9 +20,20 @@ from typing import Any
 import grpc
 
 from hydra_jury.hydra_model import HydraModel
-from hydra_jury.hydra_model.checkpoint import DTYPES, read_manifest
+from hydra_jury.hydra_model.checkpoint import read_manifest
 from hydra_jury.serving.batcher import BatchLimits
 from hydra_jury.serving.errors import EXPECTED_FAILURES, failure_line
+from hydra_jury.serving.flags import (
+    DEVICE,
+    METRICS_ADDRESS,
+    add_draft_model_flag,
+    add_grace_flag,
+    add_listen_flag,
+    add_metrics_flags,
+    add_model_flags,
+    add_session_limit_flags,
+    add_threads_flag,
+)
 from hydra_jury.serving.metrics import serve_metrics
 from hydra_jury.serving.model_thread import ModelThread, set_compute_threads, start_model_thread
 from hydra_jury.serving.server import GrpcServer, RunningServer
@@ -31,6 +42,9 @@ from hydra_jury.workers.errors import InvalidArgument
 from hydra_jury.workers.sessions import SessionLimits
 
 log = logging.getLogger("hydra_jury.service")
+# --idle-timeout-s: a served session idle this long is evicted. `ServiceOptions` keeps
+# its None (never) for the services a test or a program starts itself.
+IDLE_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -40,17 +54,17 @@ class ServiceOptions:
     checkpoint: str | Path
     listen: str = "127.0.0.1:0"  # port 0 picks a free one
     heads: Sequence[str] | None = None  # None: every `llm` head
-    max_sessions: int = 16
-    max_session_tokens: int = 4096
+    max_sessions: int = SessionLimits.max_sessions
+    max_session_tokens: int = SessionLimits.max_session_tokens
     idle_timeout_s: float | None = None  # None or 0: never evicted
-    reclaim_after_s: float = 1.0  # a running session idle this long may lose its slot
+    reclaim_after_s: float = SessionLimits.reclaim_after_s
     dtype: str | None = None  # None: the checkpoint's
-    device: str = "cpu"
+    device: str = DEVICE
     draft_model: str | Path | None = None  # the trunk's draft model (a Hydra checkpoint)
     # continuous batching's admission control
     batch_limits: BatchLimits = field(default_factory=BatchLimits)
     metrics_port: int | None = None  # None: no metrics served; 0 picks a free port
-    metrics_address: str = "127.0.0.1"
+    metrics_address: str = METRICS_ADDRESS
 
     @property
     def limits(self) -> SessionLimits:
@@ -163,52 +177,29 @@ def head_list(text: str) -> list[str]:
 def build_parser(spec: WorkerServiceSpec, prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=spec.description)
     parser.add_argument("--checkpoint", required=True, metavar="DIR", help="Hydra checkpoint")
-    parser.add_argument(
-        "--listen",
-        default=f"127.0.0.1:{spec.default_port}",
-        metavar="HOST:PORT",
-        help=f"address to bind (port 0 picks a free one; default 127.0.0.1:{spec.default_port})",
-    )
+    add_listen_flag(parser, f"127.0.0.1:{spec.default_port}")
     parser.add_argument(
         spec.heads_option, dest="heads", type=head_list, metavar="H1,H2", help=spec.heads_help
     )
-    parser.add_argument("--max-sessions", type=int, default=16, help="sessions held at once")
-    parser.add_argument(
-        "--max-session-tokens",
-        type=int,
-        default=4096,
-        help="positions one session may reach (at most the model's context length)",
-    )
+    add_session_limit_flags(parser)
     parser.add_argument(
         "--idle-timeout-s",
         type=float,
-        default=600.0,
-        help="evict sessions idle this long (0 = never)",
+        default=IDLE_TIMEOUT_S,
+        help="evict sessions idle this long (0 = never; %(default)g)",
     )
     parser.add_argument(
         "--reclaim-after-s",
         type=float,
-        default=1.0,
+        default=ServiceOptions.reclaim_after_s,
         help="when full, a new session takes the slot of the least recently used "
         "finished one at once, else of a running one idle this long (its orchestrator "
-        "re-prefills from the session record if it comes back)",
+        "re-prefills from the session record if it comes back; %(default)g)",
     )
     if spec.hosts_draft_model:
-        parser.add_argument(
-            "--draft-model",
-            metavar="DIR",
-            help="a small causal LM with the same tokenizer, for drafter 'model': a Hydra "
-            "checkpoint whose trunk and first head form the LM (`hydra-jury` converts a "
-            "Hugging Face directory or GGUF file into one)",
-        )
-    parser.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        help="CPU threads for model compute (default: torch's; on a host shared by several "
-        "services, give each its share of the cores)",
-    )
+        add_draft_model_flag(parser)
+    add_model_flags(parser)
+    add_threads_flag(parser)
     defaults = BatchLimits()
     parser.add_argument(
         "--max-batch-tokens",
@@ -242,18 +233,8 @@ def build_parser(spec: WorkerServiceSpec, prog: str) -> argparse.ArgumentParser:
         help="a batch smaller than the recent ones waits this long for more calls "
         "(0: never; %(default)g)",
     )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        help="serve Prometheus /metrics (batch sizes, queue, waits) on this port",
-    )
-    parser.add_argument("--metrics-address", default="127.0.0.1", help="(%(default)s)")
-    parser.add_argument(
-        "--grace-s",
-        type=float,
-        default=5.0,
-        help="on SIGTERM/SIGINT, let in-flight calls finish this long",
-    )
+    add_metrics_flags(parser)
+    add_grace_flag(parser)
     return parser
 
 

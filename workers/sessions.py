@@ -42,10 +42,11 @@ State = TypeVar("State")
 
 @dataclass(frozen=True)
 class SessionLimits:
-    """A worker's session limits, checked on construction."""
+    """A worker's session limits, checked on construction. The defaults are what every
+    server runs with unless told otherwise (--max-sessions, --max-session-tokens)."""
 
-    max_sessions: int = 4
-    max_session_tokens: int = 2048  # capped by the model's context length
+    max_sessions: int = 16
+    max_session_tokens: int = 4096  # capped by the model's context length
     idle_timeout_s: float | None = None  # None (or 0 from a flag): never evicted
     reclaim_after_s: float = 1.0  # a running session idle this long may be reclaimed
 

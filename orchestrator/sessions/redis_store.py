@@ -147,12 +147,15 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+KEY_PREFIX = "hydra-jury:"  # of every key, unless a deployment names its own
+
+
 class RedisStore(SessionStore):
     def __init__(
         self,
         url: str,
         *,
-        prefix: str = "hydra-jury:",
+        prefix: str = KEY_PREFIX,
         settings: StoreSettings | None = None,
         timeout_s: float = 2.0,
         max_connections: int = 64,

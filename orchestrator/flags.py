@@ -1,0 +1,50 @@
+"""The flags of the public Generation API's two servers, `hydra-jury orchestrator` (the
+split stack's) and `hydra-jury serve` (one process), defined once with the defaults of
+`OrchestratorConfig`; --redis-url is `hydra-jury up`'s too."""
+
+from __future__ import annotations
+
+import argparse
+
+from hydra_jury.orchestrator.config import REDIS_URL_VARIABLE, OrchestratorConfig
+from hydra_jury.serving.flags import add_grace_flag, add_listen_flag, add_metrics_flags
+
+
+def add_generation_server_flags(parser: argparse.ArgumentParser, redis_fallback: str) -> None:
+    """`redis_fallback`: where sessions live when neither --redis-url nor the variable
+    names a Redis (", else ...", or "" where one is required)."""
+    add_listen_flag(parser, OrchestratorConfig.listen)
+    add_metrics_flags(parser)
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=OrchestratorConfig.max_concurrency,
+        help="requests in progress at once (%(default)s)",
+    )
+    add_grace_flag(parser)
+    add_redis_url_flag(parser, redis_fallback)
+    parser.add_argument(
+        "--redis-key-prefix",
+        default=OrchestratorConfig.redis_key_prefix,
+        help="prefix of every key (%(default)s)",
+    )
+    parser.add_argument(
+        "--session-ttl-s",
+        type=float,
+        default=OrchestratorConfig.session_ttl_s,
+        help="idle sessions expire after this long (%(default)g)",
+    )
+    parser.add_argument(
+        "--session-lease-s",
+        type=float,
+        default=OrchestratorConfig.session_lease_s,
+        help="a generation that stops committing loses its session after this (%(default)g)",
+    )
+
+
+def add_redis_url_flag(parser: argparse.ArgumentParser, fallback: str) -> None:
+    parser.add_argument(
+        "--redis-url",
+        help="where sessions live: redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS "
+        f"(default ${REDIS_URL_VARIABLE}{fallback})",
+    )

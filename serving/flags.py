@@ -1,0 +1,85 @@
+"""The command-line flags the servers share (the worker services, the orchestrator,
+`hydra-jury serve`, and `generate --local` for the model's), each defined once here.
+
+A flag whose setting a dataclass owns takes its default from it (`SessionLimits`); the
+rest are named here and read by the servers' own option classes (`ServiceOptions`, the
+orchestrator's configuration), so that a flag and the option it sets never disagree.
+Help strings show the defaults argparse holds (`%(default)s`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from hydra_jury.hydra_model.checkpoint import DTYPES
+from hydra_jury.workers.sessions import SessionLimits
+
+DEVICE = "cpu"
+GRACE_S = 5.0  # on SIGTERM/SIGINT, how long in-flight calls may finish
+METRICS_ADDRESS = "127.0.0.1"
+
+
+def add_listen_flag(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "--listen",
+        default=default,
+        metavar="HOST:PORT",
+        help="address to serve on (port 0 picks a free one; default %(default)s)",
+    )
+
+
+def add_metrics_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus /metrics on this HTTP port"
+    )
+    parser.add_argument("--metrics-address", default=METRICS_ADDRESS, help="(%(default)s)")
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """How the checkpoint is loaded."""
+    parser.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
+    parser.add_argument("--device", default=DEVICE, help="cpu, cuda, cuda:1, ... (%(default)s)")
+
+
+def add_threads_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for model compute (default: torch's; on a host shared by several "
+        "services, give each its share of the cores)",
+    )
+
+
+def add_grace_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=GRACE_S,
+        help="on SIGTERM/SIGINT, let in-flight calls finish this long (%(default)g)",
+    )
+
+
+def add_session_limit_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-sessions",
+        type=int,
+        default=SessionLimits.max_sessions,
+        help="sessions held at once (%(default)s)",
+    )
+    parser.add_argument(
+        "--max-session-tokens",
+        type=int,
+        default=SessionLimits.max_session_tokens,
+        help="positions one session may reach, at most the model's context length (%(default)s)",
+    )
+
+
+def add_draft_model_flag(parser: argparse.ArgumentParser, where: str = "") -> None:
+    """--draft-model; `where` says which process loads it, where that is not plain."""
+    parser.add_argument(
+        "--draft-model",
+        metavar="PATH",
+        help=f"{where}a small causal LM with the checkpoint's tokenizer, for drafter 'model': "
+        "a Hydra checkpoint (its trunk and first head form the LM); `hydra-jury` also takes "
+        "a Hugging Face model directory or a .gguf file, converted once into "
+        "$HYDRA_JURY_CACHE or ~/.cache/hydra-jury",
+    )
