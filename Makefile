@@ -103,12 +103,12 @@ draft-model: setup
 # The local stack: trunk, two jury shards and the orchestrator on 127.0.0.1:50050, with
 # the sessions in a private redis-server stopped with the stack.
 run: model protos
-	$(PY) -m hydra_jury.orchestrator.cli up --checkpoint $(MODEL_DIR)
+	$(PY) -m hydra_jury.cli up --checkpoint $(MODEL_DIR)
 
 # The single-process server: the same API from one process, for one machine. Sessions
 # live in $HYDRA_JURY_REDIS_URL if set, else in a private redis-server stopped with it.
 serve: model protos
-	$(PY) -m hydra_jury.orchestrator.cli serve --checkpoint $(MODEL_DIR)
+	$(PY) -m hydra_jury.cli serve --checkpoint $(MODEL_DIR)
 
 bench-model: model
 	$(PY) bench/bench_model.py --checkpoint $(BASE_DIR)

@@ -31,6 +31,7 @@ FOLDERS = (
     "trunk_service",
     "jury_service",
     "orchestrator",
+    "cli",
 )
 PROTO_DIR = Path("protos/hydrajury/v1")
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from hydra_jury.cli.generate import LOCAL_LIMITS
 from hydra_jury.hydra_model import DraftModel, HydraModel
-from hydra_jury.orchestrator.cli import LOCAL_LIMITS
 from hydra_jury.orchestrator.convert import request_to_pb
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.launcher import LocalStack

@@ -183,7 +183,7 @@ def main() -> None:
         [
             sys.executable,
             "-m",
-            "hydra_jury.orchestrator.cli",
+            "hydra_jury.cli",
             "serve",
             "--checkpoint",
             checkpoint,

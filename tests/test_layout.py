@@ -1,8 +1,8 @@
-"""Imports go one way (ARCHITECTURE.md, "Layout"): poe ← hydra_model ← workers ←
-{trunk_service, jury_service, the in-process backend}; serving is used by every server;
-protos is data only; the orchestrator imports no service package; no server imports the
-offline tooling in hydra_model.build; every folder is imported under the one installed
-namespace, `hydra_jury`."""
+"""Imports go one way (docs/design.md, "The rules of the code"): poe ← hydra_model ←
+workers ← serving ← {trunk_service, jury_service, orchestrator} ← cli; protos is data
+only; the orchestrator imports no service package, only the command line (cli) imports
+them all; no server imports the offline tooling in hydra_model.build; every folder is
+imported under the one installed namespace, `hydra_jury`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ PROJECT = {
     "trunk_service",
     "jury_service",
     "orchestrator",
+    "cli",
 }
 # package → the project packages it may import (besides itself)
 ALLOWED = {
@@ -33,10 +34,17 @@ ALLOWED = {
     "trunk_service": {"poe", "hydra_model", "workers", "protos", "serving"},
     "jury_service": {"poe", "hydra_model", "workers", "protos", "serving"},
     "orchestrator": {"poe", "hydra_model", "workers", "protos", "serving"},
+    "cli": PROJECT - {"cli"},
 }
 # modules that may use the offline tooling: the tooling itself, the CLI's build, inspect
-# and train-heads commands, and the poisoned-head demo (which trains); no server
-BUILD_USERS = ("hydra_model/build/", "orchestrator/cli.py", "orchestrator/poison_demo.py")
+# and train-heads commands and its draft-model conversion, and the poisoned-head demo
+# (which trains); no server
+BUILD_USERS = (
+    "hydra_model/build/",
+    "cli/model.py",
+    "cli/draft.py",
+    "orchestrator/poison_demo.py",
+)
 
 
 def imported_modules(path: Path) -> set[str]:

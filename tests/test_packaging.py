@@ -57,8 +57,7 @@ def test_the_wheel_carries_protos_and_generated_code(wheel):
     assert expected <= names, sorted(expected - names)
     entry_points = next(name for name in names if name.endswith(".dist-info/entry_points.txt"))
     assert (
-        f"hydra-jury = {NAMESPACE}.orchestrator.cli:main"
-        in zipfile.ZipFile(wheel).read(entry_points).decode()
+        f"hydra-jury = {NAMESPACE}.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
     )
 
 
@@ -68,7 +67,7 @@ def test_the_wheel_claims_one_top_level_name(wheel):
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert {top for top in tops if not top.endswith(".dist-info")} == {NAMESPACE}
     folders = {name.split("/")[1] for name in zipfile.ZipFile(wheel).namelist()}
-    assert {"protos", "poe", "hydra_model", "workers", "serving", "orchestrator"} <= folders
+    assert {"protos", "poe", "hydra_model", "workers", "serving", "orchestrator", "cli"} <= folders
 
 
 def test_an_unpacked_wheel_imports_the_servers_and_the_cli(wheel, tmp_path):
@@ -78,7 +77,7 @@ def test_an_unpacked_wheel_imports_the_servers_and_the_cli(wheel, tmp_path):
         "trunk_service.server",
         "jury_service.server",
         "orchestrator.server",
-        "orchestrator.cli",
+        "cli",
     ]
     modules = [f"{NAMESPACE}.{module}" for module in modules]
     # The unpacked copy goes first on the path, ahead of the editable install's finder.

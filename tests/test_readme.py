@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from hydra_jury.cli import build_parser
 from hydra_jury.jury_service.server import JURY_SERVICE
 from hydra_jury.orchestrator.__main__ import build_parser as orchestrator_parser
-from hydra_jury.orchestrator.cli import build_parser
 from hydra_jury.serving.worker_service import build_parser as service_parser
 from hydra_jury.trunk_service.server import TRUNK_SERVICE
 

@@ -13,9 +13,8 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from hydra_jury.orchestrator import cli
+from hydra_jury.cli import generate, main
 from hydra_jury.orchestrator.chat import Chat, metrics_lines
-from hydra_jury.orchestrator.cli import main
 from hydra_jury.orchestrator.convert import request_to_pb
 from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.protos.hydrajury.v1 import generation_pb2
@@ -124,7 +123,7 @@ def test_the_chat_command_talks_to_a_server(stack, monkeypatch, capsys):
 
 
 def test_the_chat_command_needs_a_server_it_can_reach(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "CONNECT_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(generate, "CONNECT_TIMEOUT_S", 0.2)
     assert main(["chat", "--address", "127.0.0.1:1"]) == 2
     assert capsys.readouterr().err.startswith("hydra-jury chat: error: cannot reach 127.0.0.1:1")
 

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from hydra_jury.cli import main
 from hydra_jury.orchestrator.backend import ModelInfo
-from hydra_jury.orchestrator.cli import main
 from hydra_jury.orchestrator.engine import REBUILDS_PER_ROUND, Engine
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.request import GenerationRequest, RequestError
@@ -614,12 +614,12 @@ def test_the_draft_model_is_described_in_the_model_info(model_engine, engine):
 def test_a_trunk_service_gets_its_draft_model_resolved(jury_checkpoint, tmp_path, monkeypatch):
     """`hydra-jury trunk --draft-model` converts a Hugging Face directory before the
     service (which loads only Hydra checkpoints) starts; a missing path is one line."""
-    from hydra_jury.orchestrator.cli import _with_resolved_draft_model
+    from hydra_jury.cli.draft import with_resolved_draft_model
 
     monkeypatch.setenv("HYDRA_JURY_CACHE", str(tmp_path))
     source = str(jury_checkpoint.parent / "base")
-    spaced = _with_resolved_draft_model(["--listen", "x", "--draft-model", source])
-    joined = _with_resolved_draft_model([f"--draft-model={source}"])
+    spaced = with_resolved_draft_model(["--listen", "x", "--draft-model", source])
+    joined = with_resolved_draft_model([f"--draft-model={source}"])
     converted = spaced[-1]
     assert converted.startswith(str(tmp_path / "draft-models")) and joined == [
         f"--draft-model={converted}"

@@ -8,10 +8,10 @@ import grpc
 import pytest
 import torch
 
+from hydra_jury.cli import main
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.layers import Segment
 from hydra_jury.hydra_model.uncertainty import check_tokens, load_uncertainty_head, verdict_tokens
-from hydra_jury.orchestrator.cli import main
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.request import GenerationRequest, RequestError

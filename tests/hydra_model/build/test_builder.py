@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
+from hydra_jury.cli import main
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.build.builder import BuildError
-from hydra_jury.orchestrator.cli import main
 from tests.models import build_hydra, fine_tune_top_layers, load_hf_model, save_hf_model
 
 TOLERANCE = 1e-4

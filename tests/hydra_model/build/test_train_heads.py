@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hydra_jury.cli import main
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.build.corpus import CorpusError, shard_texts, write_corpus
 from hydra_jury.hydra_model.build.lora import lora_deltas
@@ -21,7 +22,6 @@ from hydra_jury.hydra_model.build.train import (
     train_heads,
 )
 from hydra_jury.hydra_model.build.train_state import state_dir
-from hydra_jury.orchestrator.cli import main
 from tests.models import next_token_logits
 
 PHRASES = ["the cat sat", "a dog ran", "sun is up", "we go home", "red box", "big tree"]

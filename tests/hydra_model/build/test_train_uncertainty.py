@@ -7,12 +7,12 @@ import json
 
 import pytest
 
+from hydra_jury.cli import main
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.build import multiple_choice
 from hydra_jury.hydra_model.build.multiple_choice import Question, grade, make_questions
 from hydra_jury.hydra_model.build.train import TrainError, TrainOptions
 from hydra_jury.hydra_model.build.train_uncertainty import train_uncertainty
-from hydra_jury.orchestrator.cli import main
 from tests.models import build_hydra, save_hf_model
 
 

@@ -1,0 +1,182 @@
+"""The commands that serve: `serve` (the Generation API from one process), `up` (the split
+stack on this host) and the split stack's servers, `trunk`, `jury` and `orchestrator`,
+which own their command lines (`main` hands them everything after the name)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+
+from hydra_jury.cli.draft import resolved_draft_model, with_resolved_draft_model
+from hydra_jury.jury_service.server import JURY_SERVICE
+from hydra_jury.orchestrator.__main__ import main as orchestrator_main
+from hydra_jury.orchestrator.config import REDIS_URL_VARIABLE
+from hydra_jury.orchestrator.flags import add_generation_server_flags, add_redis_url_flag
+from hydra_jury.orchestrator.launcher import LocalStack
+from hydra_jury.orchestrator.server import serve_embedded
+from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
+from hydra_jury.orchestrator.sessions.redis_store import RedisStore, redacted
+from hydra_jury.orchestrator.sessions.store import StoreSettings
+from hydra_jury.serving.errors import EXPECTED_FAILURES, failure_line
+from hydra_jury.serving.flags import (
+    add_draft_model_flag,
+    add_model_flags,
+    add_session_limit_flags,
+    add_threads_flag,
+)
+from hydra_jury.serving.model_thread import set_compute_threads
+from hydra_jury.serving.worker_service import service_main
+from hydra_jury.trunk_service.server import TRUNK_SERVICE
+from hydra_jury.workers.sessions import SessionLimits
+
+SERVER_COMMANDS = {
+    "trunk": "serve the trunk and drafter heads (gRPC)",
+    "jury": "serve a shard of verifier heads (gRPC)",
+    "orchestrator": "serve the public Generation API (gRPC)",
+}
+WORKER_SERVICES = {"trunk": TRUNK_SERVICE, "jury": JURY_SERVICE}
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    _add_serve(commands)
+    for name, help_text in SERVER_COMMANDS.items():
+        commands.add_parser(name, help=help_text, add_help=False)
+    _add_up(commands)
+
+
+def run_server(name: str, argv: list[str]) -> int:
+    prog = f"hydra-jury {name}"
+    if name == "orchestrator":
+        return orchestrator_main(argv, prog=prog)
+    spec = WORKER_SERVICES[name]
+    if spec.hosts_draft_model:
+        try:
+            argv = with_resolved_draft_model(argv)
+        except EXPECTED_FAILURES as error:
+            print(failure_line(prog, error), file=sys.stderr)
+            return 2
+    return service_main(spec, argv, prog=prog)
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "serve",
+        help="serve the public Generation API from one process (the whole model here)",
+        description="Serve hydrajury.v1.Generation (the same API as the orchestrator of the "
+        "split stack) over the in-process backend: trunk, every head and the loop in this "
+        "process. The default for one machine; `up` runs the split stack.",
+    )
+    parser.add_argument("--checkpoint", required=True, metavar="DIR", help="Hydra checkpoint")
+    add_generation_server_flags(
+        parser,
+        redis_fallback=", else a private redis-server stopped with the server, its "
+        "sessions with it",
+    )
+    add_session_limit_flags(parser)
+    add_model_flags(parser)
+    add_threads_flag(parser)
+    add_draft_model_flag(parser)
+    parser.set_defaults(handler=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # Checked before anything starts: a bad setting is one line, not a half-started server.
+    settings = StoreSettings(ttl_s=args.session_ttl_s, lease_s=args.session_lease_s)
+    set_compute_threads(args.threads)
+    limits = SessionLimits(args.max_sessions, args.max_session_tokens)
+    draft_model = resolved_draft_model(args.draft_model)
+
+    async def serve(store: RedisStore) -> None:
+        running = await serve_embedded(
+            checkpoint=args.checkpoint,
+            store=store,
+            address=args.listen,
+            limits=limits,
+            dtype=args.dtype,
+            device=args.device,
+            draft_model=draft_model,
+            metrics_port=args.metrics_port,
+            metrics_address=args.metrics_address,
+            max_concurrency=args.max_concurrency,
+        )
+        await running.serve_until_signal(
+            "hydra-jury server", args.listen, args.grace_s, f", sessions in {store.where}"
+        )
+
+    with contextlib.ExitStack() as stack:
+        url = args.redis_url or os.environ.get(REDIS_URL_VARIABLE)
+        if not url:
+            url = stack.enter_context(LocalRedis()).url
+            logging.getLogger("hydra_jury").info(
+                "started a private redis-server at %s; its sessions end with this server", url
+            )
+        store = RedisStore(url, prefix=args.redis_key_prefix, settings=settings)
+        asyncio.run(serve(store))
+    return 0
+
+
+def _add_up(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "up",
+        help="run the local stack: trunk, jury shards and orchestrator",
+        description="Start a trunk service, jury shards splitting the heads and the "
+        "orchestrator as separate processes on loopback; Ctrl-C stops them all. They share "
+        "the host: the trunk's OpenMP threads spin briefly between parallel regions "
+        "(GOMP_SPINCOUNT=30000), the others wait passively (OMP_WAIT_POLICY=PASSIVE), "
+        "unless the environment sets either (OMP_WAIT_POLICY=PASSIVE: every process "
+        "passive, faster for many concurrent sessions). On one machine `serve` is faster.",
+    )
+    parser.add_argument(
+        "--checkpoint", default="var/models/smollm2-hydra", metavar="DIR", help="(%(default)s)"
+    )
+    parser.add_argument(
+        "--shards", type=int, default=LocalStack.shards, help="jury shards (%(default)s)"
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=LocalStack.port,
+        help="orchestrator port; the services use the next ones (%(default)s)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9100,
+        help="the orchestrator's Prometheus /metrics HTTP port (%(default)s)",
+    )
+    parser.add_argument(
+        "--shard-threads",
+        type=int,
+        help="CPU threads per jury shard (default: torch's, every core; on a 2-core host one "
+        "thread each measured slower)",
+    )
+    add_redis_url_flag(parser, ", else a private redis-server, stopped with the stack")
+    add_draft_model_flag(parser, "on the trunk service: ")
+    parser.set_defaults(handler=_run_up)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    stack = LocalStack(
+        args.checkpoint,
+        shards=args.shards,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        shard_threads=args.shard_threads,
+        redis_url=args.redis_url or os.environ.get(REDIS_URL_VARIABLE),
+        draft_model=resolved_draft_model(args.draft_model),
+    )
+    try:
+        address = stack.start()
+        print(
+            f"hydra-jury stack ready: Generation API at {address}, sessions in Redis at "
+            f"{redacted(stack.sessions_url)}",
+            file=sys.stderr,
+        )
+        return stack.wait()
+    finally:
+        stack.stop()
