@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from hydra_jury.orchestrator.__main__ import main as orchestrator_main
-from hydra_jury.orchestrator.cli import main
+from hydra_jury.cli import main
 from hydra_jury.orchestrator.config import REDIS_URL_VARIABLE, ConfigFileError, OrchestratorConfig
 from hydra_jury.orchestrator.convert import request_from_pb, request_to_pb
 from hydra_jury.orchestrator.launcher import OPENMP_WAIT_VARIABLES, LocalStack, start_child
@@ -192,7 +192,7 @@ def test_a_silent_hung_child_does_not_block_the_launcher():
 
 def test_the_single_process_server_runs_from_the_command_line(jury_checkpoint, engine, capsys):
     command = [
-        *(sys.executable, "-m", "hydra_jury.orchestrator.cli", "serve"),
+        *(sys.executable, "-m", "hydra_jury.cli", "serve"),
         *("--checkpoint", str(jury_checkpoint), "--listen", "127.0.0.1:0"),
         *("--max-session-tokens", "128", "--threads", "1"),
     ]
