@@ -1,18 +1,18 @@
 """The decoding loop's backend over gRPC: one trunk and any number of jury shards, each
-served by one or more replicas (`orchestrator.discovery`).
+served by one or more replicas (`orchestrator.discovery`). The transport only: what the
+replicas must agree on is `orchestrator.layout`, which replica holds a session's caches
+`orchestrator.placement`, and the jury's result from its shards'
+`orchestrator.shard_scores`.
 
 Per round: one `Draft` call to the trunk and one `Score` call to every shard, the shards
-called concurrently and their partial log-products added (`poe.combine_partials`, in
-shard order, so the sum is deterministic). Hidden states travel from the trunk's
-response to the shards' requests as they came, without being decoded. The loop is the
-same as in-process; only the transport differs.
+called concurrently and their partial log-products added in shard order. Hidden states
+travel from the trunk's response to the shards' requests as they came, without being
+decoded. The loop is the same as in-process; only the transport differs.
 
-Placement: a session's caches live on one replica of each component. A new session goes
-to the least loaded ready replica (sessions placed by this orchestrator); a session
-whose record names replicas that are still ready goes back to them (`place`). When a
-placed replica leaves (no longer ready, or UNAVAILABLE while another is ready), the
-session moves: the call raises `PositionError`, and the loop re-prefills on the new
-replica from the committed tokens, with the same output.
+A session's caches live on one replica of each component (`place`). When a placed
+replica leaves (no longer ready, or UNAVAILABLE while another is ready), the session
+moves: the call raises `PositionError`, and the loop re-prefills on the new replica from
+the committed tokens, with the same output.
 
 Each call carries the time left of the client's deadline (`call_scope`). A failed call
 becomes the project's exception for its status (`serving.errors.error_from_status`),
@@ -31,11 +31,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
-import torch
 
-from hydra_jury.orchestrator.backend import DecodingBackend, ModelInfo
+from hydra_jury.orchestrator.backend import DecodingBackend
 from hydra_jury.orchestrator.discovery import Discovery, StaticDiscovery
-from hydra_jury.poe import combine_partials
+from hydra_jury.orchestrator.layout import Layout, LayoutError, check_layout
+from hydra_jury.orchestrator.placement import Placements
+from hydra_jury.orchestrator.shard_scores import combine_shard_scores
+from hydra_jury.orchestrator.transport_stats import TransportStats
 from hydra_jury.protos.codec import CodecError
 from hydra_jury.protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from hydra_jury.serving import internal_wire as wire
@@ -61,20 +63,6 @@ from hydra_jury.workers.errors import PositionError
 Result = TypeVar("Result")
 
 
-class LayoutError(ValueError):
-    """Services that do not form one model: the message says what is wrong."""
-
-
-@dataclass
-class TransportStats:
-    """Bytes and server-side time of internal calls, for benchmarks."""
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    server_ns: dict[str, int] = field(default_factory=lambda: {"draft": 0, "score": 0})
-    client_ns: dict[str, int] = field(default_factory=lambda: {"draft": 0, "score": 0})
-
-
 @dataclass
 class _Replica:
     name: str  # "trunk service at HOST:PORT"
@@ -91,12 +79,6 @@ class _Component:
     label: str  # "trunk service", "jury shard 0"
     stub_class: Any
     replicas: dict[str, _Replica] = field(default_factory=dict)  # connected, by address
-    heads: tuple[str, ...] = ()  # a shard's heads, as its first replica hosts them
-
-
-# A replica that failed a call is avoided for new placements this long, while the
-# discovery catches up.
-SUSPECT_S = 10.0
 
 
 class GrpcBackend(DecodingBackend):
@@ -113,9 +95,8 @@ class GrpcBackend(DecodingBackend):
             _Component(name, f"jury shard {name[4:]}", internal_pb2_grpc.JuryStub)
             for name in names[1:]
         ]
-        self._lock = threading.Lock()
-        self._placements: dict[str, dict[str, str]] = {}  # cache id -> component -> address
-        self._suspects: dict[str, float] = {}  # address -> until when it is avoided
+        self._lock = threading.Lock()  # guards each component's replicas
+        self._placements = Placements()
         try:
             try:
                 discovery.wait_ready(connect_timeout_s)
@@ -125,7 +106,11 @@ class GrpcBackend(DecodingBackend):
                 c.name: self._connect(c, discovery.ready(c.name)[0], checked=False)
                 for c in self.components
             }
-            self.info = self._check_layout(first)
+            # The first replicas define the layout; every later one is checked against it.
+            self._layout: Layout = check_layout(
+                first["trunk"], {shard.name: first[shard.name] for shard in self.shards}
+            )
+            self.info = self._layout.model
         except BaseException:
             self.close()
             raise
@@ -143,7 +128,7 @@ class GrpcBackend(DecodingBackend):
 
     def _connect(self, component: _Component, address: str, checked: bool = True) -> _Replica:
         """A replica, connected and (`checked`) checked against the layout, once per
-        address; the first replicas define the layout (`_check_layout`)."""
+        address."""
         with self._lock:
             known = component.replicas.get(address)
         if known is not None:
@@ -161,7 +146,7 @@ class GrpcBackend(DecodingBackend):
         replica = _Replica(name, address, channel, stub, info, info.epoch)
         if checked:
             try:
-                self._check_replica(component, replica)
+                self._layout.check_replica(component.name, replica)
             except LayoutError:
                 channel.close()
                 raise
@@ -170,69 +155,6 @@ class GrpcBackend(DecodingBackend):
         if known is not replica:
             channel.close()
         return known
-
-    def _check_replica(self, component: _Component, replica: _Replica) -> None:
-        """A replica that joined later: the same checkpoint, dtype and (a shard) heads."""
-        model = replica.info.model
-        if model.fingerprint != self.info.fingerprint:
-            raise LayoutError(
-                f"{replica.name} serves checkpoint {model.fingerprint[:12]}, not "
-                f"{self.info.fingerprint[:12]}"
-            )
-        if model.dtype != self.trunk_dtype:
-            raise LayoutError(f"{replica.name} computes in {model.dtype}, not {self.trunk_dtype}")
-        if component is not self.trunk and tuple(replica.info.hosted_heads) != component.heads:
-            raise LayoutError(
-                f"{replica.name} hosts heads {list(replica.info.hosted_heads)}, but its shard "
-                f"serves {list(component.heads)}"
-            )
-
-    def _check_layout(self, first: dict[str, _Replica]) -> ModelInfo:
-        trunk = first["trunk"]
-        model = trunk.info.model
-        self.trunk_dtype = model.dtype
-        shards = [first[shard.name] for shard in self.shards]
-        for shard in shards:
-            if shard.info.model.fingerprint != model.fingerprint:
-                raise LayoutError(
-                    f"{shard.name} serves checkpoint {shard.info.model.fingerprint[:12]}"
-                    f" but the {trunk.name} serves {model.fingerprint[:12]}: "
-                    f"all services must load the same checkpoint"
-                )
-            if shard.info.model.dtype != model.dtype:
-                raise LayoutError(
-                    f"{shard.name} computes in {shard.info.model.dtype} but the "
-                    f"{trunk.name} in {model.dtype}: start them with the same --dtype"
-                )
-        owners: dict[str, str] = {}
-        for component, shard in zip(self.shards, shards, strict=True):
-            component.heads = tuple(shard.info.hosted_heads)
-            for head in shard.info.hosted_heads:
-                if head in owners:
-                    raise LayoutError(
-                        f"head {head!r} is hosted by both the {owners[head]} and "
-                        f"the {shard.name}: shards must host disjoint heads"
-                    )
-                owners[head] = shard.name
-        missing = [head for head in model.heads if head not in owners]
-        if missing:
-            raise LayoutError(
-                f"no jury shard hosts heads {missing}; together the shards must "
-                f"host every llm head {list(model.heads)}"
-            )
-        limits = [trunk.info.limits.max_session_tokens]
-        limits += [s.info.limits.max_session_tokens for s in shards]
-        return ModelInfo(
-            fingerprint=model.fingerprint,
-            architecture=model.architecture,
-            head_names=tuple(model.heads),
-            drafter_heads=tuple(trunk.info.drafter_heads),
-            vocab_size=model.vocab_size,
-            context_length=min(model.context_length, *limits),
-            eos_token_ids=tuple(model.eos_token_ids),
-            draft_model=trunk.info.draft_model,
-            uncertainty_head=trunk.info.uncertainty_head,
-        )
 
     # --- placement -------------------------------------------------------------------
 
@@ -244,19 +166,7 @@ class GrpcBackend(DecodingBackend):
                 f"no ready replica of the {component.label} "
                 f"({self.discovery.targets[component.name]})"
             )
-        with self._lock:
-            placement = self._placements.setdefault(cache, {})
-            address = placement.get(component.name) or wanted
-            if address not in ready:
-                now = time.monotonic()
-                healthy = [a for a in ready if self._suspects.get(a, 0.0) < now] or ready
-                load = {a: 0 for a in healthy}
-                for placed in self._placements.values():
-                    if placed.get(component.name) in load:
-                        load[placed[component.name]] += 1
-                address = min(healthy, key=lambda a: (load[a], a))
-            placement[component.name] = address
-        return address
+        return self._placements.address(component.name, cache, ready, wanted)
 
     def _replica(self, component: _Component, cache: str) -> _Replica:
         return self._connect(component, self._address(component, cache))
@@ -267,18 +177,21 @@ class GrpcBackend(DecodingBackend):
             self._connect(component, self._address(component, cache, wanted))
         return self.placement(cache)
 
-    def placement(self, cache: str) -> dict[str, str]:
+    def _placed_replicas(self, cache: str) -> dict[str, _Replica]:
+        """The connected replicas the session's caches are placed on, by component."""
+        placed = self._placements.placed(cache)
         with self._lock:
-            placed = dict(self._placements.get(cache, {}))
             return {
-                c.name: f"{placed[c.name]}@{c.replicas[placed[c.name]].epoch}"
+                c.name: c.replicas[placed[c.name]]
                 for c in self.components
                 if placed.get(c.name) in c.replicas
             }
 
-    def _forget(self, cache: str) -> dict[str, str]:
-        with self._lock:
-            return self._placements.pop(cache, {})
+    def placement(self, cache: str) -> dict[str, str]:
+        return {
+            name: f"{replica.address}@{replica.epoch}"
+            for name, replica in self._placed_replicas(cache).items()
+        }
 
     # --- calls -----------------------------------------------------------------------
 
@@ -323,13 +236,9 @@ class GrpcBackend(DecodingBackend):
         translated = _translate(replica, method, error)
         others = [a for a in self.discovery.ready(component.name) if a != replica.address]
         if isinstance(translated, ServiceUnavailable) and others:
-            with self._lock:
-                self._suspects[replica.address] = time.monotonic() + SUSPECT_S
-                # A batch is placed by its first call's session.
-                session = request.calls[0].session if hasattr(request, "calls") else request.session
-                placement = self._placements.get(session, {})
-                if placement.get(component.name) == replica.address:
-                    del placement[component.name]
+            # A batch is placed by its first call's session.
+            session = request.calls[0].session if hasattr(request, "calls") else request.session
+            self._placements.suspect(replica.address, component.name, session)
             return PositionError(f"{translated}; the session moves to another replica")
         return translated
 
@@ -365,7 +274,7 @@ class GrpcBackend(DecodingBackend):
         targets = self._targets([self.trunk], call.session)
         began = time.perf_counter_ns()
         (response,) = self._call_all(targets, "Draft", [request])
-        self._account("draft", began, [request], [response])
+        self.stats.record("draft", began, [request], [response])
         return _decoded(
             targets[0][1], lambda: wire.draft_result_from_pb(response, call, self.info.vocab_size)
         )
@@ -380,8 +289,8 @@ class GrpcBackend(DecodingBackend):
         targets = self._targets(self.shards, call.session)
         began = time.perf_counter_ns()
         responses = self._call_all(targets, "Score", requests)
-        self._account("score", began, requests, responses)
-        return self._combined(call, targets, responses)
+        self.stats.record("score", began, requests, responses)
+        return self._jury_result(call, targets, responses)
 
     def score_batch(self, calls: list[ScoreCall]) -> list[ScoreResult]:
         # Every call of a batch goes where the first call's session is placed.
@@ -390,18 +299,18 @@ class GrpcBackend(DecodingBackend):
         targets = self._targets(self.shards, calls[0].session)
         began = time.perf_counter_ns()
         responses = self._call_all(targets, "ScoreBatch", requests)
-        self._account("score", began, requests, responses)
+        self.stats.record("score", began, requests, responses)
         for (_shard, replica), response in zip(targets, responses, strict=True):
             if len(response.results) != len(calls):
                 raise InternalServiceError(
                     f"{replica.name} answered {len(response.results)} of {len(calls)} calls"
                 )
         return [
-            self._combined(call, targets, [response.results[i] for response in responses])
+            self._jury_result(call, targets, [response.results[i] for response in responses])
             for i, call in enumerate(calls)
         ]
 
-    def _combined(self, call: ScoreCall, targets: list, responses: list) -> ScoreResult:
+    def _jury_result(self, call: ScoreCall, targets: list, responses: list) -> ScoreResult:
         """The whole jury's result of `call` from each shard's response."""
         parts = [
             _decoded(
@@ -409,26 +318,12 @@ class GrpcBackend(DecodingBackend):
             )
             for (_shard, replica), response in zip(targets, responses, strict=True)
         ]
-        decision = None
-        if call.with_decision:
-            decision = combine_partials([part.decision_log_product for part in parts])
-        voters = [voter for part in parts for voter in part.voters]
-        # Votes in checkpoint order, whatever shard each juror sits on.
-        order = sorted(range(len(voters)), key=lambda i: self.info.head_names.index(voters[i]))
-        amateur = [part.amateur_logprobs for part in parts if part.amateur_logprobs is not None]
-        return ScoreResult(
-            combine_partials([part.log_product for part in parts]),
-            decision,
-            torch.cat([part.votes for part in parts], dim=1)[:, order],
-            tuple(voters[i] for i in order),
-            head_evaluations=sum(part.head_evaluations for part in parts),
-            amateur_logprobs=amateur[0] if amateur else None,
-        )
+        return combine_shard_scores(call, parts, self.info.head_names)
 
     def _holders(self, cache: str) -> list[_Replica]:
         """The replicas that may hold the session's caches: where it is placed, or —
         placed by another orchestrator, or before a restart — every ready replica."""
-        placed = self._forget(cache)
+        placed = self._placements.forget(cache)
         holders = []
         for component in self.components:
             addresses = [placed[component.name]] if component.name in placed else None
@@ -451,24 +346,11 @@ class GrpcBackend(DecodingBackend):
         generation ended. A hint: a replica that misses it reclaims the slot after its
         --reclaim-after-s instead."""
         request = internal_pb2.ReleaseRequest(session=session, keep_caches=True)
-        with self._lock:
-            placed = dict(self._placements.get(session, {}))
-            replicas = [
-                c.replicas[placed[c.name]]
-                for c in self.components
-                if placed.get(c.name) in c.replicas
-            ]
+        replicas = self._placed_replicas(session).values()
         pending = [replica.stub.Release.future(request, timeout=5) for replica in replicas]
         for call in pending:
             with suppress(grpc.RpcError):
                 call.result()
-
-    def _account(self, phase: str, began_ns: int, requests: list, responses: list) -> None:
-        stats = self.stats
-        stats.client_ns[phase] += time.perf_counter_ns() - began_ns
-        stats.server_ns[phase] += max(r.timings.total_ns for r in responses)
-        stats.bytes_sent += sum(r.ByteSize() for r in requests)
-        stats.bytes_received += sum(r.ByteSize() for r in responses)
 
 
 def _decoded(service: _Replica, decode: Callable[[], Result]) -> Result:

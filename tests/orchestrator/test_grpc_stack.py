@@ -11,7 +11,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from hydra_jury.orchestrator.grpc_backend import GrpcBackend, LayoutError
+from hydra_jury.orchestrator.grpc_backend import GrpcBackend
+from hydra_jury.orchestrator.layout import LayoutError
 from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.protos.hydrajury.v1 import generation_pb2
 from hydra_jury.serving import internal_wire as wire
