@@ -4,9 +4,9 @@ Score calls of different sessions, say) run as one batched forward on the model 
 While the model thread runs a batch, the calls that arrive wait in a queue; the next
 batch takes as many of them as its token budget allows (at least one), so sessions join
 and leave between batches and nobody waits for a batch to fill. A call that takes
-several steps (a draft call, one position per step) answers `CONTINUE` until it is done
-and runs again in the next batch, ahead of the queue: a step-level scheduler, where
-sessions join and leave between steps. Admission is bounded: a
+several steps (a draft call, one position per step: `serving.draft_scheduler`) answers
+`CONTINUE` until it is done and runs again in the next batch, ahead of the queue: a
+step-level scheduler, where sessions join and leave between steps. Admission is bounded: a
 full queue refuses a call at once with RESOURCE_EXHAUSTED and a retry hint, and a call
 that waited past the maximum wait is refused the same way. The handler runs a batch
 with each call's failure kept to that call (`run_isolated`): one bad session never fails

@@ -14,13 +14,13 @@ from typing import Any
 from hydra_jury.hydra_model import DraftModel, HydraModel
 from hydra_jury.protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from hydra_jury.serving import internal_wire as wire
-from hydra_jury.serving.batcher import CONTINUE, BatchLimits, CallBatcher
+from hydra_jury.serving.batcher import BatchLimits, CallBatcher
+from hydra_jury.serving.draft_scheduler import DraftScheduler
 from hydra_jury.serving.model_thread import ModelThread
 from hydra_jury.serving.servicer import BatchResults, WorkerServicer, batch_calls
 from hydra_jury.serving.worker_service import ServiceOptions, WorkerServiceSpec
 from hydra_jury.workers.calls import DraftResult
-from hydra_jury.workers.errors import InvalidArgument
-from hydra_jury.workers.trunk import Drafting, TrunkWorker
+from hydra_jury.workers.trunk import TrunkWorker
 
 
 class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
@@ -33,10 +33,10 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
     ) -> None:
         super().__init__(worker, thread, batch_limits)
         # Concurrent prefills (one-pass checks included) of different sessions run as one
-        # trunk forward. Draft calls (plain steps and head drafts) are stepped: each batch
-        # runs one position of every session drafting — one trunk forward over all of
-        # them, one forward per draft head — so a call joins at the step after it
-        # arrives and leaves once its γ positions are done.
+        # trunk forward. Draft calls (plain steps and head drafts) are stepped by the
+        # draft scheduler: each batch of the Draft batcher runs one position of every
+        # session drafting, so a call joins at the step after it arrives and leaves once
+        # its γ positions are done.
         self._prefills = self.batcher(
             "Prefill",
             lambda request: wire.prefill_call_from_pb(request),
@@ -45,11 +45,11 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
             lambda hidden: internal_pb2.TrunkPrefillResponse(hidden=wire.hidden_to_pb(hidden)),
             lambda request: max(1, len(request.tokens)),
         )
-        self._drafting: dict[int, Drafting] = {}  # id(request) -> its call in progress
+        self.draft_scheduler: DraftScheduler[internal_pb2.DraftRequest] = DraftScheduler(worker)
         self._drafts = self.batchers["Draft"] = CallBatcher(
             "TrunkServicer.Draft",
             thread,
-            self._draft_step,
+            self._draft_batch,
             lambda request: 1,  # one position per step
             self.batch_limits,
             self.metrics.observer("Draft"),
@@ -93,63 +93,21 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
     async def Draft(self, request, context) -> internal_pb2.DraftResponse:
         return await self.call_batched(self._drafts, [request])
 
-    def _draft_step(self, requests: list) -> list:
-        """One batch of the Draft scheduler, on the model thread: the new calls start
-        (each alone, so a bad one fails alone; a draft-model call runs whole), then one
-        step of every call drafting. Each call's response once it is done, `CONTINUE`
-        until then."""
+    def _draft_batch(self, requests: list[internal_pb2.DraftRequest]) -> list:
+        """One batch of the Draft batcher, on the model thread: a step of the scheduler,
+        each request's outcome encoded (`CONTINUE` and errors as they are)."""
         began = time.perf_counter_ns()
-        outcomes: dict[int, Any] = {}
-        for request in requests:
-            if id(request) not in self._drafting:
-                outcomes[id(request)] = self._begin_draft(request)
-        drafting = [self._drafting[id(r)] for r in requests if id(r) in self._drafting]
-        try:
-            self.worker.draft_step(drafting)
-        except Exception as error:
-            self.worker.abandon(drafting)
-            for request in requests:
-                if self._drafting.pop(id(request), None) is not None:
-                    outcomes[id(request)] = error
+        outcomes = self.draft_scheduler.run(requests, wire.draft_call_from_pb)
         forward_ns = time.perf_counter_ns() - began
-        responses = []
-        for request in requests:
-            entry = self._drafting.get(id(request))
-            if entry is not None and not entry.done:
-                responses.append(CONTINUE)
-                continue
-            if entry is not None:
-                del self._drafting[id(request)]
-                try:
-                    outcome = entry.result()
-                except Exception as error:
-                    outcome = error
-            else:
-                outcome = outcomes[id(request)]
-            if isinstance(outcome, Exception):
-                responses.append(outcome)
-                continue
-            response = wire.draft_result_to_pb(outcome.on_host())
-            response.timings.forward_ns = forward_ns
-            responses.append(response)
-        return responses
+        return [_draft_response(outcome, forward_ns) for outcome in outcomes]
 
-    def _begin_draft(self, request) -> DraftResult | Exception | None:
-        """Starts one call: its result when it ran whole, its error, or None once it is
-        drafting."""
-        try:
-            call = wire.draft_call_from_pb(request)
-            if any(entry.call.session == call.session for entry in self._drafting.values()):
-                raise InvalidArgument(
-                    f"session {call.session!r}: another draft call of it is still running"
-                )
-            (started,) = self.worker.begin_drafts([call])
-        except Exception as error:
-            return error
-        if isinstance(started, Drafting):
-            self._drafting[id(request)] = started
-            return None
-        return started
+
+def _draft_response(outcome: DraftResult | Exception | object, forward_ns: int) -> Any:
+    if not isinstance(outcome, DraftResult):  # CONTINUE, or the call's error
+        return outcome
+    response = wire.draft_result_to_pb(outcome.on_host())
+    response.timings.forward_ns = forward_ns
+    return response
 
 
 def _build_servicer(

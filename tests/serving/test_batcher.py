@@ -204,7 +204,7 @@ def test_draft_calls_join_and_leave_between_steps(start_trunk):
             torch.testing.assert_close(
                 decoded(joined.logprobs), decoded(one.logprobs), atol=1e-5, rtol=1e-5
             )
-    assert not trunk.servicer._drafting  # nothing left behind
+    assert len(trunk.servicer.draft_scheduler) == 0  # nothing left behind
 
 
 def test_a_session_drafting_is_held_and_its_release_fails_only_its_call(start_trunk):
@@ -249,7 +249,7 @@ def test_a_session_drafting_is_held_and_its_release_fails_only_its_call(start_tr
         drafting.result()
     assert gone.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "released while drafting" in gone.value.details()
-    assert not trunk.servicer._drafting
+    assert len(trunk.servicer.draft_scheduler) == 0
 
 
 def scrape(service) -> dict[tuple[str, tuple], float]:
