@@ -13,7 +13,9 @@ and so does the in-process backend.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -49,6 +51,8 @@ from hydra_jury.workers.sessions import (
     check_distinct_sessions,
     check_start,
 )
+
+Call = TypeVar("Call", PrefillCall, DraftCall)
 
 
 @dataclass
@@ -181,15 +185,23 @@ class TrunkWorker:
     def prefill_batch(self, calls: list[PrefillCall]) -> list[HiddenStates]:
         """Several sessions' tokens through the trunk in one ragged forward (each from
         its own start); their hidden states, in order."""
+        states = self._open_sessions(calls, self.check_prefill)
+        work = [(state, call.tokens, call.start) for call, state in zip(calls, states, strict=True)]
+        return [HiddenStates(len(hidden), hidden) for hidden in self._trunk_steps(work)]
+
+    def _open_sessions(
+        self, calls: Sequence[Call], check: Callable[[Call], None]
+    ) -> list[_Session]:
+        """The sessions of a batch's calls, each at its call's start. Every call is
+        checked first (distinct sessions, then `check`): a refused call must not open a
+        session. Then the position rule, against what the trunk holds."""
         check_distinct_sessions(calls)
-        # Checks first: a refused call must not open a session.
         for call in calls:
-            self.check_prefill(call)
+            check(call)
         states = [self.sessions.get(call.session, start=call.start) for call in calls]
         for call, state in zip(calls, states, strict=True):
             check_start(call.start, state.trunk.length, "the trunk")
-        work = [(state, call.tokens, call.start) for call, state in zip(calls, states, strict=True)]
-        return [HiddenStates(len(hidden), hidden) for hidden in self._trunk_steps(work)]
+        return states
 
     def check_prefill(self, call: PrefillCall) -> None:
         """Refuses a prefill whose tokens are not ids of the vocabulary or that would
@@ -281,12 +293,7 @@ class TrunkWorker:
         a head draft or plain step becomes a `Drafting` that `draft_step` advances one
         position at a time, its draft head caught up to its start. Its session is held
         (never reclaimed as idle) until it is done or `abandon`ed."""
-        check_distinct_sessions(calls)
-        for call in calls:
-            self._check_draft(call)
-        states = [self.sessions.get(call.session, start=call.start) for call in calls]
-        for call, state in zip(calls, states, strict=True):
-            check_start(call.start, state.trunk.length, "the trunk")
+        states = self._open_sessions(calls, self._check_draft)
         started: list[Drafting | DraftResult] = []
         for call, state in zip(calls, states, strict=True):
             if call.draft_model:
