@@ -16,8 +16,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from hydra_jury.orchestrator.__main__ import main as orchestrator_main
 from hydra_jury.cli import main
+from hydra_jury.orchestrator.__main__ import main as orchestrator_main
 from hydra_jury.orchestrator.config import REDIS_URL_VARIABLE, ConfigFileError, OrchestratorConfig
 from hydra_jury.orchestrator.convert import request_from_pb, request_to_pb
 from hydra_jury.orchestrator.launcher import OPENMP_WAIT_VARIABLES, LocalStack, start_child
