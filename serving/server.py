@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -100,7 +100,9 @@ class GrpcServer:
     """An aio server with the error interceptor, health checking and reflection.
 
     `add_servicers(server)` registers the service implementations; `service_names` are
-    their full names (for health and reflection)."""
+    their full names (for health and reflection). `interceptors` run after the error
+    interceptor (so what they raise gets its status code too); with `credentials` the
+    port is TLS, else plaintext."""
 
     def __init__(
         self,
@@ -108,10 +110,13 @@ class GrpcServer:
         service_names: Iterable[str],
         *,
         on_error: Callable[[str, Exception, grpc.StatusCode], None] | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        credentials: grpc.ServerCredentials | None = None,
     ) -> None:
         self.server = grpc.aio.server(
-            interceptors=[ErrorInterceptor(on_error)], options=SERVER_OPTIONS
+            interceptors=[ErrorInterceptor(on_error), *interceptors], options=SERVER_OPTIONS
         )
+        self.credentials = credentials
         add_servicers(self.server)
         self.service_names = list(service_names)
         self.health = health.aio.HealthServicer()
@@ -123,7 +128,10 @@ class GrpcServer:
 
     async def start(self, address: str) -> int:
         """Binds (port 0 picks a free one), starts, and reports SERVING; returns the port."""
-        self.port = self.server.add_insecure_port(address)
+        if self.credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, self.credentials)
         if self.port == 0:
             raise OSError(f"cannot bind {address}")
         await self.server.start()
