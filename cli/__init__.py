@@ -1,12 +1,13 @@
 """The `hydra-jury` command line, above every other package: the model commands
-(`model`), the clients (`generate`) and the servers (`serve`)."""
+(`model`), the clients (`generate`), the servers (`serve`) and the development
+certificates (`certs`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from hydra_jury.cli import generate, model, serve
+from hydra_jury.cli import certs, generate, model, serve
 from hydra_jury.serving.errors import EXPECTED_FAILURES, failure_line
 
 
@@ -16,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve Hydra language models by speculative Product-of-Experts decoding.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (model, generate, serve):
+    for group in (model, generate, serve, certs):
         group.add_commands(commands)
     return parser
 
