@@ -83,3 +83,24 @@ def add_draft_model_flag(parser: argparse.ArgumentParser, where: str = "") -> No
         "a Hugging Face model directory or a .gguf file, converted once into "
         "$HYDRA_JURY_CACHE or ~/.cache/hydra-jury",
     )
+
+
+def add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    """The server's TLS (`serving.tls.ServerTls`) and the plaintext health port its
+    probes may need."""
+    group = parser.add_argument_group(
+        "TLS", "with --tls-cert and --tls-key the port is TLS; with --tls-ca as well, mTLS"
+    )
+    group.add_argument("--tls-cert", metavar="FILE", help="the server's certificate chain (PEM)")
+    group.add_argument("--tls-key", metavar="FILE", help="its private key (PEM, unencrypted)")
+    group.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help="require a client certificate signed by this CA (PEM) from every client",
+    )
+    group.add_argument(
+        "--health-listen",
+        metavar="HOST:PORT",
+        help="serve grpc.health.v1 alone, in plaintext, on this address too: for probes "
+        "that cannot do TLS, such as Kubernetes' gRPC probes",
+    )

@@ -33,11 +33,14 @@ from hydra_jury.serving.flags import (
     add_model_flags,
     add_session_limit_flags,
     add_threads_flag,
+    add_tls_flags,
 )
+from hydra_jury.serving.health_port import health_port
 from hydra_jury.serving.metrics import serve_metrics
 from hydra_jury.serving.model_thread import ModelThread, set_compute_threads, start_model_thread
 from hydra_jury.serving.server import GrpcServer, RunningServer
 from hydra_jury.serving.servicer import WorkerServicer
+from hydra_jury.serving.tls import ServerTls, transport
 from hydra_jury.workers.errors import InvalidArgument
 from hydra_jury.workers.sessions import SessionLimits
 
@@ -65,6 +68,7 @@ class ServiceOptions:
     batch_limits: BatchLimits = field(default_factory=BatchLimits)
     metrics_port: int | None = None  # None: no metrics served; 0 picks a free port
     metrics_address: str = METRICS_ADDRESS
+    tls: ServerTls | None = None  # None: plaintext
 
     @property
     def limits(self) -> SessionLimits:
@@ -126,6 +130,7 @@ async def serve_worker(spec: WorkerServiceSpec, options: ServiceOptions) -> Runn
         lambda grpc_server: spec.add_servicer(servicer, grpc_server),
         [spec.service_name],
         on_error=servicer.count_refusal,
+        credentials=options.tls.credentials() if options.tls else None,
     )
     metrics_port = None
     try:
@@ -139,13 +144,14 @@ async def serve_worker(spec: WorkerServiceSpec, options: ServiceOptions) -> Runn
         raise
     servicer.start_idle_eviction()
     log.info(
-        "%s: %s, heads %s, %d sessions of %d tokens, port %d%s",
+        "%s: %s, heads %s, %d sessions of %d tokens, port %d (%s)%s",
         spec.name,
         options.checkpoint,
         ",".join(heads),
         limits.max_sessions,
         servicer.worker.max_session_tokens,
         port,
+        transport(options.tls),
         f", draft model {options.draft_model}" if options.draft_model else "",
     )
     return RunningServer(server, port, servicer, metrics_port)
@@ -235,6 +241,7 @@ def build_parser(spec: WorkerServiceSpec, prog: str) -> argparse.ArgumentParser:
     )
     add_metrics_flags(parser)
     add_grace_flag(parser)
+    add_tls_flags(parser)
     return parser
 
 
@@ -243,7 +250,7 @@ def service_main(spec: WorkerServiceSpec, argv: list[str] | None = None, prog: s
     HOST:PORT[ DETAIL]" to stderr once it serves (the line launchers wait for), serves
     until SIGTERM or SIGINT, then stops gracefully and returns 0; returns 2 with a
     one-line message when it cannot start (a bad checkpoint, an unknown head, an
-    address in use)."""
+    address in use, a TLS file missing or not matching its pair)."""
     args = build_parser(spec, prog or f"hydra-jury {spec.name.split()[0]}").parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -272,13 +279,15 @@ def service_main(spec: WorkerServiceSpec, argv: list[str] | None = None, prog: s
                 ),
                 metrics_port=args.metrics_port,
                 metrics_address=args.metrics_address,
+                tls=ServerTls.load(args.tls_cert, args.tls_key, args.tls_ca),
             )
             running = await serve_worker(spec, options)
+            detail = running.servicer.listening_detail()
+            async with health_port(running, args.health_listen):
+                await running.serve_until_signal(spec.name, args.listen, args.grace_s, detail)
         except EXPECTED_FAILURES as error:
             print(failure_line(spec.name, error), file=sys.stderr, flush=True)
             return 2
-        detail = running.servicer.listening_detail()
-        await running.serve_until_signal(spec.name, args.listen, args.grace_s, detail)
         return 0
 
     return asyncio.run(serve())
