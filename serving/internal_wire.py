@@ -4,7 +4,8 @@ The services build calls from requests (`*_call_from_pb`) and responses from res
 (`*_result_to_pb`); the orchestrator's gRPC backend does the reverse. Both sides use
 this one module, so a field is converted in one place. Hidden states travel in the
 model's dtype, distributions as float32. Tensors are decoded with every size checked
-(`protos.codec`); what needs the model (token ids, head names) the worker checks.
+(`protos.codec`), and received hidden states must be finite; what needs the model
+(token ids, head names) the worker checks.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from hydra_jury.poe import SamplingParams
 from hydra_jury.protos.codec import (
+    CodecError,
     concat_rows,
     optional_tensor_to_pb,
     split_rows,
@@ -44,8 +46,19 @@ def hidden_to_pb(hidden: HiddenStates) -> tensor_pb2.Tensor:
 
 
 def hidden_from_pb(message: tensor_pb2.Tensor, dtype: str, hidden_size: int) -> HiddenStates:
-    """Hidden states [T, hidden_size] of dtype `dtype`, decoded on the host."""
+    """Hidden states [T, hidden_size] of dtype `dtype`, decoded on the host; `CodecError`
+    (INVALID_ARGUMENT) for any other shape or dtype, or a value that is not finite."""
     tensor = tensor_from_pb(message, name="hidden", dtypes=[dtype], shape=[None, hidden_size])
+    # Checked here, on the host, where bytes from the network become a tensor: a NaN or
+    # an infinity would spread through attention into every later position of the
+    # session's caches. The in-process path hands the trunk's own outputs over unchecked.
+    not_finite = ~torch.isfinite(tensor)
+    if not_finite.any():
+        row, column = (int(index) for index in not_finite.nonzero()[0])
+        raise CodecError(
+            f"hidden: values must be finite, got {float(tensor[row, column])} at "
+            f"[{row}, {column}] ({int(not_finite.sum())} of {tensor.numel()} not finite)"
+        )
     return HiddenStates(len(tensor), tensor)
 
 
