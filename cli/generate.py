@@ -12,6 +12,7 @@ import sys
 import grpc
 from google.protobuf.json_format import MessageToJson
 
+from hydra_jury.cli.channel import add_client_tls_flags, client_tls, unreachable
 from hydra_jury.cli.decoding import add_decoding_flags, decoding_request
 from hydra_jury.cli.draft import resolved_draft_model
 from hydra_jury.hydra_model import DraftModel, HydraModel
@@ -24,6 +25,7 @@ from hydra_jury.orchestrator.sessions.memory_store import MemoryStore
 from hydra_jury.orchestrator.sessions.runner import SessionRunner
 from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
 from hydra_jury.serving.flags import add_draft_model_flag, add_model_flags
+from hydra_jury.serving.tls import open_channel
 from hydra_jury.workers.sessions import SessionLimits
 
 CONNECT_TIMEOUT_S = 10.0  # `chat`: how long a server may take to answer at all
@@ -81,6 +83,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     )
     add_decoding_flags(parser)
     add_model_flags(parser)
+    add_client_tls_flags(parser)
     parser.set_defaults(handler=_run_generate)
 
 
@@ -99,6 +102,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise ValueError(
             "--session and --request-id need --address: the sessions of --local end with it"
         )
+    if args.tls_ca or args.tls_cert:
+        raise ValueError("--tls-ca and --tls-cert are for a server's port (--address)")
     if not args.checkpoint:
         raise ValueError("--local needs --checkpoint DIR")
     return _generate_local(args, request)
@@ -145,7 +150,8 @@ def _print_p_correct(p_correct: float, witness_head: str) -> None:
 def _generate_remote(args: argparse.Namespace, request: GenerationRequest) -> int:
     message = request_to_pb(request, session_id=args.session or "")
     message.request_id = args.request_id or ""
-    with grpc.insecure_channel(args.address) as channel:
+    tls = client_tls(args)
+    with open_channel(args.address, tls) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             if args.json:
@@ -164,8 +170,9 @@ def _generate_remote(args: argparse.Namespace, request: GenerationRequest) -> in
             # On stderr, so that stdout stays the answer alone.
             print(f"session: {session_id}", file=sys.stderr)
         except grpc.RpcError as error:
+            hint = unreachable(tls) if error.code() == grpc.StatusCode.UNAVAILABLE else ""
             print(
-                f"hydra-jury generate: error: {error.code().name}: {error.details()}",
+                f"hydra-jury generate: error: {error.code().name}: {error.details()}{hint}",
                 file=sys.stderr,
             )
             return 2
@@ -186,20 +193,22 @@ def _add_chat(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--session", metavar="ID", help="continue this session")
     _add_timeout_flag(parser, "deadline of each answer")
     add_decoding_flags(parser)
+    add_client_tls_flags(parser)
     parser.set_defaults(handler=_run_chat)
 
 
 def _run_chat(args: argparse.Namespace) -> int:
     if args.system and args.session:
         raise ValueError("--system opens a new session; a continued session keeps its own")
-    with grpc.insecure_channel(args.address) as channel:
+    tls = client_tls(args)
+    with open_channel(args.address, tls) as channel:
         # Every later failure is one turn's; a server that cannot be reached at all ends
         # the chat before the first line.
         try:
             grpc.channel_ready_future(channel).result(timeout=CONNECT_TIMEOUT_S)
         except grpc.FutureTimeoutError:
             raise ConnectionError(
-                f"cannot reach {args.address} within {CONNECT_TIMEOUT_S:g} s"
+                f"cannot reach {args.address} within {CONNECT_TIMEOUT_S:g} s{unreachable(tls)}"
             ) from None
         chat = Chat(
             generation_pb2_grpc.GenerationStub(channel),

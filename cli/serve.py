@@ -10,7 +10,9 @@ import contextlib
 import logging
 import os
 import sys
+import tempfile
 
+from hydra_jury.cli.certs import make_certificates
 from hydra_jury.cli.draft import resolved_draft_model, with_resolved_draft_model
 from hydra_jury.jury_service.server import JURY_SERVICE
 from hydra_jury.orchestrator.__main__ import main as orchestrator_main
@@ -28,7 +30,9 @@ from hydra_jury.serving.flags import (
     add_session_limit_flags,
     add_threads_flag,
 )
+from hydra_jury.serving.health_port import health_port
 from hydra_jury.serving.model_thread import set_compute_threads
+from hydra_jury.serving.tls import ServerTls
 from hydra_jury.serving.worker_service import service_main
 from hydra_jury.trunk_service.server import TRUNK_SERVICE
 from hydra_jury.workers.sessions import SessionLimits
@@ -90,6 +94,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     set_compute_threads(args.threads)
     limits = SessionLimits(args.max_sessions, args.max_session_tokens)
     draft_model = resolved_draft_model(args.draft_model)
+    tls = ServerTls.load(args.tls_cert, args.tls_key, args.tls_ca)
 
     async def serve(store: RedisStore) -> None:
         running = await serve_embedded(
@@ -103,10 +108,12 @@ def _run_serve(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             metrics_address=args.metrics_address,
             max_concurrency=args.max_concurrency,
+            tls=tls,
         )
-        await running.serve_until_signal(
-            "hydra-jury server", args.listen, args.grace_s, f", sessions in {store.where}"
-        )
+        async with health_port(running, args.health_listen):
+            await running.serve_until_signal(
+                "hydra-jury server", args.listen, args.grace_s, f", sessions in {store.where}"
+            )
 
     with contextlib.ExitStack() as stack:
         url = args.redis_url or os.environ.get(REDIS_URL_VARIABLE)
@@ -157,26 +164,45 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     )
     add_redis_url_flag(parser, ", else a private redis-server, stopped with the stack")
     add_draft_model_flag(parser, "on the trunk service: ")
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="mTLS between the processes and TLS on the Generation API, with a development "
+        "CA and certificates made for this start in a private temporary directory (removed "
+        "on stop); the CA's path is printed for clients (--tls-ca)",
+    )
     parser.set_defaults(handler=_run_up)
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    stack = LocalStack(
-        args.checkpoint,
-        shards=args.shards,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        shard_threads=args.shard_threads,
-        redis_url=args.redis_url or os.environ.get(REDIS_URL_VARIABLE),
-        draft_model=resolved_draft_model(args.draft_model),
-    )
-    try:
-        address = stack.start()
-        print(
-            f"hydra-jury stack ready: Generation API at {address}, sessions in Redis at "
-            f"{redacted(stack.sessions_url)}",
-            file=sys.stderr,
+    with contextlib.ExitStack() as cleanup:
+        certificates = None
+        if args.tls:
+            directory = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="hydra-jury-tls-"))
+            certificates = make_certificates(directory)
+        stack = LocalStack(
+            args.checkpoint,
+            shards=args.shards,
+            port=args.port,
+            metrics_port=args.metrics_port,
+            shard_threads=args.shard_threads,
+            redis_url=args.redis_url or os.environ.get(REDIS_URL_VARIABLE),
+            draft_model=resolved_draft_model(args.draft_model),
+            tls=certificates,
         )
-        return stack.wait()
-    finally:
-        stack.stop()
+        try:
+            address = stack.start()
+            print(
+                f"hydra-jury stack ready: Generation API at {address}, sessions in Redis at "
+                f"{redacted(stack.sessions_url)}",
+                file=sys.stderr,
+            )
+            if certificates is not None:
+                print(
+                    f"TLS: connect with --tls-ca {certificates.ca}, e.g. hydra-jury chat "
+                    f"--address {address} --tls-ca {certificates.ca}",
+                    file=sys.stderr,
+                )
+            return stack.wait()
+        finally:
+            stack.stop()

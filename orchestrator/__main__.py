@@ -10,7 +10,7 @@ import sys
 from dataclasses import fields
 
 from hydra_jury.orchestrator.config import DISCOVERY_MODES, OrchestratorConfig
-from hydra_jury.orchestrator.flags import add_generation_server_flags
+from hydra_jury.orchestrator.flags import add_generation_server_flags, add_internal_tls_flags
 from hydra_jury.serving.errors import EXPECTED_FAILURES, failure_line
 
 # Every setting the command line can override: the configuration's fields, one flag each.
@@ -46,12 +46,14 @@ def build_parser(prog: str = "python -m hydra_jury.orchestrator") -> argparse.Ar
         help="how long the services may take to be ready (%(default)g)",
     )
     add_generation_server_flags(parser, redis_fallback="")
+    add_internal_tls_flags(parser)
     return parser
 
 
 async def _serve(config: OrchestratorConfig) -> None:
     from hydra_jury.orchestrator.server import serve_orchestrator
     from hydra_jury.orchestrator.sessions.redis_store import RedisStore
+    from hydra_jury.serving.health_port import health_port
 
     store = RedisStore(
         config.redis_url, prefix=config.redis_key_prefix, settings=config.store_settings()
@@ -65,8 +67,11 @@ async def _serve(config: OrchestratorConfig) -> None:
         metrics_address=config.metrics_address,
         max_concurrency=config.max_concurrency,
         connect_timeout_s=config.connect_timeout_s,
+        tls=config.server_tls(),
+        internal_tls=config.internal_tls(),
     )
-    await running.serve_until_signal("orchestrator", config.listen, config.grace_s)
+    async with health_port(running, config.health_listen):
+        await running.serve_until_signal("orchestrator", config.listen, config.grace_s)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m hydra_jury.orchestrator") -> int:

@@ -14,6 +14,14 @@ redis_url: redis://127.0.0.1:6379/0    # or $HYDRA_JURY_REDIS_URL; rediss:// for
 redis_key_prefix: "hydra-jury:"
 session_ttl_s: 3600                    # an idle session is deleted after this long
 session_lease_s: 30                    # a silent owner loses its session after this long
+tls_cert: /tls/public/tls.crt          # the public port's TLS (all three: mTLS); omit: plaintext
+tls_key: /tls/public/tls.key
+tls_ca: /tls/public/ca.crt             # require client certificates signed by this CA
+health_listen: 0.0.0.0:50059           # grpc.health.v1 alone, plaintext, for probes
+internal_tls_cert: /tls/internal/tls.crt  # the client certificate for the services' mTLS
+internal_tls_key: /tls/internal/tls.key
+internal_tls_ca: /tls/internal/ca.crt  # set: every channel to the services is TLS
+internal_tls_server_name: hydra-jury-internal  # the name their certificates carry
 """
 
 from __future__ import annotations
@@ -34,9 +42,13 @@ from hydra_jury.orchestrator.discovery import (
 from hydra_jury.orchestrator.sessions.redis_store import KEY_PREFIX
 from hydra_jury.orchestrator.sessions.store import StoreSettings
 from hydra_jury.serving.flags import GRACE_S, METRICS_ADDRESS
+from hydra_jury.serving.tls import ClientTls, ServerTls, TlsFlags
 
 REDIS_URL_VARIABLE = "HYDRA_JURY_REDIS_URL"  # below the config file and the flags
 DISCOVERY_MODES = ("static", "kubernetes")
+# The client side of the hops to the trunk and the shards.
+INTERNAL_TLS_FLAGS = TlsFlags("--internal-tls-cert", "--internal-tls-key", "--internal-tls-ca")
+INTERNAL_TLS_SERVER_NAME_FLAG = "--internal-tls-server-name"
 
 
 class ConfigFileError(ValueError):
@@ -60,6 +72,14 @@ class OrchestratorConfig:
     redis_key_prefix: str = KEY_PREFIX
     session_ttl_s: float = StoreSettings.ttl_s
     session_lease_s: float = StoreSettings.lease_s
+    tls_cert: str | None = None  # None: the public port is plaintext
+    tls_key: str | None = None
+    tls_ca: str | None = None  # None: no client certificate asked for
+    health_listen: str | None = None
+    internal_tls_cert: str | None = None
+    internal_tls_key: str | None = None
+    internal_tls_ca: str | None = None  # None: plaintext to the services
+    internal_tls_server_name: str | None = None  # None: each address's host
 
     @classmethod
     def load(cls, path: str | Path | None, overrides: dict[str, Any]) -> OrchestratorConfig:
@@ -115,6 +135,21 @@ class OrchestratorConfig:
             return StaticDiscovery(self.trunk, self.jury)
         services = dict(zip(component_names(len(self.jury)), [self.trunk, *self.jury], strict=True))
         return KubernetesDiscovery(services, self.namespace)
+
+    def server_tls(self) -> ServerTls | None:
+        """The public port's TLS, its files read and checked."""
+        return ServerTls.load(self.tls_cert, self.tls_key, self.tls_ca)
+
+    def internal_tls(self) -> ClientTls | None:
+        """The client side of the hops to the services, its files read and checked."""
+        return ClientTls.load(
+            self.internal_tls_ca,
+            self.internal_tls_cert,
+            self.internal_tls_key,
+            self.internal_tls_server_name,
+            flags=INTERNAL_TLS_FLAGS,
+            server_name_flag=INTERNAL_TLS_SERVER_NAME_FLAG,
+        )
 
     def store_settings(self) -> StoreSettings:
         return StoreSettings(ttl_s=self.session_ttl_s, lease_s=self.session_lease_s)

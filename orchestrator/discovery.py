@@ -10,6 +10,10 @@ Terms
   Kubernetes: every address of a ready endpoint (a missing `ready` condition counts as
   ready, as the API asks) in the Service's slices, with the port named `grpc` (or the
   slices' only port), updated live by a watch.
+
+Over TLS (`--internal-tls-ca`) a replica's certificate is verified for the host of its
+address: kubernetes discovery's are pod IPs, which no certificate names, so it needs
+`--internal-tls-server-name`, a name every service's certificate carries.
 """
 
 from __future__ import annotations

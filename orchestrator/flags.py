@@ -6,8 +6,18 @@ from __future__ import annotations
 
 import argparse
 
-from hydra_jury.orchestrator.config import REDIS_URL_VARIABLE, OrchestratorConfig
-from hydra_jury.serving.flags import add_grace_flag, add_listen_flag, add_metrics_flags
+from hydra_jury.orchestrator.config import (
+    INTERNAL_TLS_FLAGS,
+    INTERNAL_TLS_SERVER_NAME_FLAG,
+    REDIS_URL_VARIABLE,
+    OrchestratorConfig,
+)
+from hydra_jury.serving.flags import (
+    add_grace_flag,
+    add_listen_flag,
+    add_metrics_flags,
+    add_tls_flags,
+)
 
 
 def add_generation_server_flags(parser: argparse.ArgumentParser, redis_fallback: str) -> None:
@@ -40,6 +50,7 @@ def add_generation_server_flags(parser: argparse.ArgumentParser, redis_fallback:
         default=OrchestratorConfig.session_lease_s,
         help="a generation that stops committing loses its session after this (%(default)g)",
     )
+    add_tls_flags(parser)
 
 
 def add_redis_url_flag(parser: argparse.ArgumentParser, fallback: str) -> None:
@@ -47,4 +58,31 @@ def add_redis_url_flag(parser: argparse.ArgumentParser, fallback: str) -> None:
         "--redis-url",
         help="where sessions live: redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS "
         f"(default ${REDIS_URL_VARIABLE}{fallback})",
+    )
+
+
+def add_internal_tls_flags(parser: argparse.ArgumentParser) -> None:
+    """The orchestrator's side of the hops to the trunk and the shards."""
+    group = parser.add_argument_group(
+        "internal TLS",
+        f"with {INTERNAL_TLS_FLAGS.ca} every channel to the services is TLS (never "
+        f"plaintext); with {INTERNAL_TLS_FLAGS.cert} and {INTERNAL_TLS_FLAGS.key} as well, "
+        "mTLS",
+    )
+    group.add_argument(
+        INTERNAL_TLS_FLAGS.ca,
+        metavar="FILE",
+        help="the CA (PEM) that signed the services' certificates",
+    )
+    group.add_argument(
+        INTERNAL_TLS_FLAGS.cert,
+        metavar="FILE",
+        help="the orchestrator's client certificate (PEM), for services that require one",
+    )
+    group.add_argument(INTERNAL_TLS_FLAGS.key, metavar="FILE", help="its private key (PEM)")
+    group.add_argument(
+        INTERNAL_TLS_SERVER_NAME_FLAG,
+        metavar="NAME",
+        help="the name the services' certificates must carry, instead of each address's "
+        "host (kubernetes discovery connects to pod IPs, which no certificate names)",
     )

@@ -14,6 +14,10 @@ replica leaves (no longer ready, or UNAVAILABLE while another is ready), the ses
 moves: the call raises `PositionError`, and the loop re-prefills on the new replica from
 the committed tokens, with the same output.
 
+With `tls` (`serving.tls.ClientTls`) every channel is secure — none falls back to
+plaintext — and verifies the replica's certificate against the CA, for the address's
+host or the configured server name (Kubernetes discovery connects to pod IPs).
+
 Each call carries the time left of the client's deadline (`call_scope`). A failed call
 becomes the project's exception for its status (`serving.errors.error_from_status`),
 naming the service: FAILED_PRECONDITION → `PositionError` (the loop re-prefills),
@@ -47,6 +51,7 @@ from hydra_jury.serving.errors import (
     error_from_status,
 )
 from hydra_jury.serving.server import CHANNEL_OPTIONS
+from hydra_jury.serving.tls import ClientTls, open_channel, unreachable_hint
 from hydra_jury.workers.calls import (
     DraftCall,
     DraftResult,
@@ -82,7 +87,9 @@ class _Component:
 
 
 class GrpcBackend(DecodingBackend):
-    def __init__(self, discovery: Discovery, connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, discovery: Discovery, connect_timeout_s: float = 10.0, tls: ClientTls | None = None
+    ) -> None:
         names = list(discovery.targets)
         if len(names) < 2:
             raise LayoutError("at least one jury shard address is needed")
@@ -90,6 +97,7 @@ class GrpcBackend(DecodingBackend):
         self.discovery = discovery
         self.stats = TransportStats()
         self.connect_timeout_s = connect_timeout_s
+        self.tls = tls
         self.trunk = _Component("trunk", "trunk service", internal_pb2_grpc.TrunkStub)
         self.shards = [
             _Component(name, f"jury shard {name[4:]}", internal_pb2_grpc.JuryStub)
@@ -134,7 +142,7 @@ class GrpcBackend(DecodingBackend):
         if known is not None:
             return known
         name = f"{component.label} at {address}"
-        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = open_channel(address, self.tls, CHANNEL_OPTIONS)
         stub = component.stub_class(channel)
         try:
             info = stub.Info(
@@ -142,7 +150,10 @@ class GrpcBackend(DecodingBackend):
             )
         except grpc.RpcError as error:
             channel.close()
-            raise ServiceUnavailable(f"{name} did not answer Info: {error.details()}") from None
+            hint = unreachable_hint(self.tls, "--internal-tls-ca")
+            raise ServiceUnavailable(
+                f"{name} did not answer Info: {error.details()}{hint}"
+            ) from None
         replica = _Replica(name, address, channel, stub, info, info.epoch)
         if checked:
             try:

@@ -3,7 +3,9 @@ shards splitting the heads, and the orchestrator, as separate processes on loopb
 with the sessions in a private `redis-server` (or a Redis the caller names). Each child
 is started, its "listening on" line awaited, and all are stopped together (SIGTERM,
 then SIGKILL after a grace period; the private Redis last, after the orchestrator's
-final writes) when this process is interrupted or one child dies."""
+final writes) when this process is interrupted or one child dies. With certificates
+(`tls`), the services' ports are mTLS, the orchestrator connects to them with its client
+certificate and serves the Generation API over TLS."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 from hydra_jury.hydra_model.checkpoint import read_manifest
 from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
+from hydra_jury.serving.tls import CertificateDirectory
 
 LISTENING = re.compile(r"listening on (\S+?):(\d+)")
 
@@ -96,6 +99,7 @@ class LocalStack:
     shard_threads: int | None = None  # CPU threads of each jury shard (default: torch's)
     redis_url: str | None = None  # the sessions' Redis; None: a private one per start
     draft_model: str | None = None  # the trunk's draft model (a Hydra checkpoint)
+    tls: CertificateDirectory | None = None  # None: plaintext everywhere
     children: list[Child] = field(default_factory=list)
     redis: LocalRedis | None = None  # the private Redis, once started
 
@@ -137,6 +141,7 @@ class LocalStack:
                 "--listen",
                 f"{self.host}:{self._port(1)}",
                 *(["--draft-model", self.draft_model] if self.draft_model else []),
+                *self._service_tls_args(),
                 *self.extra_service_args,
             ],
             timeout_s,
@@ -154,6 +159,7 @@ class LocalStack:
                     ",".join(group),
                     "--listen",
                     f"{self.host}:{self._port(2 + i)}",
+                    *self._service_tls_args(),
                     *self.extra_service_args,
                     *(["--threads", str(self.shard_threads)] if self.shard_threads else []),
                 ],
@@ -177,7 +183,31 @@ class LocalStack:
         ]
         if self.metrics_port is not None:
             command += ["--metrics-port", str(self.metrics_port)]
+        command += self._orchestrator_tls_args()
         return self._spawn("orchestrator", command, timeout_s)
+
+    def _service_tls_args(self) -> list[str]:
+        """mTLS: the stack's server certificate, and only clients its CA signed."""
+        if self.tls is None:
+            return []
+        return [
+            *("--tls-cert", str(self.tls.server_cert), "--tls-key", str(self.tls.server_key)),
+            *("--tls-ca", str(self.tls.ca)),
+        ]
+
+    def _orchestrator_tls_args(self) -> list[str]:
+        """TLS on the Generation API (any client that trusts the CA), and the client
+        certificate for the services. The services are verified as `localhost`, a name
+        their certificate carries whatever address `host` is."""
+        if self.tls is None:
+            return []
+        return [
+            *("--tls-cert", str(self.tls.server_cert), "--tls-key", str(self.tls.server_key)),
+            *("--internal-tls-ca", str(self.tls.ca)),
+            *("--internal-tls-cert", str(self.tls.client_cert)),
+            *("--internal-tls-key", str(self.tls.client_key)),
+            *("--internal-tls-server-name", "localhost"),
+        ]
 
     def environment(self, child: str) -> dict[str, str]:
         """The environment of the child named `child` ("trunk", "jury0", ...,

@@ -35,6 +35,7 @@ from hydra_jury.protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
 from hydra_jury.serving.metrics import SessionMetrics
 from hydra_jury.serving.model_thread import ModelThread, start_model_thread
 from hydra_jury.serving.server import GrpcServer, RunningServer
+from hydra_jury.serving.tls import ClientTls, ServerTls
 from hydra_jury.workers.calls import MAX_GAMMA
 from hydra_jury.workers.sessions import SessionLimits
 
@@ -184,8 +185,10 @@ async def start_generation_server(
     metrics_port: int | None,
     metrics_address: str,
     max_concurrency: int,
+    tls: ServerTls | None = None,
 ) -> RunningServer:
-    """The Generation service over `backend`, started on `address` (port 0: any free)."""
+    """The Generation service over `backend`, started on `address` (port 0: any free;
+    `tls`: a TLS port, else plaintext)."""
     metrics = OrchestratorMetrics()
     servicer = GenerationServicer(
         backend, tokenizer, store, metrics, max_concurrency=max_concurrency
@@ -194,6 +197,7 @@ async def start_generation_server(
         lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
         [SERVICE_NAME],
         on_error=lambda method, error, code: metrics.errors.labels(code.name).inc(),
+        credentials=tls.credentials() if tls else None,
     )
     try:
         await store.ping()  # a clear error now rather than on the first request
@@ -218,11 +222,14 @@ async def serve_orchestrator(
     metrics_address: str = "127.0.0.1",
     max_concurrency: int = 32,
     connect_timeout_s: float = 30.0,
+    tls: ServerTls | None = None,
+    internal_tls: ClientTls | None = None,
 ) -> RunningServer:
-    """The split stack's orchestrator: connects to the services (checking their layout)
-    and starts the Generation server."""
+    """The split stack's orchestrator: connects to the services (checking their layout;
+    over TLS with `internal_tls`) and starts the Generation server (a TLS port with
+    `tls`)."""
     read_manifest(checkpoint)  # a clear error for a wrong --checkpoint, before connecting
-    backend = await asyncio.to_thread(GrpcBackend, discovery, connect_timeout_s)
+    backend = await asyncio.to_thread(GrpcBackend, discovery, connect_timeout_s, internal_tls)
     manifest_fingerprint = checkpoint_fingerprint(checkpoint)
     if manifest_fingerprint != backend.info.fingerprint:
         backend.close()
@@ -241,6 +248,7 @@ async def serve_orchestrator(
         metrics_port=metrics_port,
         metrics_address=metrics_address,
         max_concurrency=max_concurrency,
+        tls=tls,
     )
 
 
@@ -256,6 +264,7 @@ async def serve_embedded(
     metrics_port: int | None = None,
     metrics_address: str = "127.0.0.1",
     max_concurrency: int = 32,
+    tls: ServerTls | None = None,
 ) -> RunningServer:
     """The single-process server: the whole model loaded here, the same Generation
     service over the in-process backend. All compute runs on one model thread.
@@ -278,6 +287,7 @@ async def serve_embedded(
         metrics_port=metrics_port,
         metrics_address=metrics_address,
         max_concurrency=max_concurrency,
+        tls=tls,
     )
     SessionMetrics(running.servicer.metrics.registry).watch(backend.trunk.sessions)
     return running

@@ -2,7 +2,9 @@
 (the split stack), or the single-process server (`start_embedded`), each a real grpc.aio
 server on an ephemeral port, driven by one event loop in a background thread, with its
 sessions in a real Redis (under a key prefix of its own). Tests talk to them through
-ordinary synchronous channels."""
+ordinary synchronous channels. With certificates (`tls`) the services are mTLS, the
+orchestrator connects to them with its client certificate and serves TLS, and the
+tests' channels are TLS too."""
 
 from __future__ import annotations
 
@@ -22,6 +24,13 @@ from hydra_jury.orchestrator.server import serve_embedded, serve_orchestrator
 from hydra_jury.orchestrator.sessions.redis_store import RedisStore
 from hydra_jury.orchestrator.sessions.store import StoreSettings
 from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc, internal_pb2, internal_pb2_grpc
+from hydra_jury.serving.tls import (
+    CertificateDirectory,
+    ClientTls,
+    ServerTls,
+    TlsFlags,
+    open_channel,
+)
 from hydra_jury.serving.worker_service import ServiceOptions, serve_worker
 from hydra_jury.trunk_service.server import TRUNK_SERVICE
 from hydra_jury.workers.sessions import SessionLimits
@@ -54,6 +63,7 @@ class Stack:
     reclaim_after_s: float = 0.0  # tests run one request at a time: reclaim at once
     draft_model: str | None = None  # the trunk's draft model (a Hydra checkpoint)
     sessions: StoreSettings = field(default_factory=StoreSettings)
+    tls: CertificateDirectory | None = None  # `hydra-jury certs`' files; None: plaintext
     prefix: str = field(default_factory=lambda: f"test-{uuid.uuid4().hex[:8]}:")
     loop: BackgroundLoop = field(default_factory=BackgroundLoop)
     servers: dict[str, Any] = field(default_factory=dict)
@@ -97,7 +107,9 @@ class Stack:
         }
         spec = TRUNK_SERVICE if heads is None else JURY_SERVICE
         draft_model = self.draft_model if heads is None else None
-        options = ServiceOptions(self.checkpoint, heads=heads, draft_model=draft_model, **limits)
+        options = ServiceOptions(
+            self.checkpoint, heads=heads, draft_model=draft_model, tls=self.server_tls(), **limits
+        )
         running = self.loop.run(serve_worker(spec, options))
         self.servers[name], self.addresses[name] = running, f"127.0.0.1:{running.port}"
         self.workers[name] = (
@@ -117,6 +129,8 @@ class Stack:
                 discovery=discovery,
                 store=self.store(),
                 connect_timeout_s=10,
+                tls=self.server_tls(mutual=False),
+                internal_tls=self.client_tls(),
                 **options,
             )
         )
@@ -169,8 +183,22 @@ class Stack:
             return ["trunk", "jury"]
         return ["trunk", *(f"jury{i}" for i in range(len(self.shards)))]
 
+    def server_tls(self, mutual: bool = True) -> ServerTls | None:
+        """A server's TLS over the stack's certificates: mTLS (`mutual`) or TLS."""
+        if self.tls is None:
+            return None
+        ca = self.tls.ca if mutual else None
+        return ServerTls.load(self.tls.server_cert, self.tls.server_key, ca)
+
+    def client_tls(self) -> ClientTls | None:
+        """A client's TLS with the stack's client certificate (the orchestrator's)."""
+        if self.tls is None:
+            return None
+        flags = TlsFlags("client cert", "client key", "CA")
+        return ClientTls.load(self.tls.ca, self.tls.client_cert, self.tls.client_key, flags=flags)
+
     def channel(self, name: str) -> grpc.Channel:
-        channel = grpc.insecure_channel(self.addresses[name])
+        channel = open_channel(self.addresses[name], self.client_tls())
         self.channels.append(channel)
         return channel
 
