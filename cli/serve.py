@@ -19,6 +19,7 @@ from hydra_jury.orchestrator.__main__ import main as orchestrator_main
 from hydra_jury.orchestrator.config import REDIS_URL_VARIABLE
 from hydra_jury.orchestrator.flags import add_generation_server_flags, add_redis_url_flag
 from hydra_jury.orchestrator.launcher import LocalStack
+from hydra_jury.orchestrator.limits import limits_from
 from hydra_jury.orchestrator.server import serve_embedded
 from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
 from hydra_jury.orchestrator.sessions.redis_store import RedisStore, redacted
@@ -94,6 +95,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     set_compute_threads(args.threads)
     limits = SessionLimits(args.max_sessions, args.max_session_tokens)
     draft_model = resolved_draft_model(args.draft_model)
+    request_limits = limits_from(args)
     tls = ServerTls.load(args.tls_cert, args.tls_key, args.tls_ca)
 
     async def serve(store: RedisStore) -> None:
@@ -108,6 +110,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             metrics_address=args.metrics_address,
             max_concurrency=args.max_concurrency,
+            request_limits=request_limits,
             tls=tls,
         )
         async with health_port(running, args.health_listen):

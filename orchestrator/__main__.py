@@ -67,6 +67,7 @@ async def _serve(config: OrchestratorConfig) -> None:
         metrics_address=config.metrics_address,
         max_concurrency=config.max_concurrency,
         connect_timeout_s=config.connect_timeout_s,
+        request_limits=config.request_limits(),
         tls=config.server_tls(),
         internal_tls=config.internal_tls(),
     )

@@ -14,6 +14,7 @@ redis_url: redis://127.0.0.1:6379/0    # or $HYDRA_JURY_REDIS_URL; rediss:// for
 redis_key_prefix: "hydra-jury:"
 session_ttl_s: 3600                    # an idle session is deleted after this long
 session_lease_s: 30                    # a silent owner loses its session after this long
+limit_new_tokens: 2048                 # each limit_NAME: --limit-NAME (orchestrator/limits.py)
 tls_cert: /tls/public/tls.crt          # the public port's TLS (all three: mTLS); omit: plaintext
 tls_key: /tls/public/tls.key
 tls_ca: /tls/public/ca.crt             # require client certificates signed by this CA
@@ -39,6 +40,7 @@ from hydra_jury.orchestrator.discovery import (
     StaticDiscovery,
     component_names,
 )
+from hydra_jury.orchestrator.limits import RequestLimits, limits_from
 from hydra_jury.orchestrator.sessions.redis_store import KEY_PREFIX
 from hydra_jury.orchestrator.sessions.store import StoreSettings
 from hydra_jury.serving.flags import GRACE_S, METRICS_ADDRESS
@@ -72,6 +74,14 @@ class OrchestratorConfig:
     redis_key_prefix: str = KEY_PREFIX
     session_ttl_s: float = StoreSettings.ttl_s
     session_lease_s: float = StoreSettings.lease_s
+    limit_message_bytes: int = RequestLimits.message_bytes
+    limit_prompt_tokens: int = RequestLimits.prompt_tokens
+    limit_new_tokens: int = RequestLimits.new_tokens
+    limit_stop_sequences: int = RequestLimits.stop_sequences
+    limit_stop_chars: int = RequestLimits.stop_chars
+    limit_beams: int = RequestLimits.beams
+    limit_stream_s: float = RequestLimits.stream_s
+    limit_sessions_per_key: int = RequestLimits.sessions_per_key
     tls_cert: str | None = None  # None: the public port is plaintext
     tls_key: str | None = None
     tls_ca: str | None = None  # None: no client certificate asked for
@@ -127,6 +137,7 @@ class OrchestratorConfig:
             )
         try:
             self.store_settings()
+            self.request_limits()
         except ValueError as error:
             raise ConfigFileError(str(error)) from None
 
@@ -150,6 +161,9 @@ class OrchestratorConfig:
             flags=INTERNAL_TLS_FLAGS,
             server_name_flag=INTERNAL_TLS_SERVER_NAME_FLAG,
         )
+
+    def request_limits(self) -> RequestLimits:
+        return limits_from(self)
 
     def store_settings(self) -> StoreSettings:
         return StoreSettings(ttl_s=self.session_ttl_s, lease_s=self.session_lease_s)

@@ -31,6 +31,7 @@ from hydra_jury.hydra_model.uncertainty import check_tokens, verdict_tokens
 from hydra_jury.orchestrator.auto import AutoState, CostModel
 from hydra_jury.orchestrator.backend import DecodingBackend
 from hydra_jury.orchestrator.detokenizer import IncrementalDetokenizer
+from hydra_jury.orchestrator.limits import RequestLimits
 from hydra_jury.orchestrator.output import (
     GenerationOutput,
     Progress,
@@ -58,9 +59,13 @@ REBUILDS_PER_ROUND = 3
 
 
 class Engine:
-    def __init__(self, backend: DecodingBackend, tokenizer) -> None:
+    def __init__(
+        self, backend: DecodingBackend, tokenizer, limits: RequestLimits | None = None
+    ) -> None:
+        """`limits`: a server's hard limits on requests (None: only the model's)."""
         self.backend = backend
         self.tokenizer = tokenizer
+        self.limits = limits
         self.costs = CostModel()  # the automatic mode's measured round costs
         self.rounds = Rounds(backend, self.costs)
 
@@ -69,7 +74,7 @@ class Engine:
     ) -> PreparedRequest:
         """Checks every option and resolves defaults; raises `RequestError` before any
         compute. `context`: the tokens to continue, in place of the request's input."""
-        return prepare_request(request, self.backend.info, self.tokenizer, context)
+        return prepare_request(request, self.backend.info, self.tokenizer, context, self.limits)
 
     def start(self, request: GenerationRequest, session: str | None = None) -> Generation:
         """Checks the request (raising `RequestError` before any compute) and returns the

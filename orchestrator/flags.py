@@ -5,6 +5,7 @@ split stack's) and `hydra-jury serve` (one process), defined once with the defau
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
 from hydra_jury.orchestrator.config import (
     INTERNAL_TLS_FLAGS,
@@ -12,6 +13,7 @@ from hydra_jury.orchestrator.config import (
     REDIS_URL_VARIABLE,
     OrchestratorConfig,
 )
+from hydra_jury.orchestrator.limits import RequestLimits, limit_flag
 from hydra_jury.serving.flags import (
     add_grace_flag,
     add_listen_flag,
@@ -32,6 +34,7 @@ def add_generation_server_flags(parser: argparse.ArgumentParser, redis_fallback:
         help="requests in progress at once (%(default)s)",
     )
     add_grace_flag(parser)
+    add_request_limit_flags(parser)
     add_redis_url_flag(parser, redis_fallback)
     parser.add_argument(
         "--redis-key-prefix",
@@ -59,6 +62,23 @@ def add_redis_url_flag(parser: argparse.ArgumentParser, fallback: str) -> None:
         help="where sessions live: redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS "
         f"(default ${REDIS_URL_VARIABLE}{fallback})",
     )
+
+
+def add_request_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """--limit-NAME for each field NAME of `RequestLimits`, its meaning and default
+    read from the field."""
+    group = parser.add_argument_group(
+        "request limits",
+        "hard limits on one request; a request past one is refused with a detail naming the flag",
+    )
+    for limit in fields(RequestLimits):
+        group.add_argument(
+            limit_flag(limit.name),
+            type=type(limit.default),
+            default=limit.default,
+            metavar="N",
+            help=f"{limit.metadata['help']} (%(default)s)",
+        )
 
 
 def add_internal_tls_flags(parser: argparse.ArgumentParser) -> None:

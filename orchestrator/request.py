@@ -4,7 +4,8 @@
 against the model and resolves the defaults (seed, draft head, jury), giving a
 `PreparedRequest` the loop runs. Every problem is a `RequestError` naming the option.
 Head names are checked here for the public client, and again by the workers for
-their own callers; the numeric limits are the workers' (`workers.calls`).
+their own callers; the numeric limits are the workers' (`workers.calls`), and a
+server's hard limits on a request's size are its `RequestLimits` (`orchestrator.limits`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from enum import StrEnum
 
 from hydra_jury.hydra_model.uncertainty import verdict_tokens
 from hydra_jury.orchestrator.backend import ModelInfo
+from hydra_jury.orchestrator.limits import RequestLimits
 from hydra_jury.poe import RULES, Rule, SamplingParams, choice, random_seed, validate_rule
 from hydra_jury.poe.contrastive import validate_alpha
 from hydra_jury.poe.randomness import MAX_SEED
@@ -40,7 +42,6 @@ class DrafterKind(StrEnum):
 
 DEFAULT_GAMMA = 4  # draft length of the head, n-gram and model drafters when unset
 AUTO_GAMMA = 8  # the most the automatic mode drafts in a round when gamma is unset
-MAX_BEAMS = 32  # beams of one request: each holds a cache slot on every service
 
 
 # What a request may name as its drafter.
@@ -124,11 +125,18 @@ def prompt_tokens(request: GenerationRequest, tokenizer) -> list[int]:
 
 
 def prepare_request(
-    request: GenerationRequest, info: ModelInfo, tokenizer, context: list[int] | None = None
+    request: GenerationRequest,
+    info: ModelInfo,
+    tokenizer,
+    context: list[int] | None = None,
+    limits: RequestLimits | None = None,
 ) -> PreparedRequest:
     """Checks and resolves `request`; its context is `context` when given (a session's
-    conversation so far, for a text session's next turn), else its input encoded."""
+    conversation so far, for a text session's next turn), else its input encoded.
+    `limits`: a server's hard limits (None: only the model's, for in-process use)."""
     rule = _check_numbers(request, info)
+    if limits is not None:
+        _check_limits(request, limits)
     if request.uncertainty:
         _check_uncertainty(info, tokenizer)
     if request.num_beams > 1:
@@ -137,6 +145,11 @@ def prepare_request(
     tokens = prompt_tokens(request, tokenizer) if context is None else list(context)
     if not tokens:
         raise RequestError("the prompt encodes to no tokens")
+    if limits is not None and len(tokens) > limits.prompt_tokens:
+        raise RequestError(
+            limits.refusal("prompt_tokens", f"the context of {len(tokens)} tokens")
+            + ": send a shorter prompt or start a new session"
+        )
     if len(tokens) > info.context_length:
         raise RequestError(
             f"the prompt has {len(tokens)} tokens, over the context limit of {info.context_length}"
@@ -230,10 +243,8 @@ def _check_numbers(request: GenerationRequest, info: ModelInfo) -> Rule:
         raise RequestError(f"seed must be an integer in [0, 2**63), got {request.seed!r}")
     if any(not isinstance(s, str) or not s for s in request.stop):
         raise RequestError("stop sequences must be non-empty strings")
-    if not isinstance(request.num_beams, int) or not 1 <= request.num_beams <= MAX_BEAMS:
-        raise RequestError(
-            f"num_beams must be an integer in 1..{MAX_BEAMS}, got {request.num_beams!r}"
-        )
+    if not isinstance(request.num_beams, int) or request.num_beams < 1:
+        raise RequestError(f"num_beams must be a positive integer, got {request.num_beams!r}")
     if not math.isfinite(request.length_penalty):
         raise RequestError(f"length_penalty must be finite, got {request.length_penalty!r}")
     if request.num_beams == 1 and (
@@ -244,6 +255,21 @@ def _check_numbers(request: GenerationRequest, info: ModelInfo) -> Rule:
             "num_beams > 1"
         )
     return rule
+
+
+def _check_limits(request: GenerationRequest, limits: RequestLimits) -> None:
+    """The server's limits on the request's own options (checked after their types)."""
+    if request.max_new_tokens > limits.new_tokens:
+        raise RequestError(limits.refusal("new_tokens", f"max_new_tokens={request.max_new_tokens}"))
+    if len(request.stop) > limits.stop_sequences:
+        raise RequestError(limits.refusal("stop_sequences", f"{len(request.stop)} stop sequences"))
+    for index, stop in enumerate(request.stop):
+        if len(stop) > limits.stop_chars:
+            raise RequestError(
+                limits.refusal("stop_chars", f"stop sequence {index} of {len(stop)} characters")
+            )
+    if request.num_beams > limits.beams:
+        raise RequestError(limits.refusal("beams", f"num_beams={request.num_beams}"))
 
 
 def _check_beam_search(request: GenerationRequest, rule: Rule) -> None:

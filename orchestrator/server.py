@@ -25,6 +25,7 @@ from hydra_jury.orchestrator.convert import output_to_pb, request_from_pb, round
 from hydra_jury.orchestrator.discovery import Discovery
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.grpc_backend import GrpcBackend, LayoutError
+from hydra_jury.orchestrator.limits import RequestLimits
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.metrics import OrchestratorMetrics
 from hydra_jury.orchestrator.request import RequestError
@@ -65,11 +66,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         metrics: OrchestratorMetrics,
         *,
         max_concurrency: int = 32,
+        request_limits: RequestLimits | None = None,
     ) -> None:
         self.backend = backend
         self.metrics = metrics
         self.runner = SessionRunner(
-            Engine(backend, tokenizer),
+            Engine(backend, tokenizer, request_limits or RequestLimits()),
             store,
             max_concurrency=max_concurrency,
             observe=lambda event: metrics.session_events.labels(event).inc(),
@@ -185,18 +187,25 @@ async def start_generation_server(
     metrics_port: int | None,
     metrics_address: str,
     max_concurrency: int,
+    request_limits: RequestLimits,
     tls: ServerTls | None = None,
 ) -> RunningServer:
     """The Generation service over `backend`, started on `address` (port 0: any free;
     `tls`: a TLS port, else plaintext)."""
     metrics = OrchestratorMetrics()
     servicer = GenerationServicer(
-        backend, tokenizer, store, metrics, max_concurrency=max_concurrency
+        backend,
+        tokenizer,
+        store,
+        metrics,
+        max_concurrency=max_concurrency,
+        request_limits=request_limits,
     )
     server = GrpcServer(
         lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
         [SERVICE_NAME],
         on_error=lambda method, error, code: metrics.errors.labels(code.name).inc(),
+        max_receive_bytes=request_limits.message_bytes,
         credentials=tls.credentials() if tls else None,
     )
     try:
@@ -221,6 +230,7 @@ async def serve_orchestrator(
     metrics_port: int | None = None,
     metrics_address: str = "127.0.0.1",
     max_concurrency: int = 32,
+    request_limits: RequestLimits | None = None,
     connect_timeout_s: float = 30.0,
     tls: ServerTls | None = None,
     internal_tls: ClientTls | None = None,
@@ -248,6 +258,7 @@ async def serve_orchestrator(
         metrics_port=metrics_port,
         metrics_address=metrics_address,
         max_concurrency=max_concurrency,
+        request_limits=request_limits or RequestLimits(),
         tls=tls,
     )
 
@@ -264,6 +275,7 @@ async def serve_embedded(
     metrics_port: int | None = None,
     metrics_address: str = "127.0.0.1",
     max_concurrency: int = 32,
+    request_limits: RequestLimits | None = None,
     tls: ServerTls | None = None,
 ) -> RunningServer:
     """The single-process server: the whole model loaded here, the same Generation
@@ -287,6 +299,7 @@ async def serve_embedded(
         metrics_port=metrics_port,
         metrics_address=metrics_address,
         max_concurrency=max_concurrency,
+        request_limits=request_limits or RequestLimits(),
         tls=tls,
     )
     SessionMetrics(running.servicer.metrics.registry).watch(backend.trunk.sessions)

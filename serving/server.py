@@ -21,9 +21,10 @@ from hydra_jury.serving.errors import detail_for, status_for
 log = logging.getLogger("hydra_jury")
 
 MESSAGE_LIMIT = 256 * 1024 * 1024  # draft distributions of large vocabularies
+RECEIVE_LIMIT_OPTION = "grpc.max_receive_message_length"
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
-    ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+    (RECEIVE_LIMIT_OPTION, MESSAGE_LIMIT),
 ]
 SERVER_OPTIONS = [
     # gRPC binds with SO_REUSEPORT by default: a second server started on a port in use
@@ -31,6 +32,15 @@ SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),
     *CHANNEL_OPTIONS,
 ]
+
+
+def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
+    """`SERVER_OPTIONS` with the largest message the server accepts set to
+    `max_receive_bytes` (a larger one is refused with RESOURCE_EXHAUSTED by gRPC)."""
+    return [
+        (name, max_receive_bytes if name == RECEIVE_LIMIT_OPTION else value)
+        for name, value in SERVER_OPTIONS
+    ]
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -102,7 +112,8 @@ class GrpcServer:
     `add_servicers(server)` registers the service implementations; `service_names` are
     their full names (for health and reflection). `interceptors` run after the error
     interceptor (so what they raise gets its status code too); with `credentials` the
-    port is TLS, else plaintext."""
+    port is TLS, else plaintext. `max_receive_bytes`: the largest request message (the
+    public port's is small; the internal services' carry hidden states)."""
 
     def __init__(
         self,
@@ -112,9 +123,11 @@ class GrpcServer:
         on_error: Callable[[str, Exception, grpc.StatusCode], None] | None = None,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         credentials: grpc.ServerCredentials | None = None,
+        max_receive_bytes: int = MESSAGE_LIMIT,
     ) -> None:
         self.server = grpc.aio.server(
-            interceptors=[ErrorInterceptor(on_error), *interceptors], options=SERVER_OPTIONS
+            interceptors=[ErrorInterceptor(on_error), *interceptors],
+            options=server_options(max_receive_bytes),
         )
         self.credentials = credentials
         add_servicers(self.server)

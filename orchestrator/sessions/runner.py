@@ -19,6 +19,10 @@ generation and frees its caches; a store that cannot be reached stops it with
 UNAVAILABLE, the record left as of the last round. The lease is given back when the
 generation ends, however it ends.
 
+Ending early, resumably: a generation that runs past the server's `stream_s` limit
+stops after committing its current round, with DEADLINE_EXCEEDED and a detail naming
+the session and request ids to send again (to any server) to continue it.
+
 The loop runs in worker threads (its calls block on the model or the network); the
 store is asyncio, on the caller's event loop.
 """
@@ -31,6 +35,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -57,7 +62,7 @@ from hydra_jury.orchestrator.sessions.record import (
 )
 from hydra_jury.orchestrator.sessions.store import SessionBusy, SessionStore
 from hydra_jury.poe import Rule
-from hydra_jury.serving.errors import SessionConflict, SessionNotFound
+from hydra_jury.serving.errors import DeadlineExceeded, SessionConflict, SessionNotFound
 
 log = logging.getLogger("hydra_jury.sessions")
 T = TypeVar("T")
@@ -347,11 +352,30 @@ class SessionRunner:
             with contextlib.suppress(Exception):
                 await self.store.commit(record, release=True)
 
+    def _ended_early(self, plan: _Plan, stream_ends: float | None) -> Exception | None:
+        """Why a generation must stop after the round it just committed, if it must: it
+        ran its limit of time."""
+        if stream_ends is None or time.monotonic() < stream_ends:
+            return None
+        running = "the generation's running time in seconds"
+        error_type, reason = DeadlineExceeded, self.engine.limits.refusal("stream_s", running)
+        resume = (
+            f"send the request again with session_id {plan.record.session_id!r} and "
+            f"request_id {plan.request_id!r} to continue it"
+            if plan.request_id
+            else "a request with a request_id can be continued by sending it again"
+        )
+        return error_type(
+            f"{reason}: the generation stopped after its last committed round; {resume}"
+        )
+
     async def _drive(self, plan: _Plan, deadline: float | None) -> AsyncIterator[Committed]:
         loop = asyncio.get_running_loop()
         record, generation = plan.record, plan.generation
         queue: asyncio.Queue = asyncio.Queue()
         active = self._active[record.session_id] = _Active()
+        limits = self.engine.limits
+        stream_ends = time.monotonic() + limits.stream_s if limits is not None else None
 
         def put(item) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
@@ -368,6 +392,7 @@ class SessionRunner:
             # is done, a round reaches the caller only after its own commit, and nothing
             # (an error, the end) reaches it before the rounds committed ahead of it.
             committing: Future | None = None
+            ended_early: Exception | None = None
 
             def settle() -> None:
                 if committing is not None:
@@ -385,10 +410,16 @@ class SessionRunner:
                         committing = asyncio.run_coroutine_threadsafe(
                             commit_then_send(output, summary), loop
                         )
+                        if summary is None:
+                            ended_early = self._ended_early(plan, stream_ends)
+                            if ended_early is not None:
+                                break
                     if committing is not None:
                         committing.result()
                 if active.closed:
                     raise SessionConflict(f"session {record.session_id} was closed")
+                if ended_early is not None:
+                    raise ended_early
             except (SessionConflict, SessionNotFound) as error:
                 settle()
                 # Another writer has the session, or it was closed: these caches are no

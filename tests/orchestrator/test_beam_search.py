@@ -164,7 +164,7 @@ def test_beam_search_is_deterministic_and_batched(beam_engine):
         ({"top_k": 5, "top_p": 0.9}, "conflicts with top_k, top_p"),
         ({"contrastive_alpha": 0.1, "contrastive_amateur": "head3"}, "contrastive decoding"),
         ({"stop": ["."]}, "conflicts with stop sequences"),
-        ({"num_beams": 33}, r"num_beams must be an integer in 1\.\.32"),
+        ({"num_beams": 0}, "num_beams must be a positive integer, got 0"),
         ({"num_beams": 1, "length_penalty": 2.0}, "set num_beams > 1"),
         ({"length_penalty": float("nan")}, "length_penalty must be finite"),
     ],
