@@ -102,6 +102,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         await self.runner.close()
         await asyncio.to_thread(self.backend.close)
 
+    async def drain(self, grace_s: float) -> None:
+        """On shutdown: new generations are refused (UNAVAILABLE), running ones finish
+        for up to `grace_s`, the rest end after their round, resumable elsewhere."""
+        await self.runner.drain(grace_s)
+
     async def Info(self, request, context):
         info = self.backend.info
         self.metrics.requests.labels("Info").inc()

@@ -1,5 +1,11 @@
 """The aio server every hydra-jury process runs: one error interceptor, health checking,
-reflection, the epoch and graceful shutdown."""
+reflection, the epoch and graceful shutdown.
+
+Shutdown (`RunningServer.stop`, on SIGTERM or SIGINT): health turns NOT_SERVING at once;
+a servicer that drains (`Drainable`: the Generation servicer) refuses new work and lets
+its running work finish for the grace, ending what is left resumably; then the server
+stops accepting calls, lets the in-flight ones finish for what is left of the grace,
+cancels the rest, and the servicer closes."""
 
 from __future__ import annotations
 
@@ -7,10 +13,11 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,6 +39,9 @@ SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),
     *CHANNEL_OPTIONS,
 ]
+# After a drain, how long the statuses of the calls it ended may take to reach their
+# clients before the server cancels what is still in flight.
+STATUS_FLUSH_S = 1.0
 
 
 def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
@@ -152,29 +162,36 @@ class GrpcServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self.port
 
-    async def stop(self, grace_s: float = 5.0) -> None:
-        """Stops accepting, lets in-flight calls finish for `grace_s`, then cancels them."""
+    async def report_not_serving(self) -> None:
+        """Health NOT_SERVING for the server and every service: probes and load
+        balancers stop sending calls here."""
         for name in ["", *self.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stops accepting, lets in-flight calls finish for `grace_s`, then cancels them."""
+        await self.report_not_serving()
         await self.server.stop(grace_s)
 
-    async def serve_until_signal(
-        self, grace_s: float = 5.0, on_stop: Callable[[], Awaitable[None]] | None = None
-    ) -> None:
-        """Waits for SIGTERM or SIGINT, then shuts down gracefully."""
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        log.info("shutting down (grace %.1f s)", grace_s)
-        await self.stop(grace_s)
-        if on_stop is not None:
-            await on_stop()
+
+async def wait_for_signal() -> None:
+    """Returns on the first SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
 
 
 class Closable(Protocol):
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Drainable(Protocol):
+    async def drain(self, grace_s: float) -> None:
+        """Refuses new work, lets running work finish for up to `grace_s`, then ends the
+        rest so that it can be resumed elsewhere; returns once it has ended."""
 
 
 @dataclass
@@ -188,7 +205,14 @@ class RunningServer:
     metrics_port: int | None = None  # None: no metrics served
 
     async def stop(self, grace_s: float = 0.0) -> None:
-        await self.server.stop(grace_s)
+        """Shuts down gracefully within about `grace_s` (see the module's docstring)."""
+        began = time.monotonic()
+        await self.server.report_not_serving()
+        left = grace_s
+        if isinstance(self.servicer, Drainable):
+            await self.servicer.drain(grace_s)
+            left = max(STATUS_FLUSH_S, grace_s - (time.monotonic() - began))
+        await self.server.stop(left)
         await self.servicer.close()
 
     async def serve_until_signal(
@@ -200,5 +224,7 @@ class RunningServer:
         if self.metrics_port is not None:
             detail += f", metrics on port {self.metrics_port}"
         print(f"{name} listening on {host}:{self.port}{detail}", file=sys.stderr, flush=True)
-        await self.server.serve_until_signal(grace_s, on_stop=self.servicer.close)
+        await wait_for_signal()
+        log.info("%s shutting down (grace %.1f s)", name, grace_s)
+        await self.stop(grace_s)
         log.info("%s stopped", name)

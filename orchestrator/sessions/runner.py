@@ -19,8 +19,9 @@ generation and frees its caches; a store that cannot be reached stops it with
 UNAVAILABLE, the record left as of the last round. The lease is given back when the
 generation ends, however it ends.
 
-Ending early, resumably: a generation that runs past the server's `stream_s` limit
-stops after committing its current round, with DEADLINE_EXCEEDED and a detail naming
+Ending early, resumably: a generation that runs past the server's `stream_s` limit, or
+is still running when a draining server's grace is over (`drain`), stops after
+committing its current round, with DEADLINE_EXCEEDED or UNAVAILABLE and a detail naming
 the session and request ids to send again (to any server) to continue it.
 
 The loop runs in worker threads (its calls block on the model or the network); the
@@ -62,10 +63,17 @@ from hydra_jury.orchestrator.sessions.record import (
 )
 from hydra_jury.orchestrator.sessions.store import SessionBusy, SessionStore
 from hydra_jury.poe import Rule
-from hydra_jury.serving.errors import DeadlineExceeded, SessionConflict, SessionNotFound
+from hydra_jury.serving.errors import (
+    DeadlineExceeded,
+    ServiceUnavailable,
+    SessionConflict,
+    SessionNotFound,
+)
 
 log = logging.getLogger("hydra_jury.sessions")
 T = TypeVar("T")
+# How long a draining server waits for the generations it ended to finish their round.
+WIND_UP_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,11 @@ class SessionRunner:
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="generation")
         self._active: dict[str, _Active] = {}
         self._give_backs: set[asyncio.Future] = set()  # leases being given back
+        # Draining: new generations are refused; once `_ending`, running ones stop.
+        self._draining = self._ending = False
+        self._generations = 0  # requests between their first step and their end
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     async def _in_thread(self, function: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
@@ -119,6 +132,19 @@ class SessionRunner:
     async def close(self) -> None:
         await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
         await self.store.close()
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuses new generations, lets the running ones finish for up to `grace_s`,
+        then ends the rest after their current round (resumable) and waits up to
+        `WIND_UP_S` for them; one still stuck in a call is left to the server's stop."""
+        self._draining = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        if self._generations:
+            log.info("ending %d generations past the grace, resumable", self._generations)
+            self._ending = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), WIND_UP_S)
 
     # --- session lifecycle -----------------------------------------------------------
 
@@ -163,7 +189,33 @@ class SessionRunner:
         digest: str = "",
         deadline: float | None = None,
     ) -> AsyncIterator[Committed]:
-        """Each round as soon as the store holds it."""
+        """Each round as soon as the store holds it; `ServiceUnavailable` once the server
+        drains."""
+        if self._draining:
+            raise ServiceUnavailable(
+                "this server is draining (shutting down) and takes no new generations: "
+                "send the request to another server"
+            )
+        self._generations += 1
+        self._idle.clear()
+        rounds = self._generate(request, session_id, request_id, digest, deadline)
+        try:
+            async for item in rounds:
+                yield item
+        finally:
+            await rounds.aclose()
+            self._generations -= 1
+            if not self._generations:
+                self._idle.set()
+
+    async def _generate(
+        self,
+        request: GenerationRequest,
+        session_id: str | None,
+        request_id: str | None,
+        digest: str,
+        deadline: float | None,
+    ) -> AsyncIterator[Committed]:
         if request_id:
             check_request_id(request_id)
         owner = f"{self._owner}:{uuid.uuid4().hex[:12]}"
@@ -353,12 +405,15 @@ class SessionRunner:
                 await self.store.commit(record, release=True)
 
     def _ended_early(self, plan: _Plan, stream_ends: float | None) -> Exception | None:
-        """Why a generation must stop after the round it just committed, if it must: it
-        ran its limit of time."""
-        if stream_ends is None or time.monotonic() < stream_ends:
+        """Why a generation must stop after the round it just committed, if it must: the
+        server's drain is past its grace, or the generation ran its limit of time."""
+        if self._ending:
+            error_type, reason = ServiceUnavailable, "this server is shutting down"
+        elif stream_ends is not None and time.monotonic() >= stream_ends:
+            running = "the generation's running time in seconds"
+            error_type, reason = DeadlineExceeded, self.engine.limits.refusal("stream_s", running)
+        else:
             return None
-        running = "the generation's running time in seconds"
-        error_type, reason = DeadlineExceeded, self.engine.limits.refusal("stream_s", running)
         resume = (
             f"send the request again with session_id {plan.record.session_id!r} and "
             f"request_id {plan.request_id!r} to continue it"

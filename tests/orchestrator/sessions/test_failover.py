@@ -32,12 +32,13 @@ def start_stack(checkpoint, redis_url: str) -> Stack:
 
 
 @contextmanager
-def second_orchestrator(stack: Stack):
-    """A second orchestrator, in a process of its own, on the same services and sessions:
-    its process and a client of it, the process killed (if still alive) on leaving."""
+def second_orchestrator(stack: Stack, *flags: str):
+    """A second orchestrator, in a process of its own, on the same services and sessions
+    (with `flags` besides): its process and a client of it, the process killed (if still
+    alive) on leaving."""
     command = [sys.executable, "-m", "hydra_jury.orchestrator", *stack.orchestrator_argv()]
     child = start_child(
-        "orchestrator-a", [*command, "--session-lease-s", str(LEASE_S)], timeout_s=120
+        "orchestrator-a", [*command, "--session-lease-s", str(LEASE_S), *flags], timeout_s=120
     )
     assert child.address, child.failure
     channel = grpc.insecure_channel(child.address)
