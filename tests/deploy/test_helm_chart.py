@@ -89,7 +89,7 @@ def matches(selector: dict, labels: dict) -> bool:
 
 
 def test_the_ci_values_files_cover_the_cases():
-    assert {"one-shard", "three-shards", "external-redis", "bundled-redis"} <= set(CASES)
+    assert {"one-shard", "three-shards", "external-redis", "bundled-redis", "tls"} <= set(CASES)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -152,6 +152,9 @@ def test_one_deployment_and_service_per_shard_with_its_heads(releases, case):
 def test_every_server_has_grpc_probes(releases, case):
     for container in every(servers(releases[case]), "servers"):
         (port,) = [p["containerPort"] for p in container["ports"] if p["name"] == "grpc"]
+        if "health-listen" in arguments(container):  # a TLS port: its plaintext health port
+            (port,) = [p["containerPort"] for p in container["ports"] if p["name"] == "health"]
+            assert arguments(container)["health-listen"] == f"0.0.0.0:{port}"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == port, (container["name"], probe)
         startup = container["startupProbe"]

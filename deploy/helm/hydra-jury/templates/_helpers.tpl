@@ -80,6 +80,16 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- if and .Values.redis.existingSecret (not .Values.redis.url) }}
 {{- fail "redis.existingSecret holds the password of the Redis at redis.url: set redis.url too" }}
 {{- end }}
+{{- $internalTls := .Values.tls.internal }}
+{{- if and (not $internalTls.secretName) (or $internalTls.clientSecretName $internalTls.serverName) }}
+{{- fail "tls.internal.clientSecretName and tls.internal.serverName are for the services' mTLS: set tls.internal.secretName (their certificate) too" }}
+{{- end }}
+{{- if and $internalTls.secretName (eq .Values.discovery "kubernetes") (not $internalTls.serverName) }}
+{{- fail "tls.internal.serverName is needed with discovery=kubernetes: the orchestrators connect to pod IPs, which no certificate names; give every service certificate one name and set it here" }}
+{{- end }}
+{{- if and .Values.tls.public.requireClientCertificate (not .Values.tls.public.secretName) }}
+{{- fail "tls.public.requireClientCertificate needs tls.public.secretName (the public port's certificate, whose ca.crt verifies the clients)" }}
+{{- end }}
 {{- end }}
 
 {{/* Device flag: the value, else cuda when the container's limits ask for a GPU. */}}
@@ -175,24 +185,73 @@ volumeMounts:
     {{- end }}
 {{- end }}
 
-{{/* Probes of a hydra-jury server: grpc.health.v1 on its port. Context: (dict "root" $
-"port" 50051 "service" "hydrajury.v1.Trunk"). Readiness asks for the component's own
-service (NOT_SERVING from SIGTERM on), liveness for the server as a whole. */}}
+{{/* Probes of a hydra-jury server: grpc.health.v1 on its port, or when its port is TLS
+("tls" true) on the plaintext health port, since the kubelet's gRPC probes cannot do
+TLS. Context: (dict "root" $ "port" 50051 "service" "hydrajury.v1.Trunk" "tls" false).
+Readiness asks for the component's own service (NOT_SERVING from SIGTERM on), liveness
+for the server as a whole. */}}
 {{- define "hydra-jury.probes" -}}
 {{- $probes := .root.Values.probes }}
+{{- $port := .port }}
+{{- if .tls }}
+{{- $port = .root.Values.tls.healthPort }}
+{{- end }}
 startupProbe:
   grpc:
-    port: {{ .port }}
+    port: {{ $port }}
   {{- toYaml $probes.startup | nindent 2 }}
 readinessProbe:
   grpc:
-    port: {{ .port }}
+    port: {{ $port }}
     service: {{ .service }}
   {{- toYaml $probes.readiness | nindent 2 }}
 livenessProbe:
   grpc:
-    port: {{ .port }}
+    port: {{ $port }}
   {{- toYaml $probes.liveness | nindent 2 }}
+{{- end }}
+
+{{/* A TLS server's flags over the Secret mounted at /tls/<mount>, with its ca.crt the
+clients' CA when "mutual" (mTLS), and the plaintext health port for the probes.
+Context: (dict "root" $ "mount" "internal" "mutual" true). */}}
+{{- define "hydra-jury.tlsServerArgs" -}}
+- --tls-cert=/tls/{{ .mount }}/tls.crt
+- --tls-key=/tls/{{ .mount }}/tls.key
+{{- if .mutual }}
+- --tls-ca=/tls/{{ .mount }}/ca.crt
+{{- end }}
+- --health-listen=0.0.0.0:{{ .root.Values.tls.healthPort }}
+{{- end }}
+
+{{/* The container port of the plaintext health port. Context: $. */}}
+{{- define "hydra-jury.healthPort" -}}
+- name: health
+  containerPort: {{ .Values.tls.healthPort }}
+  protocol: TCP
+{{- end }}
+
+{{/* A pod's TLS Secrets, as volumes and as mounts at /tls/<mount>, read-only; context:
+(dict "internal" SECRET "public" SECRET), an empty SECRET left out. Group-readable
+only: the pods' fsGroup owns them. */}}
+{{- define "hydra-jury.tlsVolumes" -}}
+{{- range $mount, $secret := . }}
+{{- if $secret }}
+- name: tls-{{ $mount }}
+  secret:
+    secretName: {{ $secret }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "hydra-jury.tlsVolumeMounts" -}}
+{{- range $mount, $secret := . }}
+{{- if $secret }}
+- name: tls-{{ $mount }}
+  mountPath: /tls/{{ $mount }}
+  readOnly: true
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* A HorizontalPodAutoscaler for a Deployment; context: (dict "root" $ "name" ...
