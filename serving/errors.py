@@ -4,6 +4,7 @@ Server side (`status_for`): only typed errors are the client's business —
 | exception | status |
 | --- | --- |
 | `InvalidArgument` (worker, request checks), `CodecError` (bad tensor) | INVALID_ARGUMENT |
+| `Unauthenticated` (no API key, or one the server does not know) | UNAUTHENTICATED |
 | `PositionError` (a cache position the service does not hold) | FAILED_PRECONDITION |
 | `CapacityError` (sessions, tokens per session) | RESOURCE_EXHAUSTED |
 | `SessionNotFound` (unknown or expired session) | NOT_FOUND |
@@ -28,6 +29,10 @@ import grpc
 
 from hydra_jury.protos.codec import CodecError
 from hydra_jury.workers.errors import CapacityError, InvalidArgument, PositionError
+
+
+class Unauthenticated(RuntimeError):
+    """A call to a server that requires an API key came without a valid one."""
 
 
 class ServiceUnavailable(RuntimeError):
@@ -62,6 +67,7 @@ class InternalServiceError(RuntimeError):
 _STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (CodecError, grpc.StatusCode.INVALID_ARGUMENT),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (PositionError, grpc.StatusCode.FAILED_PRECONDITION),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),
