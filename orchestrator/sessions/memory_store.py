@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hydra_jury.orchestrator.sessions.record import SessionRecord
+from hydra_jury.orchestrator.sessions.record import SessionRecord, scoped_id
 from hydra_jury.orchestrator.sessions.store import (
     Acquired,
     SessionBusy,
@@ -37,10 +37,11 @@ class MemoryStore(SessionStore):
         self._entries: dict[str, _Entry] = {}
         self._expiry: dict[str, int] = {}  # cache id -> expiry (ms)
 
-    def _live(self, session_id: str) -> _Entry | None:
-        entry = self._entries.get(session_id)
+    def _live(self, session_id: str, key_name: str) -> _Entry | None:
+        scoped = scoped_id(session_id, key_name)
+        entry = self._entries.get(scoped)
         if entry is not None and entry.expires_ms <= _now_ms():
-            del self._entries[session_id]
+            del self._entries[scoped]
             return None
         return entry
 
@@ -52,17 +53,18 @@ class MemoryStore(SessionStore):
         return None
 
     async def create(self, record: SessionRecord, owner: str) -> None:
-        if self._live(record.session_id) is not None:
+        if self._live(record.session_id, record.key_name) is not None:
             raise SessionExists(f"session {record.session_id!r} already exists")
         now = _now_ms()
         record.version, record.owner = 1, owner
         record.lease_until_ms = now + self.settings.lease_ms if owner else 0
         record.created_ms = record.updated_ms = now
-        entry = self._entries[record.session_id] = _Entry(copy.deepcopy(record), 0)
+        scoped = scoped_id(record.session_id, record.key_name)
+        entry = self._entries[scoped] = _Entry(copy.deepcopy(record), 0)
         self._touch(entry, now)
 
-    async def acquire(self, session_id: str, owner: str) -> Acquired:
-        entry = self._live(session_id)
+    async def acquire(self, session_id: str, owner: str, key_name: str = "") -> Acquired:
+        entry = self._live(session_id, key_name)
         if entry is None:
             raise SessionNotFound(f"no session {session_id!r} (unknown, closed or expired)")
         stored, now = entry.record, _now_ms()
@@ -75,8 +77,8 @@ class MemoryStore(SessionStore):
         self._touch(entry, now)
         return Acquired(copy.deepcopy(stored), other)
 
-    async def load(self, session_id: str) -> SessionRecord | None:
-        entry = self._live(session_id)
+    async def load(self, session_id: str, key_name: str = "") -> SessionRecord | None:
+        entry = self._live(session_id, key_name)
         return None if entry is None else copy.deepcopy(entry.record)
 
     async def commit(
@@ -88,7 +90,7 @@ class MemoryStore(SessionStore):
         release: bool = False,
         retired_cache: str | None = None,
     ) -> None:
-        entry = self._live(record.session_id)
+        entry = self._live(record.session_id, record.key_name)
         if entry is None:
             raise SessionNotFound(f"session {record.session_id} was closed or expired")
         stored = entry.record
@@ -107,12 +109,12 @@ class MemoryStore(SessionStore):
             self._expiry.pop(retired_cache, None)
         self._touch(entry, now)
 
-    async def rounds(self, session_id: str) -> list[Any]:
-        entry = self._live(session_id)
+    async def rounds(self, session_id: str, key_name: str = "") -> list[Any]:
+        entry = self._live(session_id, key_name)
         return [] if entry is None else copy.deepcopy(entry.rounds)
 
-    async def delete(self, session_id: str) -> str | None:
-        entry = self._entries.pop(session_id, None)
+    async def delete(self, session_id: str, key_name: str = "") -> str | None:
+        entry = self._entries.pop(scoped_id(session_id, key_name), None)
         if entry is None:
             return None
         self._expiry.pop(entry.record.cache_id, None)

@@ -11,6 +11,9 @@ Terms
 - generation: the latest request on the session (its request id, the digest of its
   options, where its context ends, and its `Progress`), finished or not.
 - version: incremented by every write; a write names the version it read (fencing).
+- key name: the API key that created the session ("" on a server without keys). Each
+  key has its own session ids (`scoped_id`): another key naming the same id reaches its
+  own session or none, never learning that this one exists.
 """
 
 from __future__ import annotations
@@ -35,8 +38,16 @@ def new_session_id() -> str:
     return secrets.token_hex(16)
 
 
-def new_cache_id(session_id: str) -> str:
-    return f"{session_id}~{secrets.token_hex(4)}"
+def scoped_id(session_id: str, key_name: str = "") -> str:
+    """Where the stores file a session: its id within its key's own ids (a key name and
+    a session id never hold "/", so no two scoped ids coincide)."""
+    return f"{key_name}/{session_id}" if key_name else session_id
+
+
+def new_cache_id(session_id: str, key_name: str = "") -> str:
+    """The name of a session's caches on the services: its scoped id (two keys' sessions
+    of one id never share caches) and random bits (a new one on every takeover)."""
+    return f"{scoped_id(session_id, key_name)}~{secrets.token_hex(4)}"
 
 
 def check_session_id(session_id: str) -> str:
@@ -74,6 +85,7 @@ class GenerationRecord:
 class SessionRecord:
     session_id: str
     cache_id: str
+    key_name: str = ""  # the API key whose session this is ("" without keys)
     version: int = 0
     owner: str = ""  # the generation holding the lease ("" = none)
     lease_until_ms: int = 0  # store clock
@@ -90,6 +102,10 @@ class SessionRecord:
     replicas: dict[str, str] = field(default_factory=dict)  # component -> address@epoch
     generation: GenerationRecord | None = None
     result: dict[str, Any] | None = None  # the latest finished generation's output
+
+    @property
+    def scoped_id(self) -> str:
+        return scoped_id(self.session_id, self.key_name)
 
     # The store keeps these beside the JSON document, where its scripts can read them.
     STORE_FIELDS = ("version", "owner", "lease_until_ms", "created_ms", "updated_ms")

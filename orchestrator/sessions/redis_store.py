@@ -1,6 +1,7 @@
 """Sessions in Redis (redis-py's asyncio client).
 
-Key schema (`prefix` defaults to "hydra-jury:"):
+Key schema (`prefix` defaults to "hydra-jury:"; `{id}` is the session's scoped id:
+`KEYNAME/SESSIONID` on a server with API keys, else the session id):
 - `{prefix}session:{id}` — hash: `version`, `owner`, `lease_until` (ms, Redis clock),
   `created`, `updated` (ms), `doc` (the record as JSON: messages, options, seed, draft
   head, jury, cache id, replicas with their epochs, processed length, the current
@@ -32,7 +33,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from hydra_jury.orchestrator.sessions.record import SessionRecord, pack_tokens, unpack_tokens
+from hydra_jury.orchestrator.sessions.record import (
+    SessionRecord,
+    pack_tokens,
+    scoped_id,
+    unpack_tokens,
+)
 from hydra_jury.orchestrator.sessions.store import (
     Acquired,
     SessionBusy,
@@ -189,8 +195,8 @@ class RedisStore(SessionStore):
             }.items()
         }
 
-    def _keys(self, session_id: str) -> list[str]:
-        session = f"{self.prefix}session:{session_id}"
+    def _keys(self, session_id: str, key_name: str = "") -> list[str]:
+        session = f"{self.prefix}session:{scoped_id(session_id, key_name)}"
         return [session, f"{session}:rounds", f"{self.prefix}expiry"]
 
     async def _call(self, command: Awaitable[T]) -> T:
@@ -209,7 +215,7 @@ class RedisStore(SessionStore):
         await self._call(self._client.ping())
 
     async def create(self, record: SessionRecord, owner: str) -> None:
-        session, _rounds, expiry = self._keys(record.session_id)
+        session, _rounds, expiry = self._keys(record.session_id, record.key_name)
         reply = await self._run(
             "create",
             [session, expiry],
@@ -228,10 +234,10 @@ class RedisStore(SessionStore):
         record.lease_until_ms, record.created_ms = int(reply[1]), int(reply[2])
         record.updated_ms = record.created_ms
 
-    async def acquire(self, session_id: str, owner: str) -> Acquired:
+    async def acquire(self, session_id: str, owner: str, key_name: str = "") -> Acquired:
         reply = await self._run(
             "acquire",
-            self._keys(session_id),
+            self._keys(session_id, key_name),
             [owner, self.settings.lease_ms, self.settings.ttl_ms],
         )
         status = reply[0].decode()
@@ -252,8 +258,8 @@ class RedisStore(SessionStore):
         record.result = json.loads(result) if result else None
         return Acquired(record, bool(took_over))
 
-    async def load(self, session_id: str) -> SessionRecord | None:
-        fields = await self._call(self._client.hgetall(self._keys(session_id)[0]))
+    async def load(self, session_id: str, key_name: str = "") -> SessionRecord | None:
+        fields = await self._call(self._client.hgetall(self._keys(session_id, key_name)[0]))
         if not fields:
             return None
         record = SessionRecord.from_document(
@@ -279,7 +285,7 @@ class RedisStore(SessionStore):
     ) -> None:
         reply = await self._run(
             "commit",
-            self._keys(record.session_id),
+            self._keys(record.session_id, record.key_name),
             [
                 record.version,
                 record.owner,
@@ -303,12 +309,13 @@ class RedisStore(SessionStore):
         if release:
             record.owner = ""
 
-    async def rounds(self, session_id: str) -> list[Any]:
-        items = await self._call(self._client.lrange(self._keys(session_id)[1], 0, -1))
+    async def rounds(self, session_id: str, key_name: str = "") -> list[Any]:
+        rounds = self._keys(session_id, key_name)[1]
+        items = await self._call(self._client.lrange(rounds, 0, -1))
         return [json.loads(item) for item in items]
 
-    async def delete(self, session_id: str) -> str | None:
-        reply = await self._run("delete", self._keys(session_id), [])
+    async def delete(self, session_id: str, key_name: str = "") -> str | None:
+        reply = await self._run("delete", self._keys(session_id, key_name), [])
         return reply.decode() if reply else None
 
     async def claim_expired(self, limit: int = 100) -> list[str]:

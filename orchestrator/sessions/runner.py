@@ -60,6 +60,7 @@ from hydra_jury.orchestrator.sessions.record import (
     common_prefix,
     new_cache_id,
     new_session_id,
+    scoped_id,
 )
 from hydra_jury.orchestrator.sessions.store import SessionBusy, SessionStore
 from hydra_jury.poe import Rule
@@ -118,7 +119,7 @@ class SessionRunner:
         self._observe = observe
         self._owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="generation")
-        self._active: dict[str, _Active] = {}
+        self._active: dict[str, _Active] = {}  # by scoped session id
         self._give_backs: set[asyncio.Future] = set()  # leases being given back
         # Draining: new generations are refused; once `_ending`, running ones stop.
         self._draining = self._ending = False
@@ -148,21 +149,24 @@ class SessionRunner:
 
     # --- session lifecycle -----------------------------------------------------------
 
-    async def create_session(self, session_id: str | None = None) -> str:
-        """A new, empty session; `SessionExists` if a chosen id is taken."""
+    async def create_session(self, session_id: str | None = None, key_name: str = "") -> str:
+        """A new, empty session of the API key `key_name`; `SessionExists` if a chosen id
+        is taken (among that key's sessions)."""
         session_id = check_session_id(session_id) if session_id else new_session_id()
-        await self.store.create(SessionRecord(session_id, new_cache_id(session_id)), owner="")
+        record = SessionRecord(session_id, new_cache_id(session_id, key_name), key_name)
+        await self.store.create(record, owner="")
         self._observe("created")
         return session_id
 
-    async def close_session(self, session_id: str) -> None:
+    async def close_session(self, session_id: str, key_name: str = "") -> None:
         """Deletes the record, stops a generation on it (here at once; elsewhere at its
-        next commit, which the store refuses) and frees its caches on every service."""
-        cache = await self.store.delete(check_session_id(session_id))
+        next commit, which the store refuses) and frees its caches on every service. Only
+        the sessions of the API key `key_name` are found."""
+        cache = await self.store.delete(check_session_id(session_id), key_name)
         if cache is None:
             raise SessionNotFound(f"no session {session_id!r} (unknown, closed or expired)")
         self._observe("closed")
-        active = self._active.get(session_id)
+        active = self._active.get(scoped_id(session_id, key_name))
         if active is not None:
             active.closed = True
             active.stop.set()
@@ -188,9 +192,11 @@ class SessionRunner:
         request_id: str | None = None,
         digest: str = "",
         deadline: float | None = None,
+        key_name: str = "",
     ) -> AsyncIterator[Committed]:
         """Each round as soon as the store holds it; `ServiceUnavailable` once the server
-        drains."""
+        drains. A named session is looked for among the API key `key_name`'s only, and a
+        new one is that key's."""
         if self._draining:
             raise ServiceUnavailable(
                 "this server is draining (shutting down) and takes no new generations: "
@@ -198,7 +204,7 @@ class SessionRunner:
             )
         self._generations += 1
         self._idle.clear()
-        rounds = self._generate(request, session_id, request_id, digest, deadline)
+        rounds = self._generate(request, session_id, request_id, digest, deadline, key_name)
         try:
             async for item in rounds:
                 yield item
@@ -215,11 +221,14 @@ class SessionRunner:
         request_id: str | None,
         digest: str,
         deadline: float | None,
+        key_name: str,
     ) -> AsyncIterator[Committed]:
         if request_id:
             check_request_id(request_id)
         owner = f"{self._owner}:{uuid.uuid4().hex[:12]}"
-        plan = await self._plan(request, session_id, request_id or "", digest, owner, deadline)
+        plan = await self._plan(
+            request, session_id, request_id or "", digest, owner, deadline, key_name
+        )
         if plan.replay is not None:
             output, stats = plan.replay, plan.replay.stats
             every_round = RoundOutput(
@@ -243,26 +252,27 @@ class SessionRunner:
         digest: str,
         owner: str,
         deadline: float | None,
+        key_name: str,
     ) -> _Plan:
         retired = None
         if session_id is None:
             # Options are checked before a record exists: a bad request leaves nothing.
             prepared = await self._in_thread(self.engine.prepare, request)
             session_id = new_session_id()
-            record = SessionRecord(session_id, new_cache_id(session_id))
+            record = SessionRecord(session_id, new_cache_id(session_id, key_name), key_name)
             await self._leased(self.store.create(record, owner), lambda _: record)
             self._observe("created")
         else:
             prepared = None
             acquired = await self._leased(
-                self._acquire(check_session_id(session_id), owner, request_id),
+                self._acquire(check_session_id(session_id), owner, request_id, key_name),
                 lambda acquired: acquired.record,
             )
             record = acquired.record
             if acquired.took_over:
                 # The last owner's lease ran out, and it may still be running: new caches,
                 # so that nothing it still sends can reach the ones this request reads.
-                retired, record.cache_id = record.cache_id, new_cache_id(session_id)
+                retired, record.cache_id = record.cache_id, new_cache_id(session_id, key_name)
                 record.processed = 0
                 self._observe("taken_over")
         plan = _Plan(record, request_id)
@@ -308,17 +318,17 @@ class SessionRunner:
             task.add_done_callback(give_back)
             raise
 
-    async def _acquire(self, session_id: str, owner: str, request_id: str):
+    async def _acquire(self, session_id: str, owner: str, request_id: str, key_name: str):
         """The session's lease. A request resuming its own interrupted generation waits
         (up to one lease) for the previous attempt to stop or its lease to run out."""
         waited = 0.0
         while True:
             try:
-                return await self.store.acquire(session_id, owner)
+                return await self.store.acquire(session_id, owner, key_name)
             except SessionBusy as busy:
                 if not request_id or waited > self.store.settings.lease_s:
                     raise
-                record = await self.store.load(session_id)
+                record = await self.store.load(session_id, key_name)
                 current = record.generation if record is not None else None
                 if current is None or current.request_id != request_id:
                     raise
@@ -332,7 +342,7 @@ class SessionRunner:
         # The stored seed and draft head: the request may have left them to the server.
         request = replace(request, seed=record.seed, draft_head=record.draft_head)
         prepared = await self._in_thread(self.engine.prepare, request, context)
-        rounds = await self.store.rounds(record.session_id)
+        rounds = await self.store.rounds(record.session_id, record.key_name)
         records = [token_record_from_dict(t) for round_ in rounds for t in round_]
         generation = self.engine.begin(
             prepared,
@@ -428,7 +438,7 @@ class SessionRunner:
         loop = asyncio.get_running_loop()
         record, generation = plan.record, plan.generation
         queue: asyncio.Queue = asyncio.Queue()
-        active = self._active[record.session_id] = _Active()
+        active = self._active[record.scoped_id] = _Active()
         limits = self.engine.limits
         stream_ends = time.monotonic() + limits.stream_s if limits is not None else None
 
@@ -516,8 +526,8 @@ class SessionRunner:
         """Waits for the producer to end, then gives the session's lease back."""
         while kind != "end":
             kind, _item, _summary = await queue.get()
-        if self._active.get(record.session_id) is active:
-            del self._active[record.session_id]
+        if self._active.get(record.scoped_id) is active:
+            del self._active[record.scoped_id]
         await self._give_back(record)
 
     def _record_round(

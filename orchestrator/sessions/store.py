@@ -11,6 +11,10 @@ owner's lease runs); every `commit` names the version it read and its owner, and
 refused (`SessionConflict`) when the record changed under it — taken over after its lease
 ran out, or deleted by CloseSession. A refused write changes nothing: a record is always
 before or after a round, never in between.
+
+Key names: a session belongs to the API key that created it (`SessionRecord.key_name`)
+and is filed under its scoped id (`record.scoped_id`): every method that takes a
+session id takes the caller's key name too, and finds only that key's sessions.
 """
 
 from __future__ import annotations
@@ -76,11 +80,11 @@ class SessionStore(ABC):
         id is taken. Sets the record's store fields."""
 
     @abstractmethod
-    async def acquire(self, session_id: str, owner: str) -> Acquired:
+    async def acquire(self, session_id: str, owner: str, key_name: str = "") -> Acquired:
         """The record, leased to `owner`; `SessionNotFound` or `SessionBusy`."""
 
     @abstractmethod
-    async def load(self, session_id: str) -> SessionRecord | None:
+    async def load(self, session_id: str, key_name: str = "") -> SessionRecord | None:
         """The record as it is, without taking the lease."""
 
     @abstractmethod
@@ -100,11 +104,11 @@ class SessionStore(ABC):
         `SessionConflict` (`SessionNotFound` once deleted) if the record changed."""
 
     @abstractmethod
-    async def rounds(self, session_id: str) -> list[Any]:
+    async def rounds(self, session_id: str, key_name: str = "") -> list[Any]:
         """The current generation's round records, in order."""
 
     @abstractmethod
-    async def delete(self, session_id: str) -> str | None:
+    async def delete(self, session_id: str, key_name: str = "") -> str | None:
         """Deletes the session; its cache id, or None if there was no such session."""
 
     @abstractmethod

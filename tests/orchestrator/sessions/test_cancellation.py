@@ -19,8 +19,8 @@ from hydra_jury.workers.sessions import SessionLimits
 class SlowAcquire(MemoryStore):
     """Takes the lease, then takes its time to answer (a slow round trip to Redis)."""
 
-    async def acquire(self, session_id: str, owner: str):
-        acquired = await super().acquire(session_id, owner)
+    async def acquire(self, session_id: str, owner: str, key_name: str = ""):
+        acquired = await super().acquire(session_id, owner, key_name)
         await asyncio.sleep(0.2)
         return acquired
 

@@ -160,6 +160,39 @@ def test_delete_and_expiry(make_store):
     run(scenario())
 
 
+def test_each_api_key_has_its_own_sessions(make_store):
+    """One session id under two keys is two sessions: neither key finds, busies or
+    deletes the other's."""
+
+    async def scenario():
+        store = make_store()
+        session_id = uuid.uuid4().hex
+        records = {
+            name: SessionRecord(session_id, new_cache_id(session_id, name), name, tokens=[n])
+            for n, name in enumerate(("alice", "bob"))
+        }
+        for record in records.values():
+            await store.create(record, owner=f"{record.key_name}-owner")
+        assert records["alice"].cache_id.startswith(f"alice/{session_id}~")
+        assert await store.load(session_id) is None  # no key: neither
+        assert (await store.load(session_id, "bob")).tokens == [1]
+        with pytest.raises(SessionBusy):  # bob's own lease, not alice's
+            await store.acquire(session_id, "someone", "bob")
+        with pytest.raises(SessionNotFound):
+            await store.acquire(session_id, "someone", "carol")
+        assert await store.delete(session_id, "carol") is None
+        assert await store.delete(session_id, "alice") == records["alice"].cache_id
+        with pytest.raises(SessionNotFound):
+            await store.commit(records["alice"])
+        await store.commit(records["bob"], rounds=[[7]], release=True)
+        assert await store.rounds(session_id, "bob") == [[7]]
+        assert await store.rounds(session_id, "alice") == []
+        assert (await store.acquire(session_id, "bob-owner", "bob")).record.key_name == "bob"
+        await store.close()
+
+    run(scenario())
+
+
 def test_an_unreachable_redis_is_unavailable_and_named():
     async def scenario():
         store = RedisStore("redis://:secret@127.0.0.1:1/0", timeout_s=0.5)
@@ -193,6 +226,7 @@ def test_a_document_holds_every_field_but_the_stores_the_tokens_and_the_result()
     record.kind, record.messages = "chat", [{"role": "user", "content": "hi"}]
     record.processed, record.options, record.seed = 39, {"gamma": 4, "stop": ["\n"]}, 7
     record.draft_head, record.jury = "head0", ["head1", "head2"]
+    record.key_name = "alice"
     record.replicas = {"trunk": "127.0.0.1:1@e1"}
     record.version, record.owner, record.result = 5, "a", {"output": {"text": "x" * 100}}
     record.generation.progress = Progress(
