@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 
 import grpc
@@ -24,6 +25,7 @@ from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.orchestrator.sessions.memory_store import MemoryStore
 from hydra_jury.orchestrator.sessions.runner import SessionRunner
 from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
+from hydra_jury.serving.auth import with_api_key
 from hydra_jury.serving.flags import add_draft_model_flag, add_model_flags
 from hydra_jury.serving.tls import open_channel
 from hydra_jury.workers.sessions import SessionLimits
@@ -33,6 +35,7 @@ TIMEOUT_S = 600.0  # the deadline of an answer from a server
 # `generate --local` holds one request in this process: a few sessions (a beam search
 # takes one per beam), not the caches a server reserves for its SessionLimits().
 LOCAL_LIMITS = SessionLimits(max_sessions=4, max_session_tokens=2048)
+API_KEY_VARIABLE = "HYDRA_JURY_API_KEY"  # below --api-key
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -42,6 +45,20 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 def _add_timeout_flag(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--timeout-s", type=float, default=TIMEOUT_S, help=f"{what} (%(default)g)")
+
+
+def _add_api_key_flag(parser: argparse.ArgumentParser) -> None:
+    # No default shown: it would print the variable's key in --help.
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help=f"the API key of a server started with --api-keys (default ${API_KEY_VARIABLE}, "
+        "which, unlike the flag, other users of the machine cannot see in its process list)",
+    )
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    return args.api_key or os.environ.get(API_KEY_VARIABLE) or None
 
 
 def _add_generate(commands: argparse._SubParsersAction) -> None:
@@ -84,6 +101,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     add_decoding_flags(parser)
     add_model_flags(parser)
     add_client_tls_flags(parser)
+    _add_api_key_flag(parser)
     parser.set_defaults(handler=_run_generate)
 
 
@@ -104,6 +122,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         )
     if args.tls_ca or args.tls_cert:
         raise ValueError("--tls-ca and --tls-cert are for a server's port (--address)")
+    if args.api_key:
+        raise ValueError("--api-key is for a server's API (--address)")
     if not args.checkpoint:
         raise ValueError("--local needs --checkpoint DIR")
     return _generate_local(args, request)
@@ -152,7 +172,7 @@ def _generate_remote(args: argparse.Namespace, request: GenerationRequest) -> in
     message.request_id = args.request_id or ""
     tls = client_tls(args)
     with open_channel(args.address, tls) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationStub(with_api_key(channel, _api_key(args)))
         try:
             if args.json:
                 response = stub.Generate(message, timeout=args.timeout_s)
@@ -194,6 +214,7 @@ def _add_chat(commands: argparse._SubParsersAction) -> None:
     _add_timeout_flag(parser, "deadline of each answer")
     add_decoding_flags(parser)
     add_client_tls_flags(parser)
+    _add_api_key_flag(parser)
     parser.set_defaults(handler=_run_chat)
 
 
@@ -211,7 +232,7 @@ def _run_chat(args: argparse.Namespace) -> int:
                 f"cannot reach {args.address} within {CONNECT_TIMEOUT_S:g} s{unreachable(tls)}"
             ) from None
         chat = Chat(
-            generation_pb2_grpc.GenerationStub(channel),
+            generation_pb2_grpc.GenerationStub(with_api_key(channel, _api_key(args))),
             decoding_request(args),
             stdin=sys.stdin,
             stdout=sys.stdout,

@@ -24,6 +24,7 @@ from hydra_jury.orchestrator.server import serve_embedded
 from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
 from hydra_jury.orchestrator.sessions.redis_store import RedisStore, redacted
 from hydra_jury.orchestrator.sessions.store import StoreSettings
+from hydra_jury.serving.auth import auth_from
 from hydra_jury.serving.errors import EXPECTED_FAILURES, failure_line
 from hydra_jury.serving.flags import (
     add_draft_model_flag,
@@ -97,6 +98,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     draft_model = resolved_draft_model(args.draft_model)
     request_limits = limits_from(args)
     tls = ServerTls.load(args.tls_cert, args.tls_key, args.tls_ca)
+    auth = auth_from(args)
 
     async def serve(store: RedisStore) -> None:
         running = await serve_embedded(
@@ -112,6 +114,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             max_concurrency=args.max_concurrency,
             request_limits=request_limits,
             tls=tls,
+            auth=auth,
         )
         async with health_port(running, args.health_listen):
             await running.serve_until_signal(

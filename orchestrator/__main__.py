@@ -70,6 +70,7 @@ async def _serve(config: OrchestratorConfig) -> None:
         request_limits=config.request_limits(),
         tls=config.server_tls(),
         internal_tls=config.internal_tls(),
+        auth=config.auth(),
     )
     async with health_port(running, config.health_listen):
         await running.serve_until_signal("orchestrator", config.listen, config.grace_s)

@@ -23,6 +23,10 @@ internal_tls_cert: /tls/internal/tls.crt  # the client certificate for the servi
 internal_tls_key: /tls/internal/tls.key
 internal_tls_ca: /tls/internal/ca.crt  # set: every channel to the services is TLS
 internal_tls_server_name: hydra-jury-internal  # the name their certificates carry
+api_keys: /keys/api-keys                # require API keys (serving/api_keys.py); omit: open
+auth_health: false                     # true: health checks and reflection need a key too
+max_concurrent_per_key: 4              # defaults for keys whose line sets no limit
+tokens_per_minute_per_key: 6000
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from hydra_jury.orchestrator.discovery import (
 from hydra_jury.orchestrator.limits import RequestLimits, limits_from
 from hydra_jury.orchestrator.sessions.redis_store import KEY_PREFIX
 from hydra_jury.orchestrator.sessions.store import StoreSettings
+from hydra_jury.serving.auth import ApiKeyAuth, auth_from
 from hydra_jury.serving.flags import GRACE_S, METRICS_ADDRESS
 from hydra_jury.serving.tls import ClientTls, ServerTls, TlsFlags
 
@@ -90,6 +95,10 @@ class OrchestratorConfig:
     internal_tls_key: str | None = None
     internal_tls_ca: str | None = None  # None: plaintext to the services
     internal_tls_server_name: str | None = None  # None: each address's host
+    api_keys: str | None = None  # None: the Generation API is open to any client
+    auth_health: bool = False
+    max_concurrent_per_key: int | None = None  # None: no limit
+    tokens_per_minute_per_key: int | None = None
 
     @classmethod
     def load(cls, path: str | Path | None, overrides: dict[str, Any]) -> OrchestratorConfig:
@@ -164,6 +173,10 @@ class OrchestratorConfig:
 
     def request_limits(self) -> RequestLimits:
         return limits_from(self)
+
+    def auth(self) -> ApiKeyAuth | None:
+        """The API keys the Generation API requires, the key file read and checked."""
+        return auth_from(self)
 
     def store_settings(self) -> StoreSettings:
         return StoreSettings(ttl_s=self.session_ttl_s, lease_s=self.session_lease_s)

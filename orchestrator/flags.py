@@ -54,6 +54,7 @@ def add_generation_server_flags(parser: argparse.ArgumentParser, redis_fallback:
         help="a generation that stops committing loses its session after this (%(default)g)",
     )
     add_tls_flags(parser)
+    add_api_key_flags(parser)
 
 
 def add_redis_url_flag(parser: argparse.ArgumentParser, fallback: str) -> None:
@@ -105,4 +106,41 @@ def add_internal_tls_flags(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the name the services' certificates must carry, instead of each address's "
         "host (kubernetes discovery connects to pod IPs, which no certificate names)",
+    )
+
+
+def add_api_key_flags(parser: argparse.ArgumentParser) -> None:
+    """Client authentication on the Generation API (`serving.auth`)."""
+    group = parser.add_argument_group(
+        "API keys",
+        "with --api-keys every call needs 'authorization: Bearer KEY' metadata; "
+        "sessions belong to the key that made them",
+    )
+    group.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help="the key file: one NAME:KEY or NAME:sha256:HEX a line, each optionally "
+        "followed by :max_concurrent=N,tokens_per_minute=N; reloaded on SIGHUP and when it "
+        "changes (default: none, the API is open to any client)",
+    )
+    group.add_argument(
+        "--auth-health",
+        action="store_true",
+        default=OrchestratorConfig.auth_health,
+        help="require a key for health checks and reflection too (Kubernetes' gRPC probes "
+        "cannot send one)",
+    )
+    group.add_argument(
+        "--max-concurrent-per-key",
+        type=int,
+        metavar="N",
+        help="generations in progress at once per key, for keys whose line sets none "
+        "(default: no limit)",
+    )
+    group.add_argument(
+        "--tokens-per-minute-per-key",
+        type=int,
+        metavar="N",
+        help="generated tokens per key in any 60 s, for keys whose line sets none (default: "
+        "no limit)",
     )

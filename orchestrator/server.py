@@ -6,6 +6,10 @@ whole model in this process, for one machine). Sessions live in the given store 
 The runner commits each round to the store before the servicer sends it; a client that
 cancels stops the generation between rounds and gives the session back (its caches stay
 for the next turn). A background task frees the caches of sessions whose TTL passed.
+
+With API keys (`serving.auth`) every call runs with its key: the sessions it makes and
+finds are that key's, and its generations stay within the key's limits
+(`orchestrator.key_limits`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from hydra_jury.orchestrator.convert import output_to_pb, request_from_pb, round
 from hydra_jury.orchestrator.discovery import Discovery
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.grpc_backend import GrpcBackend, LayoutError
+from hydra_jury.orchestrator.key_limits import KeyLimiter
 from hydra_jury.orchestrator.limits import RequestLimits
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.metrics import OrchestratorMetrics
@@ -33,6 +38,8 @@ from hydra_jury.orchestrator.sessions.runner import SessionRunner
 from hydra_jury.orchestrator.sessions.store import SessionStore
 from hydra_jury.poe import RULES
 from hydra_jury.protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
+from hydra_jury.serving.api_keys import ApiKey, KeyFile
+from hydra_jury.serving.auth import ApiKeyAuth, current_key
 from hydra_jury.serving.metrics import SessionMetrics
 from hydra_jury.serving.model_thread import ModelThread, start_model_thread
 from hydra_jury.serving.server import GrpcServer, RunningServer
@@ -57,6 +64,11 @@ def request_digest(request: generation_pb2.GenerateRequest) -> str:
     return hashlib.sha256(plain.SerializeToString(deterministic=True)).hexdigest()
 
 
+def _name(key: ApiKey | None) -> str:
+    """The key name sessions are filed under ("" on a server without keys)."""
+    return "" if key is None else key.name
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(
         self,
@@ -67,9 +79,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         *,
         max_concurrency: int = 32,
         request_limits: RequestLimits | None = None,
+        api_keys: KeyFile | None = None,
     ) -> None:
+        """`api_keys`: the server's keys, watched from `start_watching_keys` to `close`."""
         self.backend = backend
         self.metrics = metrics
+        self.api_keys = api_keys
+        self.key_limits = KeyLimiter(
+            on_refused=lambda key, reason: metrics.key_refusals.labels(key.name, reason).inc()
+        )
         self.runner = SessionRunner(
             Engine(backend, tokenizer, request_limits or RequestLimits()),
             store,
@@ -92,6 +110,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
         self._sweeper = asyncio.get_running_loop().create_task(sweep_forever())
 
+    def start_watching_keys(self) -> None:
+        """Reloads the key file on SIGHUP and when it changes, until `close`."""
+        if self.api_keys is not None:
+            self.api_keys.watch()
+
     async def close(self) -> None:
         """Stops the sweeper, the generation threads, then the backend (after the server
         stopped)."""
@@ -99,6 +122,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
+        if self.api_keys is not None:
+            await self.api_keys.stop_watching()
         await self.runner.close()
         await asyncio.to_thread(self.backend.close)
 
@@ -107,9 +132,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         for up to `grace_s`, the rest end after their round, resumable elsewhere."""
         await self.runner.drain(grace_s)
 
+    def _called(self, rpc: str) -> ApiKey | None:
+        """Counts the call; its API key (None on a server without keys)."""
+        self.metrics.requests.labels(rpc).inc()
+        key = current_key()
+        if key is not None:
+            self.metrics.key_requests.labels(key.name, rpc).inc()
+        return key
+
     async def Info(self, request, context):
         info = self.backend.info
-        self.metrics.requests.labels("Info").inc()
+        self._called("Info")
         return generation_pb2.GenerationInfoResponse(
             model_fingerprint=info.fingerprint,
             architecture=info.architecture,
@@ -125,32 +158,46 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
     async def CreateSession(self, request, context):
-        self.metrics.requests.labels("CreateSession").inc()
-        session_id = await self.runner.create_session(request.session_id or None)
+        key = self._called("CreateSession")
+        session_id = await self.runner.create_session(request.session_id or None, _name(key))
         return generation_pb2.CreateSessionResponse(session_id=session_id)
 
     async def CloseSession(self, request, context):
-        self.metrics.requests.labels("CloseSession").inc()
+        key = self._called("CloseSession")
         if not request.session_id:
             raise RequestError("session_id is empty")
-        await self.runner.close_session(request.session_id)
+        await self.runner.close_session(request.session_id, _name(key))
         return generation_pb2.CloseSessionResponse(closed=True)
 
     async def Generate(self, request, context):
-        self.metrics.requests.labels("Generate").inc()
+        key = self._called("Generate")
         final = None
-        async for committed in self._rounds(request, context):
+        async for committed in self._rounds(request, context, key):
             final = committed.summary or final
         return output_to_pb(final)
 
     async def GenerateStream(self, request, context):
-        self.metrics.requests.labels("GenerateStream").inc()
-        async for committed in self._rounds(request, context):
+        key = self._called("GenerateStream")
+        async for committed in self._rounds(request, context, key):
             message = round_to_pb(committed.round, committed.summary)
             message.session_id, message.request_id = committed.session_id, request.request_id
             yield message
 
-    async def _rounds(self, request, context):
+    async def _rounds(self, request, context, key: ApiKey | None):
+        """The committed rounds, within the limits of the call's API key."""
+        with self.key_limits.generation(key) if key else contextlib.nullcontext():
+            rounds = self._observed_rounds(request, context, _name(key))
+            async with contextlib.aclosing(rounds):
+                async for committed in rounds:
+                    if key is not None:
+                        self._spend(key, len(committed.round.tokens))
+                    yield committed
+
+    def _spend(self, key: ApiKey, tokens: int) -> None:
+        self.key_limits.spend(key, tokens)
+        self.metrics.key_tokens.labels(key.name).inc(tokens)
+
+    async def _observed_rounds(self, request, context, key_name: str):
         """The committed rounds, with the request's metrics observed."""
         rounds = self.runner.generate(
             request_from_pb(request),
@@ -158,6 +205,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             request_id=request.request_id or None,
             digest=request_digest(request),
             deadline=_deadline(context),
+            key_name=key_name,
         )
         began = time.monotonic()
         emitted, first_at = 0, None
@@ -194,9 +242,10 @@ async def start_generation_server(
     max_concurrency: int,
     request_limits: RequestLimits,
     tls: ServerTls | None = None,
+    auth: ApiKeyAuth | None = None,
 ) -> RunningServer:
     """The Generation service over `backend`, started on `address` (port 0: any free;
-    `tls`: a TLS port, else plaintext)."""
+    `tls`: a TLS port, else plaintext; `auth`: calls need an API key, else open)."""
     metrics = OrchestratorMetrics()
     servicer = GenerationServicer(
         backend,
@@ -205,12 +254,14 @@ async def start_generation_server(
         metrics,
         max_concurrency=max_concurrency,
         request_limits=request_limits,
+        api_keys=auth.keys if auth else None,
     )
     server = GrpcServer(
         lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
         [SERVICE_NAME],
         on_error=lambda method, error, code: metrics.errors.labels(code.name).inc(),
         max_receive_bytes=request_limits.message_bytes,
+        interceptors=_auth_interceptors(auth, metrics),
         credentials=tls.credentials() if tls else None,
     )
     try:
@@ -220,10 +271,34 @@ async def start_generation_server(
         await servicer.close()
         raise
     servicer.start_sweeping()
+    servicer.start_watching_keys()
     bound_metrics = (
         metrics.serve(metrics_port, metrics_address) if metrics_port is not None else None
     )
     return RunningServer(server, port, servicer, bound_metrics)
+
+
+def _auth_interceptors(
+    auth: ApiKeyAuth | None, metrics: OrchestratorMetrics
+) -> list[grpc.aio.ServerInterceptor]:
+    """The key check, if the server has keys; says either way in the log (by key name)."""
+    if auth is None:
+        log.warning("no --api-keys: the Generation API is open to any client")
+        return []
+    names = auth.keys.keys.names
+    log.info(
+        "the Generation API requires an API key: %d keys from %s (%s)%s",
+        len(names),
+        auth.keys.path,
+        ", ".join(names),
+        "; health checks and reflection too" if auth.protect_open_services else "",
+    )
+
+    def refused(reason: str) -> None:
+        metrics.errors.labels(grpc.StatusCode.UNAUTHENTICATED.name).inc()
+        metrics.unauthenticated.labels(reason).inc()
+
+    return [auth.interceptor(on_refused=refused)]
 
 
 async def serve_orchestrator(
@@ -239,10 +314,11 @@ async def serve_orchestrator(
     connect_timeout_s: float = 30.0,
     tls: ServerTls | None = None,
     internal_tls: ClientTls | None = None,
+    auth: ApiKeyAuth | None = None,
 ) -> RunningServer:
     """The split stack's orchestrator: connects to the services (checking their layout;
     over TLS with `internal_tls`) and starts the Generation server (a TLS port with
-    `tls`)."""
+    `tls`; API keys required with `auth`)."""
     read_manifest(checkpoint)  # a clear error for a wrong --checkpoint, before connecting
     backend = await asyncio.to_thread(GrpcBackend, discovery, connect_timeout_s, internal_tls)
     manifest_fingerprint = checkpoint_fingerprint(checkpoint)
@@ -265,6 +341,7 @@ async def serve_orchestrator(
         max_concurrency=max_concurrency,
         request_limits=request_limits or RequestLimits(),
         tls=tls,
+        auth=auth,
     )
 
 
@@ -282,10 +359,12 @@ async def serve_embedded(
     max_concurrency: int = 32,
     request_limits: RequestLimits | None = None,
     tls: ServerTls | None = None,
+    auth: ApiKeyAuth | None = None,
 ) -> RunningServer:
     """The single-process server: the whole model loaded here, the same Generation
     service over the in-process backend. All compute runs on one model thread.
-    `draft_model`: a Hydra checkpoint used as the draft model (drafter "model")."""
+    `draft_model`: a Hydra checkpoint used as the draft model (drafter "model"); `auth`:
+    API keys required."""
 
     def build(thread: ModelThread) -> tuple[HydraModel, LocalBackend]:
         model = HydraModel.load(checkpoint, dtype=dtype, device=device)
@@ -306,6 +385,7 @@ async def serve_embedded(
         max_concurrency=max_concurrency,
         request_limits=request_limits or RequestLimits(),
         tls=tls,
+        auth=auth,
     )
     SessionMetrics(running.servicer.metrics.registry).watch(backend.trunk.sessions)
     return running
