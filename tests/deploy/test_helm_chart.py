@@ -19,6 +19,7 @@ from kubernetes_validate.utils import latest_version
 
 from hydra_jury.jury_service.server import JURY_SERVICE
 from hydra_jury.orchestrator.__main__ import build_parser as orchestrator_parser
+from hydra_jury.orchestrator.limits import RequestLimits, limits_from
 from hydra_jury.serving.worker_service import build_parser as service_parser
 from hydra_jury.trunk_service.server import TRUNK_SERVICE
 from tests.deploy.conftest import CHART, RELEASE, manifests
@@ -90,6 +91,7 @@ def matches(selector: dict, labels: dict) -> bool:
 
 def test_the_ci_values_files_cover_the_cases():
     assert {"one-shard", "three-shards", "external-redis", "bundled-redis", "tls"} <= set(CASES)
+    assert "drain-and-limits" in CASES
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -471,6 +473,18 @@ INVALID = {
         {"redis": {"existingSecret": "hydra-jury-redis"}},
         "redis.existingSecret holds the password of the Redis at redis.url",
     ),
+    "a mistyped request limit": (
+        {"orchestrator": {"limits": {"newtokens": 5}}},
+        "Additional property newtokens is not allowed",
+    ),
+    "a request limit of 0": (
+        {"orchestrator": {"limits": {"beams": 0}}},
+        "orchestrator.limits.beams: Must be greater than 0",
+    ),
+    "a negative pre-stop sleep": (
+        {"preStopSleepSeconds": -1},
+        "preStopSleepSeconds: Must be greater than or equal to 0",
+    ),
 }
 
 
@@ -565,3 +579,44 @@ def test_metrics_are_scraped_from_every_server(releases, case):
                     ]
                 else:
                     assert scrapers is None, name
+
+
+def server_pods(docs: list[dict]) -> dict[str, dict]:
+    """The pod specs of the Deployments of hydra-jury servers (not the bundled Redis)."""
+    return {
+        name: pod
+        for name, pod in pod_specs(docs).items()
+        if pod["containers"][0].get("args", [""])[0] in SERVERS
+    }
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_termination_grace_covers_the_pre_stop_sleep_and_the_drain(releases, case):
+    values = {**DEFAULTS, **values_of(case)}
+    grace, sleep = values["gracePeriodSeconds"], values["preStopSleepSeconds"]
+    for name, pod in every(server_pods(releases[case]).items(), "server pods"):
+        # The sleep, then --grace-s for the running generations, then 10 s for their last
+        # rounds and the shutdown: the kubelet's SIGKILL comes after all of it.
+        assert pod["terminationGracePeriodSeconds"] == sleep + grace + 10, name
+    for server in every(servers(releases[case]), "servers"):
+        assert arguments(server)["grace-s"] == str(grace)
+        assert server["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", str(sleep)]}}}
+
+
+def test_no_pre_stop_sleep_renders_no_hook(render):
+    docs = manifests(render(sets=("preStopSleepSeconds=0",)))
+    for pod in every(server_pods(docs).values(), "server pods"):
+        assert pod["terminationGracePeriodSeconds"] == DEFAULTS["gracePeriodSeconds"] + 10
+    assert all("lifecycle" not in server for server in every(servers(docs), "servers"))
+
+
+def test_the_orchestrator_gets_a_flag_per_request_limit(releases):
+    (orchestrator,) = [
+        c for c in servers(releases["drain-and-limits"]) if c["args"][0] == "orchestrator"
+    ]
+    limits = limits_from(orchestrator_parser().parse_args(orchestrator["args"][1:]))
+    given = values_of("drain-and-limits")["orchestrator"]["limits"]
+    snake = {name: re.sub(r"([A-Z])", lambda m: f"_{m[1].lower()}", name) for name in given}
+    assert limits == RequestLimits(**{snake[name]: value for name, value in given.items()})
+    defaults = [c for c in servers(releases["defaults"]) if c["args"][0] == "orchestrator"]
+    assert not [arg for arg in defaults[0]["args"] if arg.startswith("--limit-")]

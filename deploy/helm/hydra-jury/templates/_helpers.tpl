@@ -111,7 +111,7 @@ imagePullSecrets:
 {{- end }}
 securityContext:
   {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
-terminationGracePeriodSeconds: {{ add .root.Values.gracePeriodSeconds 10 }}
+terminationGracePeriodSeconds: {{ add .root.Values.preStopSleepSeconds .root.Values.gracePeriodSeconds 10 }}
 enableServiceLinks: false
 {{- with .spec.nodeSelector }}
 nodeSelector:
@@ -251,6 +251,17 @@ only: the pods' fsGroup owns them. */}}
   mountPath: /tls/{{ $mount }}
   readOnly: true
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The sleep before SIGTERM, while the server still serves: its endpoint leaves the
+Services (and the orchestrators' kubernetes discovery) first. Context: $. */}}
+{{- define "hydra-jury.lifecycle" -}}
+{{- if .Values.preStopSleepSeconds }}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", "{{ .Values.preStopSleepSeconds }}"]
 {{- end }}
 {{- end }}
 
