@@ -9,6 +9,8 @@ import hashlib
 import logging
 import os
 import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -82,45 +84,65 @@ def test_a_file_without_keys_is_refused(tmp_path):
         KeyFile(tmp_path / "missing")
 
 
-def test_a_changed_file_is_reloaded_and_a_bad_one_keeps_the_old_keys(tmp_path, caplog):
+def key_file(tmp_path: Path, poll_s: float) -> tuple[Path, KeyFile]:
+    """A key file holding alice's key, and its `KeyFile` looking for changes every
+    `poll_s`."""
     path = tmp_path / "keys"
     path.write_text(f"alice:{ALICE}\n")
-    keys = KeyFile(path, poll_s=0.02)
+    return path, KeyFile(path, poll_s=poll_s)
 
-    async def scenario() -> None:
+
+def while_watched(keys: KeyFile, scenario: Callable[[], Awaitable[None]]) -> None:
+    async def run() -> None:
         keys.watch()
         try:
-            path.write_text(f"bob:{BOB}\n")
-            await wait_until(lambda: keys.keys.find(BOB) is not None)
-            assert keys.keys.find(ALICE) is None  # revoked
-            path.write_text(f"bob:{BOB}\nbroken line\n")
-            await wait_until(lambda: "keeping the 1 keys loaded before" in caplog.text)
-            assert keys.keys.names == ["bob"]
+            await scenario()
         finally:
             await keys.stop_watching()
 
+    asyncio.run(run())
+
+
+def test_a_changed_file_is_reloaded_and_a_bad_one_keeps_the_old_keys(tmp_path, caplog):
+    path, keys = key_file(tmp_path, poll_s=0.02)
+
+    async def scenario() -> None:
+        path.write_text(f"bob:{BOB}\n")
+        await wait_until(lambda: keys.keys.find(BOB) is not None)
+        assert keys.keys.find(ALICE) is None  # revoked
+        path.write_text(f"bob:{BOB}\nbroken line\n")
+        await wait_until(lambda: "keeping the 1 keys loaded before" in caplog.text)
+        assert keys.keys.names == ["bob"]
+
     with caplog.at_level(logging.INFO, logger="hydra_jury.auth"):
-        asyncio.run(scenario())
+        while_watched(keys, scenario)
     assert "line 2" in caplog.text and "added bob, removed alice" in caplog.text
     assert ALICE not in caplog.text and BOB not in caplog.text
 
 
 def test_sighup_reloads_the_file(tmp_path):
     """Run on the main thread (signal handlers need it), with a poll too slow to count."""
-    path = tmp_path / "keys"
-    path.write_text(f"alice:{ALICE}\n")
-    keys = KeyFile(path, poll_s=3600)
+    path, keys = key_file(tmp_path, poll_s=3600)
+
+    async def scenario() -> None:
+        path.write_text(f"bob:{BOB}\n")
+        os.kill(os.getpid(), signal.SIGHUP)
+        await wait_until(lambda: keys.keys.names == ["bob"])
+
+    while_watched(keys, scenario)
+
+
+def test_a_file_is_not_watched_after_stop_watching(tmp_path):
+    path, keys = key_file(tmp_path, poll_s=0.01)
 
     async def scenario() -> None:
         keys.watch()
-        try:
-            path.write_text(f"bob:{BOB}\n")
-            os.kill(os.getpid(), signal.SIGHUP)
-            await wait_until(lambda: keys.keys.names == ["bob"])
-        finally:
-            await keys.stop_watching()
+        await keys.stop_watching()
+        path.write_text(f"bob:{BOB}\n")
+        await asyncio.sleep(0.05)
 
     asyncio.run(scenario())
+    assert keys.keys.names == ["alice"]
 
 
 async def wait_until(condition, timeout_s: float = 5.0) -> None:

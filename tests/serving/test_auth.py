@@ -5,8 +5,6 @@ the key."""
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -116,18 +114,3 @@ def test_settings_without_a_key_file(tmp_path):
     assert auth.keys.keys.find(KEY).limits.max_concurrent == 3
     with pytest.raises(ValueError, match="max_concurrent must be at least 1"):
         auth_from(Settings(str(path), concurrent=0))
-
-
-def test_the_server_stops_watching_the_file(tmp_path):
-    path = tmp_path / "keys"
-    path.write_text(f"operator:{KEY}\n")
-    keys = KeyFile(path, poll_s=0.01)
-
-    async def scenario() -> None:
-        keys.watch()
-        await keys.stop_watching()
-        path.write_text("broken\n")
-        await asyncio.sleep(0.05)
-
-    asyncio.run(scenario())
-    assert keys.keys.names == ["operator"]
