@@ -9,8 +9,8 @@ file by the key `limit_NAME`. Where each is enforced, and how a request past it 
   before any compute (INVALID_ARGUMENT naming the option, the limit and its flag);
 - stream_s: by the session runner, between rounds: the generation stops after committing
   its last round (DEADLINE_EXCEEDED) and a request with the same ids resumes it;
-- sessions_per_key: by the code that knows a key's sessions, calling
-  `check_sessions_per_key` before a key opens one more (RESOURCE_EXHAUSTED).
+- sessions_per_key: by the session runner when an API key opens a session, counted by
+  the session store (RESOURCE_EXHAUSTED; a server without keys has no such limit).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from typing import Any
 
 from hydra_jury.orchestrator.sessions.record import SessionRecord, scoped_id
 from hydra_jury.orchestrator.sessions.store import (
+    RESERVATION_MS,
     Acquired,
     SessionBusy,
     SessionStore,
@@ -36,6 +37,8 @@ class MemoryStore(SessionStore):
         self.settings = settings or StoreSettings()
         self._entries: dict[str, _Entry] = {}
         self._expiry: dict[str, int] = {}  # cache id -> expiry (ms)
+        # key name -> session id -> when it was admitted (ms)
+        self._key_sessions: dict[str, dict[str, int]] = {}
 
     def _live(self, session_id: str, key_name: str) -> _Entry | None:
         scoped = scoped_id(session_id, key_name)
@@ -118,7 +121,22 @@ class MemoryStore(SessionStore):
         if entry is None:
             return None
         self._expiry.pop(entry.record.cache_id, None)
+        self._key_sessions.get(key_name, {}).pop(session_id, None)
         return entry.record.cache_id
+
+    async def admit_key_session(self, key_name: str, session_id: str, limit: int) -> int:
+        filed, now = self._key_sessions.setdefault(key_name, {}), _now_ms()
+        held = 0
+        for other, admitted in list(filed.items()):
+            if other == session_id:
+                continue
+            if self._live(other, key_name) is not None or admitted > now - RESERVATION_MS:
+                held += 1
+            else:
+                del filed[other]
+        if held < limit:
+            filed[session_id] = now
+        return held
 
     async def claim_expired(self, limit: int = 100) -> list[str]:
         now = _now_ms()

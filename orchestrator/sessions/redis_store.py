@@ -11,6 +11,9 @@ Key schema (`prefix` defaults to "hydra-jury:"; `{id}` is the session's scoped i
   of token records each.
 - `{prefix}expiry` — sorted set: cache id -> when its session expires (ms), so an
   orchestrator can release the caches of expired sessions on the services.
+- `{prefix}key-sessions:{name}` — sorted set: the session ids of an API key -> when each
+  was admitted (ms); a session leaves it when deleted, and one whose record expired at
+  the key's next admission, so it holds at most the key's limit and needs no TTL.
 Both session keys carry the idle TTL, refreshed by every acquire and commit.
 
 Every write is one Lua script, so it is atomic, and checks the version and the owner it
@@ -40,6 +43,7 @@ from hydra_jury.orchestrator.sessions.record import (
     unpack_tokens,
 )
 from hydra_jury.orchestrator.sessions.store import (
+    RESERVATION_MS,
     Acquired,
     SessionBusy,
     SessionStore,
@@ -133,6 +137,30 @@ redis.call('ZREM', KEYS[3], cache_id)
 return cache_id
 """
 
+# KEYS: the key's session index. ARGV: the prefix of its sessions' record keys, session
+# id, limit, reservation ms. Counts the other sessions whose record exists or that were
+# admitted within the reservation, dropping the rest; files the session when under the
+# limit. Returns the count.
+_ADMIT_KEY_SESSION = (
+    _NOW
+    + """
+local entries = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+local held = 0
+for i = 1, #entries, 2 do
+  local id, admitted = entries[i], tonumber(entries[i + 1])
+  if id ~= ARGV[2] then
+    if redis.call('EXISTS', ARGV[1] .. id) == 1 or admitted > now - tonumber(ARGV[4]) then
+      held = held + 1
+    else
+      redis.call('ZREM', KEYS[1], id)
+    end
+  end
+end
+if held < tonumber(ARGV[3]) then redis.call('ZADD', KEYS[1], now, ARGV[2]) end
+return held
+"""
+)
+
 # KEYS: expiry. ARGV: limit.
 _CLAIM_EXPIRED = (
     _NOW
@@ -192,6 +220,7 @@ class RedisStore(SessionStore):
                 "commit": _COMMIT,
                 "delete": _DELETE,
                 "claim_expired": _CLAIM_EXPIRED,
+                "admit_key_session": _ADMIT_KEY_SESSION,
             }.items()
         }
 
@@ -316,7 +345,18 @@ class RedisStore(SessionStore):
 
     async def delete(self, session_id: str, key_name: str = "") -> str | None:
         reply = await self._run("delete", self._keys(session_id, key_name), [])
+        if key_name:  # at once, not after its reservation (`admit_key_session`)
+            await self._call(self._client.zrem(self._key_sessions(key_name), session_id))
         return reply.decode() if reply else None
+
+    async def admit_key_session(self, key_name: str, session_id: str, limit: int) -> int:
+        records = self._keys("", key_name)[0]  # a session's record key: this and its id
+        args = [records, session_id, limit, RESERVATION_MS]
+        return int(await self._run("admit_key_session", [self._key_sessions(key_name)], args))
+
+    def _key_sessions(self, key_name: str) -> str:
+        """The index of an API key's sessions."""
+        return f"{self.prefix}key-sessions:{key_name}"
 
     async def claim_expired(self, limit: int = 100) -> list[str]:
         reply = await self._run("claim_expired", [f"{self.prefix}expiry"], [limit])

@@ -154,9 +154,18 @@ class SessionRunner:
         is taken (among that key's sessions)."""
         session_id = check_session_id(session_id) if session_id else new_session_id()
         record = SessionRecord(session_id, new_cache_id(session_id, key_name), key_name)
+        await self._admit(key_name, session_id)
         await self.store.create(record, owner="")
         self._observe("created")
         return session_id
+
+    async def _admit(self, key_name: str, session_id: str) -> None:
+        """A new session of the API key `key_name`, within the server's limit of sessions
+        per key (`CapacityError` past it); no limit without keys or server limits."""
+        limits = self.engine.limits
+        if key_name and limits is not None:
+            held = await self.store.admit_key_session(key_name, session_id, limits.sessions_per_key)
+            limits.check_sessions_per_key(key_name, held)
 
     async def close_session(self, session_id: str, key_name: str = "") -> None:
         """Deletes the record, stops a generation on it (here at once; elsewhere at its
@@ -260,6 +269,7 @@ class SessionRunner:
             prepared = await self._in_thread(self.engine.prepare, request)
             session_id = new_session_id()
             record = SessionRecord(session_id, new_cache_id(session_id, key_name), key_name)
+            await self._admit(key_name, session_id)
             await self._leased(self.store.create(record, owner), lambda _: record)
             self._observe("created")
         else:

@@ -6,6 +6,11 @@ the record, the token records of its current generation's rounds (so a resumed r
 can return the whole output), and an expiry index of cache ids (so the caches of a
 session whose idle TTL passed are released on the services).
 
+Sessions per API key: `admit_key_session` files a key's new session in an index of the
+key's sessions, unless the key already holds its limit; a filed session counts while its
+record exists (deleted or expired, it stops counting), and from its admission on, for
+`RESERVATION_MS`, before its record does; `delete` unfiles it at once.
+
 Ownership: `acquire` gives a request the lease (refused with `SessionBusy` while another
 owner's lease runs); every `commit` names the version it read and its owner, and is
 refused (`SessionConflict`) when the record changed under it — taken over after its lease
@@ -25,6 +30,10 @@ from typing import Any
 
 from hydra_jury.orchestrator.sessions.record import SessionRecord
 from hydra_jury.serving.errors import SessionConflict
+
+# How long an admitted session counts against its key before its record exists: the
+# record is created right after, and meanwhile another admission must not drop it.
+RESERVATION_MS = 10_000
 
 
 class SessionBusy(SessionConflict):
@@ -110,6 +119,11 @@ class SessionStore(ABC):
     @abstractmethod
     async def delete(self, session_id: str, key_name: str = "") -> str | None:
         """Deletes the session; its cache id, or None if there was no such session."""
+
+    @abstractmethod
+    async def admit_key_session(self, key_name: str, session_id: str, limit: int) -> int:
+        """How many other sessions the API key `key_name` holds; `session_id` is filed
+        among them when that is under `limit` (one already filed counts once)."""
 
     @abstractmethod
     async def claim_expired(self, limit: int = 100) -> list[str]:

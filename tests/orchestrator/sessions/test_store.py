@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from hydra_jury.orchestrator.output import FinishReason, Progress
+from hydra_jury.orchestrator.sessions import memory_store, redis_store
 from hydra_jury.orchestrator.sessions.memory_store import MemoryStore
 from hydra_jury.orchestrator.sessions.record import (
     GenerationRecord,
@@ -241,3 +242,44 @@ def test_a_document_holds_every_field_but_the_stores_the_tokens_and_the_result()
     assert restored == SessionRecord(
         **{**vars(record), "version": 0, "owner": "", "tokens": [], "result": None}
     )
+
+
+def keyed_record(key_name: str, session_id: str) -> SessionRecord:
+    return SessionRecord(session_id, new_cache_id(session_id, key_name), key_name)
+
+
+def test_a_key_s_sessions_count_while_their_records_exist(make_store, monkeypatch):
+    for module in (memory_store, redis_store):  # a session counts only by its record
+        monkeypatch.setattr(module, "RESERVATION_MS", 0)
+    key = f"k{uuid.uuid4().hex[:6]}"
+
+    async def scenario() -> None:
+        store = make_store(ttl_s=0.5)
+        assert await store.admit_key_session(key, "a", 2) == 0
+        await store.create(keyed_record(key, "a"), owner="")
+        assert await store.admit_key_session(key, "b", 2) == 1
+        await store.create(keyed_record(key, "b"), owner="")
+        assert await store.admit_key_session(key, "c", 2) == 2  # refused: nothing filed
+        assert await store.admit_key_session(key, "a", 2) == 1  # filed already: once
+        assert await store.admit_key_session("other", "c", 2) == 0  # keys count apart
+        await store.delete("a", key)
+        assert await store.admit_key_session(key, "c", 2) == 1  # a closed one stops counting
+        await store.create(keyed_record(key, "c"), owner="")
+        await asyncio.sleep(0.6)  # b and c expire
+        assert await store.admit_key_session(key, "d", 2) == 0
+        await store.close()
+
+    run(scenario())
+
+
+def test_an_admitted_session_counts_before_its_record_exists(make_store):
+    key = f"k{uuid.uuid4().hex[:6]}"
+
+    async def scenario() -> None:
+        store = make_store()
+        assert await store.admit_key_session(key, "a", 1) == 0
+        # A's record is not written yet, and already counts.
+        assert await store.admit_key_session(key, "b", 1) == 1
+        await store.close()
+
+    run(scenario())
