@@ -6,44 +6,26 @@ from __future__ import annotations
 
 import argparse
 
+from hydra_jury.serving.flags import add_client_tls_flags
 from hydra_jury.serving.tls import ClientTls, TlsFlags, unreachable_hint
 
-CLIENT_TLS_FLAGS = TlsFlags("--tls-cert", "--tls-key", "--tls-ca")
-SERVER_NAME_FLAG = "--tls-server-name"
+CLIENT_TLS_FLAGS = TlsFlags("--tls")
 
 
-def add_client_tls_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(
-        "TLS", "with --tls-ca the connection is TLS (for a server started with --tls-cert)"
-    )
-    group.add_argument(
-        CLIENT_TLS_FLAGS.ca,
-        metavar="FILE",
-        help="the CA (PEM) that signed the server's certificate",
-    )
-    group.add_argument(
-        CLIENT_TLS_FLAGS.cert,
-        metavar="FILE",
-        help="a client certificate (PEM), for a server that requires one (its --tls-ca)",
-    )
-    group.add_argument(CLIENT_TLS_FLAGS.key, metavar="FILE", help="its private key (PEM)")
-    group.add_argument(
-        SERVER_NAME_FLAG,
-        metavar="NAME",
-        help="the name the server's certificate must carry, when not the address's host",
+def add_server_tls_flags(parser: argparse.ArgumentParser) -> None:
+    flags = CLIENT_TLS_FLAGS
+    add_client_tls_flags(
+        parser,
+        flags,
+        "TLS",
+        f"with {flags.ca} the connection is TLS (for a server started with {flags.cert})",
+        "the server",
     )
 
 
 def client_tls(args: argparse.Namespace) -> ClientTls | None:
     """The flags' TLS, its files read and checked (None: plaintext)."""
-    return ClientTls.load(
-        args.tls_ca,
-        args.tls_cert,
-        args.tls_key,
-        args.tls_server_name,
-        flags=CLIENT_TLS_FLAGS,
-        server_name_flag=SERVER_NAME_FLAG,
-    )
+    return ClientTls.from_settings(args, CLIENT_TLS_FLAGS)
 
 
 def unreachable(tls: ClientTls | None) -> str:

@@ -13,7 +13,7 @@ import sys
 import grpc
 from google.protobuf.json_format import MessageToJson
 
-from hydra_jury.cli.channel import add_client_tls_flags, client_tls, unreachable
+from hydra_jury.cli.channel import add_server_tls_flags, client_tls, unreachable
 from hydra_jury.cli.decoding import add_decoding_flags, decoding_request
 from hydra_jury.cli.draft import resolved_draft_model
 from hydra_jury.hydra_model import DraftModel, HydraModel
@@ -100,7 +100,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     )
     add_decoding_flags(parser)
     add_model_flags(parser)
-    add_client_tls_flags(parser)
+    add_server_tls_flags(parser)
     _add_api_key_flag(parser)
     parser.set_defaults(handler=_run_generate)
 
@@ -213,7 +213,7 @@ def _add_chat(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--session", metavar="ID", help="continue this session")
     _add_timeout_flag(parser, "deadline of each answer")
     add_decoding_flags(parser)
-    add_client_tls_flags(parser)
+    add_server_tls_flags(parser)
     _add_api_key_flag(parser)
     parser.set_defaults(handler=_run_chat)
 

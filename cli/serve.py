@@ -97,7 +97,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     limits = SessionLimits(args.max_sessions, args.max_session_tokens)
     draft_model = resolved_draft_model(args.draft_model)
     request_limits = limits_from(args)
-    tls = ServerTls.load(args.tls_cert, args.tls_key, args.tls_ca)
+    tls = ServerTls.from_settings(args)
     auth = auth_from(args)
 
     async def serve(store: RedisStore) -> None:

@@ -54,8 +54,7 @@ from hydra_jury.serving.tls import ClientTls, ServerTls, TlsFlags
 REDIS_URL_VARIABLE = "HYDRA_JURY_REDIS_URL"  # below the config file and the flags
 DISCOVERY_MODES = ("static", "kubernetes")
 # The client side of the hops to the trunk and the shards.
-INTERNAL_TLS_FLAGS = TlsFlags("--internal-tls-cert", "--internal-tls-key", "--internal-tls-ca")
-INTERNAL_TLS_SERVER_NAME_FLAG = "--internal-tls-server-name"
+INTERNAL_TLS_FLAGS = TlsFlags("--internal-tls")
 
 
 class ConfigFileError(ValueError):
@@ -158,18 +157,11 @@ class OrchestratorConfig:
 
     def server_tls(self) -> ServerTls | None:
         """The public port's TLS, its files read and checked."""
-        return ServerTls.load(self.tls_cert, self.tls_key, self.tls_ca)
+        return ServerTls.from_settings(self)
 
     def internal_tls(self) -> ClientTls | None:
         """The client side of the hops to the services, its files read and checked."""
-        return ClientTls.load(
-            self.internal_tls_ca,
-            self.internal_tls_cert,
-            self.internal_tls_key,
-            self.internal_tls_server_name,
-            flags=INTERNAL_TLS_FLAGS,
-            server_name_flag=INTERNAL_TLS_SERVER_NAME_FLAG,
-        )
+        return ClientTls.from_settings(self, INTERNAL_TLS_FLAGS)
 
     def request_limits(self) -> RequestLimits:
         return limits_from(self)

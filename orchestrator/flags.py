@@ -9,12 +9,12 @@ from dataclasses import fields
 
 from hydra_jury.orchestrator.config import (
     INTERNAL_TLS_FLAGS,
-    INTERNAL_TLS_SERVER_NAME_FLAG,
     REDIS_URL_VARIABLE,
     OrchestratorConfig,
 )
 from hydra_jury.orchestrator.limits import RequestLimits, limit_flag
 from hydra_jury.serving.flags import (
+    add_client_tls_flags,
     add_grace_flag,
     add_listen_flag,
     add_metrics_flags,
@@ -84,28 +84,15 @@ def add_request_limit_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_internal_tls_flags(parser: argparse.ArgumentParser) -> None:
     """The orchestrator's side of the hops to the trunk and the shards."""
-    group = parser.add_argument_group(
+    flags = INTERNAL_TLS_FLAGS
+    add_client_tls_flags(
+        parser,
+        flags,
         "internal TLS",
-        f"with {INTERNAL_TLS_FLAGS.ca} every channel to the services is TLS (never "
-        f"plaintext); with {INTERNAL_TLS_FLAGS.cert} and {INTERNAL_TLS_FLAGS.key} as well, "
-        "mTLS",
-    )
-    group.add_argument(
-        INTERNAL_TLS_FLAGS.ca,
-        metavar="FILE",
-        help="the CA (PEM) that signed the services' certificates",
-    )
-    group.add_argument(
-        INTERNAL_TLS_FLAGS.cert,
-        metavar="FILE",
-        help="the orchestrator's client certificate (PEM), for services that require one",
-    )
-    group.add_argument(INTERNAL_TLS_FLAGS.key, metavar="FILE", help="its private key (PEM)")
-    group.add_argument(
-        INTERNAL_TLS_SERVER_NAME_FLAG,
-        metavar="NAME",
-        help="the name the services' certificates must carry, instead of each address's "
-        "host (kubernetes discovery connects to pod IPs, which no certificate names)",
+        f"with {flags.ca} every channel to the services is TLS (never plaintext); with "
+        f"{flags.cert} and {flags.key} as well, mTLS; kubernetes discovery connects to pod "
+        f"IPs, which no certificate names: give {flags.server_name}",
+        "the services",
     )
 
 

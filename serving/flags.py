@@ -1,5 +1,7 @@
 """The command-line flags the servers share (the worker services, the orchestrator,
-`hydra-jury serve`, and `generate --local` for the model's), each defined once here.
+`hydra-jury serve`, and `generate --local` for the model's), each defined once here;
+and the TLS flags of a client (the orchestrator's towards the services, the client
+commands' towards a server), named by `serving.tls.TlsFlags`.
 
 A flag whose setting a dataclass owns takes its default from it (`SessionLimits`); the
 rest are named here and read by the servers' own option classes (`ServiceOptions`, the
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from hydra_jury.hydra_model.checkpoint import DTYPES
+from hydra_jury.serving.tls import SERVER_FLAGS, TlsFlags
 from hydra_jury.workers.sessions import SessionLimits
 
 DEVICE = "cpu"
@@ -88,13 +91,14 @@ def add_draft_model_flag(parser: argparse.ArgumentParser, where: str = "") -> No
 def add_tls_flags(parser: argparse.ArgumentParser) -> None:
     """The server's TLS (`serving.tls.ServerTls`) and the plaintext health port its
     probes may need."""
+    flags = SERVER_FLAGS
     group = parser.add_argument_group(
-        "TLS", "with --tls-cert and --tls-key the port is TLS; with --tls-ca as well, mTLS"
+        "TLS", f"with {flags.cert} and {flags.key} the port is TLS; with {flags.ca} as well, mTLS"
     )
-    group.add_argument("--tls-cert", metavar="FILE", help="the server's certificate chain (PEM)")
-    group.add_argument("--tls-key", metavar="FILE", help="its private key (PEM, unencrypted)")
+    group.add_argument(flags.cert, metavar="FILE", help="the server's certificate chain (PEM)")
+    group.add_argument(flags.key, metavar="FILE", help="its private key (PEM, unencrypted)")
     group.add_argument(
-        "--tls-ca",
+        flags.ca,
         metavar="FILE",
         help="require a client certificate signed by this CA (PEM) from every client",
     )
@@ -103,4 +107,27 @@ def add_tls_flags(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="serve grpc.health.v1 alone, in plaintext, on this address too: for probes "
         "that cannot do TLS, such as Kubernetes' gRPC probes",
+    )
+
+
+def add_client_tls_flags(
+    parser: argparse.ArgumentParser, flags: TlsFlags, title: str, description: str, servers: str
+) -> None:
+    """A client's TLS flags (`serving.tls.ClientTls.from_settings` reads them); `servers`
+    names what it connects to ("the services")."""
+    group = parser.add_argument_group(title, description)
+    group.add_argument(
+        flags.ca, metavar="FILE", help=f"the CA (PEM) that signed the certificates of {servers}"
+    )
+    group.add_argument(
+        flags.cert,
+        metavar="FILE",
+        help=f"a client certificate (PEM), for {servers} requiring one (mTLS)",
+    )
+    group.add_argument(flags.key, metavar="FILE", help="its private key (PEM)")
+    group.add_argument(
+        flags.server_name,
+        metavar="NAME",
+        help=f"the name the certificates of {servers} must carry, instead of the host of "
+        "the address",
     )

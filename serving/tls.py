@@ -14,6 +14,7 @@ import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from cryptography import x509
@@ -32,14 +33,34 @@ class TlsError(ValueError):
 
 @dataclass(frozen=True)
 class TlsFlags:
-    """The flags (or configuration keys) of one set of TLS files, for the messages."""
+    """The flags of one set of TLS settings, PREFIX-cert, -key, -ca and (a client's)
+    -server-name: named by the messages, and read from the attributes argparse names
+    after them (a configuration names its fields alike)."""
 
-    cert: str
-    key: str
-    ca: str
+    prefix: str  # "--tls", "--internal-tls"
+
+    @property
+    def cert(self) -> str:
+        return f"{self.prefix}-cert"
+
+    @property
+    def key(self) -> str:
+        return f"{self.prefix}-key"
+
+    @property
+    def ca(self) -> str:
+        return f"{self.prefix}-ca"
+
+    @property
+    def server_name(self) -> str:
+        return f"{self.prefix}-server-name"
+
+    def value(self, settings: object, flag: str) -> Any:
+        """The value of `flag` in `settings` (parsed arguments or a configuration)."""
+        return getattr(settings, flag.removeprefix("--").replace("-", "_"))
 
 
-SERVER_FLAGS = TlsFlags("--tls-cert", "--tls-key", "--tls-ca")
+SERVER_FLAGS = TlsFlags("--tls")  # every server's
 
 
 def _read(path: str | Path, flag: str) -> bytes:
@@ -147,6 +168,12 @@ class ServerTls:
             return None
         return cls(identity, _load_ca(ca, flags.ca) if ca else None)
 
+    @classmethod
+    def from_settings(cls, settings: object, flags: TlsFlags = SERVER_FLAGS) -> ServerTls | None:
+        """`load` of the flags' values in `settings`."""
+        cert, key, ca = (flags.value(settings, flag) for flag in (flags.cert, flags.key, flags.ca))
+        return cls.load(cert, key, ca, flags)
+
     @property
     def mutual(self) -> bool:
         return self.client_ca is not None
@@ -185,7 +212,6 @@ class ClientTls:
         server_name: str | None = None,
         *,
         flags: TlsFlags,
-        server_name_flag: str = "",
     ) -> ClientTls | None:
         """None (plaintext) when nothing is named; a `TlsError` for a partial or wrong
         set: a client certificate or a server name without the CA that verifies the
@@ -194,7 +220,7 @@ class ClientTls:
         if not ca:
             given = [
                 flag
-                for flag, value in [(flags.cert, cert), (server_name_flag, server_name)]
+                for flag, value in [(flags.cert, cert), (flags.server_name, server_name)]
                 if value
             ]
             if given:
@@ -204,6 +230,12 @@ class ClientTls:
                 )
             return None
         return cls(_load_ca(ca, flags.ca), identity, server_name or None)
+
+    @classmethod
+    def from_settings(cls, settings: object, flags: TlsFlags) -> ClientTls | None:
+        """`load` of the flags' values in `settings`."""
+        names = (flags.ca, flags.cert, flags.key, flags.server_name)
+        return cls.load(*(flags.value(settings, flag) for flag in names), flags=flags)
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(

@@ -279,7 +279,7 @@ def service_main(spec: WorkerServiceSpec, argv: list[str] | None = None, prog: s
                 ),
                 metrics_port=args.metrics_port,
                 metrics_address=args.metrics_address,
-                tls=ServerTls.load(args.tls_cert, args.tls_key, args.tls_ca),
+                tls=ServerTls.from_settings(args),
             )
             running = await serve_worker(spec, options)
             detail = running.servicer.listening_detail()

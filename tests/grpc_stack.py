@@ -194,8 +194,9 @@ class Stack:
         """A client's TLS with the stack's client certificate (the orchestrator's)."""
         if self.tls is None:
             return None
-        flags = TlsFlags("client cert", "client key", "CA")
-        return ClientTls.load(self.tls.ca, self.tls.client_cert, self.tls.client_key, flags=flags)
+        return ClientTls.load(
+            self.tls.ca, self.tls.client_cert, self.tls.client_key, flags=TlsFlags("--stack-tls")
+        )
 
     def channel(self, name: str) -> grpc.Channel:
         channel = open_channel(self.addresses[name], self.client_tls())

@@ -13,7 +13,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from hydra_jury.cli import main
 from hydra_jury.serving.tls import CertificateDirectory, ClientTls, ServerTls, TlsFlags
 
-FLAGS = TlsFlags("cert", "key", "ca")
+FLAGS = TlsFlags("--test-tls")
 
 
 def certificate(path) -> x509.Certificate:

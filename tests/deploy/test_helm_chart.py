@@ -485,6 +485,26 @@ INVALID = {
         {"preStopSleepSeconds": -1},
         "preStopSleepSeconds: Must be greater than or equal to 0",
     ),
+    "a client certificate without the services' own": (
+        {"tls": {"internal": {"clientSecretName": "orchestrator-tls"}}},
+        "set tls.internal.secretName (their certificate) too",
+    ),
+    "kubernetes discovery over TLS without a server name": (
+        {"discovery": "kubernetes", "tls": {"internal": {"secretName": "services-tls"}}},
+        "tls.internal.serverName is needed with discovery=kubernetes",
+    ),
+    "client certificates without the public certificate": (
+        {"tls": {"public": {"requireClientCertificate": True}}},
+        "tls.public.requireClientCertificate needs tls.public.secretName",
+    ),
+    "a mistyped TLS value": (
+        {"tls": {"internal": {"secret": "services-tls"}}},
+        "Additional property secret is not allowed",
+    ),
+    "a health port out of range": (
+        {"tls": {"healthPort": 70000}},
+        "tls.healthPort: Must be less than or equal to 65535",
+    ),
 }
 
 

@@ -2,8 +2,8 @@
 the servers' and the orchestrators' TLS flags pointing into them, the probes on the
 plaintext health port of a TLS server (the kubelet's gRPC probes cannot do TLS) and that
 port open to no other pod; without a Secret, nothing of it. The release's manifests are
-validated strictly with the others' (`test_helm_chart.py`, the `tls` case); here, what
-they say, and the values refused."""
+validated strictly with the others' (`test_helm_chart.py`, the `tls` case, where the
+refused TLS values are listed with the others); here, what they say."""
 
 from __future__ import annotations
 
@@ -113,36 +113,3 @@ def test_without_a_secret_nothing_is_tls(render):
         assert not mounted_secrets(pod, container)
         assert not TLS_FLAGS & set(arguments(container))
         assert "health" not in {port["name"] for port in container["ports"]}
-
-
-INVALID = {
-    "a client certificate without the services' own": (
-        {"tls": {"internal": {"clientSecretName": "orchestrator-tls"}}},
-        "set tls.internal.secretName (their certificate) too",
-    ),
-    "kubernetes discovery without a server name": (
-        {"discovery": "kubernetes", "tls": {"internal": {"secretName": "services-tls"}}},
-        "tls.internal.serverName is needed with discovery=kubernetes",
-    ),
-    "client certificates without the public certificate": (
-        {"tls": {"public": {"requireClientCertificate": True}}},
-        "tls.public.requireClientCertificate needs tls.public.secretName",
-    ),
-    "a mistyped TLS value": (
-        {"tls": {"internal": {"secret": "services-tls"}}},
-        "Additional property secret is not allowed",
-    ),
-    "a health port out of range": (
-        {"tls": {"healthPort": 70000}},
-        "tls.healthPort: Must be less than or equal to 65535",
-    ),
-}
-
-
-@pytest.mark.parametrize("problem", INVALID)
-def test_invalid_tls_values_are_refused(render, tmp_path, problem):
-    values, message = INVALID[problem]
-    path = tmp_path / "values.yaml"
-    path.write_text(yaml.safe_dump(values))
-    result = render(path)
-    assert result.returncode != 0 and message in result.stderr, result.stderr

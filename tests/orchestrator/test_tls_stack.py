@@ -26,7 +26,7 @@ from hydra_jury.serving.tls import CertificateDirectory, ClientTls, TlsFlags, op
 from tests.grpc_stack import Stack
 
 SHARDS = [["head0", "head1"], ["head2", "head3"]]
-FLAGS = TlsFlags("cert", "key", "ca")
+FLAGS = TlsFlags("--test-tls")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from hydra_jury.serving.tls import ClientTls, ServerTls, TlsError, TlsFlags, ope
 from hydra_jury.serving.worker_service import service_main
 from hydra_jury.trunk_service.server import TRUNK_SERVICE
 
-CLIENT_FLAGS = TlsFlags("--c-cert", "--c-key", "--c-ca")
+CLIENT_FLAGS = TlsFlags("--c")
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +105,13 @@ def test_an_expired_or_future_certificate_is_refused(tmp_path):
 
 
 def test_a_client_set_needs_the_ca_that_verifies_the_servers(certificates):
-    with pytest.raises(TlsError, match="--c-cert and --name need --c-ca"):
+    with pytest.raises(TlsError, match="--c-cert and --c-server-name need --c-ca"):
         ClientTls.load(
             None,
             certificates.client_cert,
             certificates.client_key,
             "hydra.internal",
             flags=CLIENT_FLAGS,
-            server_name_flag="--name",
         )
     with pytest.raises(TlsError, match="--c-cert needs --c-key"):
         ClientTls.load(certificates.ca, certificates.client_cert, flags=CLIENT_FLAGS)
