@@ -122,12 +122,12 @@ def add_api_key_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="generations in progress at once per key, for keys whose line sets none "
-        "(default: no limit)",
+        "(default, or 0: no limit)",
     )
     group.add_argument(
         "--tokens-per-minute-per-key",
         type=int,
         metavar="N",
-        help="generated tokens per key in any 60 s, for keys whose line sets none (default: "
-        "no limit)",
+        help="generated tokens per key in any 60 s, for keys whose line sets none (default, "
+        "or 0: no limit)",
     )

@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
-from hydra_jury.serving.api_keys import NO_LIMITS, ApiKey, KeyFile, KeyLimits
+from hydra_jury.serving.api_keys import ApiKey, KeyFile, KeyLimits
 from hydra_jury.serving.errors import Unauthenticated, detail_for, status_for
 
 METADATA_KEY = "authorization"
@@ -147,14 +147,22 @@ class AuthSettings(Protocol):
 
 def auth_from(settings: AuthSettings) -> ApiKeyAuth | None:
     """The authentication `settings` ask for, None for an open server. The key file is
-    read now, so that a bad one stops the server before it loads anything."""
-    defaults = KeyLimits(settings.max_concurrent_per_key, settings.tokens_per_minute_per_key)
+    read now, so that a bad one stops the server before it loads anything. A default
+    limit of 0 is no limit, as on a key's line."""
+    limits = {
+        "--max-concurrent-per-key": settings.max_concurrent_per_key,
+        "--tokens-per-minute-per-key": settings.tokens_per_minute_per_key,
+    }
+    for flag, value in limits.items():
+        if value is not None and value < 0:
+            raise ValueError(f"{flag} must be 0 (no limit) or more, got {value}")
+    defaults = KeyLimits(*(value or None for value in limits.values()))
     protect_open_services = bool(settings.auth_health)
     if settings.api_keys is None:
-        if protect_open_services or defaults != NO_LIMITS:
-            raise ValueError(
-                "--auth-health and the per-key limits apply to API keys: give --api-keys FILE"
-            )
+        given = [flag for flag, value in limits.items() if value]
+        given += ["--auth-health"] if protect_open_services else []
+        if given:
+            raise ValueError(f"{' and '.join(given)} need API keys: give --api-keys FILE too")
         return None
     return ApiKeyAuth(KeyFile(settings.api_keys, defaults), protect_open_services)
 

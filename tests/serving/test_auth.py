@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from hydra_jury.serving.api_keys import KeyFile
+from hydra_jury.serving.api_keys import KeyFile, KeyLimits
 from hydra_jury.serving.auth import REFUSALS, ApiKeyInterceptor, auth_from, with_api_key
 from hydra_jury.serving.server import GrpcServer
 from tests.grpc_stack import BackgroundLoop
@@ -104,13 +104,19 @@ class Settings:
 
 def test_settings_without_a_key_file(tmp_path):
     assert auth_from(Settings()) is None
-    for settings in (Settings(auth_health=True), Settings(concurrent=2)):
-        with pytest.raises(ValueError, match="apply to API keys: give --api-keys FILE"):
+    assert auth_from(Settings(concurrent=0, per_minute=0)) is None  # 0: no limit
+    for settings, given in (
+        (Settings(auth_health=True), "--auth-health"),
+        (Settings(concurrent=2), "--max-concurrent-per-key"),
+        (Settings(per_minute=9, auth_health=True), "--tokens-per-minute-per-key and --auth-health"),
+    ):
+        with pytest.raises(ValueError, match=f"^{given} need API keys: give --api-keys FILE too$"):
             auth_from(settings)
     path = tmp_path / "keys"
     path.write_text(f"operator:{KEY}\n")
-    auth = auth_from(Settings(str(path), True, 3, None))
+    auth = auth_from(Settings(str(path), True, 3, 0))
     assert auth.protect_open_services
-    assert auth.keys.keys.find(KEY).limits.max_concurrent == 3
-    with pytest.raises(ValueError, match="max_concurrent must be at least 1"):
-        auth_from(Settings(str(path), concurrent=0))
+    assert auth.keys.keys.find(KEY).limits == KeyLimits(max_concurrent=3)
+    with pytest.raises(ValueError) as raised:
+        auth_from(Settings(str(path), concurrent=-1))
+    assert str(raised.value) == "--max-concurrent-per-key must be 0 (no limit) or more, got -1"
