@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 
 import grpc
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hydra_jury.cli import main
 from hydra_jury.cli.certs import Issued, Validity, issue, make_certificates, new_authority
@@ -20,7 +22,12 @@ from hydra_jury.orchestrator.__main__ import main as orchestrator_main
 from hydra_jury.orchestrator.discovery import StaticDiscovery
 from hydra_jury.orchestrator.launcher import LocalStack
 from hydra_jury.orchestrator.server import serve_orchestrator
-from hydra_jury.protos.hydrajury.v1 import generation_pb2, internal_pb2, internal_pb2_grpc
+from hydra_jury.protos.hydrajury.v1 import (
+    generation_pb2,
+    generation_pb2_grpc,
+    internal_pb2,
+    internal_pb2_grpc,
+)
 from hydra_jury.serving.errors import ServiceUnavailable
 from hydra_jury.serving.tls import CertificateDirectory, ClientTls, TlsFlags, open_channel
 from tests.grpc_stack import Stack
@@ -195,9 +202,32 @@ def test_the_orchestrator_refuses_a_certificate_without_its_key(certificates, ca
     assert "--internal-tls-server-name need --internal-tls-ca" in capsys.readouterr().err
 
 
+def test_the_single_process_server_serves_tls(jury_checkpoint, redis_url, certificates, capsys):
+    stack = Stack(str(jury_checkpoint), [], redis_url, tls=certificates)
+    try:
+        stack.start_embedded(tls=stack.server_tls(mutual=False))
+        assert len(stack.generation().Generate(request(), timeout=30).token_ids) == 16
+        with (
+            grpc.insecure_channel(stack.addresses["orchestrator"]) as channel,
+            pytest.raises(grpc.RpcError) as raised,
+        ):
+            generation_pb2_grpc.GenerationStub(channel).Info(
+                generation_pb2.GenerationInfoRequest(), timeout=10
+            )
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        stack.close()
+    argv = ["serve", "--checkpoint", str(jury_checkpoint), "--tls-key", str(certificates.ca_key)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        "hydra-jury serve: error: --tls-key needs --tls-cert (the key's certificate)"
+    )
+
+
 def test_up_with_tls_serves_over_tls(jury_checkpoint, redis_url, tmp_path, capsys):
     """`hydra-jury up --tls`'s stack: mTLS services, the orchestrator their client and a
-    TLS server; a client that trusts the CA generates, a plaintext one is refused."""
+    TLS server; a client that trusts the CA generates, a plaintext one is refused. The
+    services' plaintext health ports (--health-listen) answer a probe without TLS."""
     certificates = make_certificates(tmp_path / "certs")
     stack = LocalStack(
         str(jury_checkpoint),
@@ -205,12 +235,20 @@ def test_up_with_tls_serves_over_tls(jury_checkpoint, redis_url, tmp_path, capsy
         port=0,
         redis_url=redis_url,
         shard_threads=1,
-        extra_service_args=["--max-session-tokens", "128"],
+        extra_service_args=["--max-session-tokens", "128", "--health-listen", "127.0.0.1:0"],
         tls=certificates,
     )
     try:
         address = stack.start(timeout_s=120)
-        capsys.readouterr()
+        started = capsys.readouterr().err
+        health_ports = re.findall(r"grpc\.health\.v1 in plaintext on 127\.0\.0\.1:(\d+)", started)
+        assert len(health_ports) == 2  # the trunk's and the shard's
+        for port in health_ports:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                answer = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=10
+                )
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
         assert main(generate_argv(address, "--tls-ca", str(certificates.ca))) == 0
         assert len(json.loads(capsys.readouterr().out)["tokenIds"]) == 6
         assert main(generate_argv(address)) == 2
