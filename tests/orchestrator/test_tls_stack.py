@@ -12,6 +12,7 @@ import re
 
 import grpc
 import pytest
+import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -19,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hydra_jury.cli import main
 from hydra_jury.cli.certs import Issued, Validity, issue, make_certificates, new_authority
 from hydra_jury.orchestrator.__main__ import main as orchestrator_main
+from hydra_jury.orchestrator.config import OrchestratorConfig
 from hydra_jury.orchestrator.discovery import StaticDiscovery
 from hydra_jury.orchestrator.launcher import LocalStack
 from hydra_jury.orchestrator.server import serve_orchestrator
@@ -186,6 +188,30 @@ def test_the_cli_connects_over_tls_and_says_why_plaintext_fails(tls_stack, certi
     error = capsys.readouterr().err
     assert error.startswith("hydra-jury generate: error: UNAVAILABLE: ")
     assert "(if its port is TLS, connect with --tls-ca)" in error
+
+
+def test_the_configuration_file_takes_the_tls_keys(certificates, tmp_path):
+    settings = {
+        "checkpoint": "ckpt",
+        "trunk": "127.0.0.1:1",
+        "jury": ["127.0.0.1:2"],
+        "redis_url": "redis://127.0.0.1:1/0",
+        "tls_cert": str(certificates.server_cert),
+        "tls_key": str(certificates.server_key),
+        "tls_ca": str(certificates.ca),
+        "health_listen": "0.0.0.0:50059",
+        "internal_tls_ca": str(certificates.ca),
+        "internal_tls_cert": str(certificates.client_cert),
+        "internal_tls_key": str(certificates.client_key),
+        "internal_tls_server_name": "hydra.internal",
+    }
+    path = tmp_path / "orchestrator.yaml"
+    path.write_text(yaml.safe_dump(settings))
+    config = OrchestratorConfig.load(path, {})
+    server, client = config.server_tls(), config.internal_tls()
+    assert server is not None and server.mutual and config.health_listen == "0.0.0.0:50059"
+    assert client is not None and client.identity is not None
+    assert client.server_name == "hydra.internal"
 
 
 def test_the_orchestrator_refuses_a_certificate_without_its_key(certificates, capsys):
