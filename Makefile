@@ -101,9 +101,10 @@ draft-model: setup
 	$(PY) -m hydra_jury.hydra_model.build.demo --draft --out $(DRAFT_DIR)
 
 # The local stack: trunk, two jury shards and the orchestrator on 127.0.0.1:50050, with
-# the sessions in a private redis-server stopped with the stack.
+# the sessions in a private redis-server stopped with the stack. RUN_FLAGS go to `up`
+# (`make run RUN_FLAGS=--tls`: encrypted with certificates made for the start).
 run: model protos
-	$(PY) -m hydra_jury.cli up --checkpoint $(MODEL_DIR)
+	$(PY) -m hydra_jury.cli up --checkpoint $(MODEL_DIR) $(RUN_FLAGS)
 
 # The single-process server: the same API from one process, for one machine. Sessions
 # live in $HYDRA_JURY_REDIS_URL if set, else in a private redis-server stopped with it.

@@ -11,13 +11,18 @@ import logging
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 from hydra_jury.cli.certs import make_certificates
 from hydra_jury.cli.draft import resolved_draft_model, with_resolved_draft_model
 from hydra_jury.jury_service.server import JURY_SERVICE
 from hydra_jury.orchestrator.__main__ import main as orchestrator_main
 from hydra_jury.orchestrator.config import REDIS_URL_VARIABLE
-from hydra_jury.orchestrator.flags import add_generation_server_flags, add_redis_url_flag
+from hydra_jury.orchestrator.flags import (
+    add_api_key_flags,
+    add_generation_server_flags,
+    add_redis_url_flag,
+)
 from hydra_jury.orchestrator.launcher import LocalStack
 from hydra_jury.orchestrator.limits import limits_from
 from hydra_jury.orchestrator.server import serve_embedded
@@ -177,7 +182,24 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
         "CA and certificates made for this start in a private temporary directory (removed "
         "on stop); the CA's path is printed for clients (--tls-ca)",
     )
+    add_api_key_flags(parser)
     parser.set_defaults(handler=_run_up)
+
+
+def _api_key_args(args: argparse.Namespace) -> list[str]:
+    """The API-key flags `up` was given, for the stack's orchestrator."""
+    given = []
+    if args.api_keys:
+        given += ["--api-keys", str(Path(args.api_keys).resolve())]
+    if args.auth_health:
+        given.append("--auth-health")
+    for flag, value in (
+        ("--max-concurrent-per-key", args.max_concurrent_per_key),
+        ("--tokens-per-minute-per-key", args.tokens_per_minute_per_key),
+    ):
+        if value is not None:
+            given += [flag, str(value)]
+    return given
 
 
 def _run_up(args: argparse.Namespace) -> int:
@@ -195,6 +217,7 @@ def _run_up(args: argparse.Namespace) -> int:
             redis_url=args.redis_url or os.environ.get(REDIS_URL_VARIABLE),
             draft_model=resolved_draft_model(args.draft_model),
             tls=certificates,
+            orchestrator_args=_api_key_args(args),
         )
         try:
             address = stack.start()

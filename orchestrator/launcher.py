@@ -100,6 +100,7 @@ class LocalStack:
     redis_url: str | None = None  # the sessions' Redis; None: a private one per start
     draft_model: str | None = None  # the trunk's draft model (a Hydra checkpoint)
     tls: CertificateDirectory | None = None  # None: plaintext everywhere
+    orchestrator_args: list[str] = field(default_factory=list)  # e.g. --api-keys FILE
     children: list[Child] = field(default_factory=list)
     redis: LocalRedis | None = None  # the private Redis, once started
 
@@ -184,6 +185,7 @@ class LocalStack:
         if self.metrics_port is not None:
             command += ["--metrics-port", str(self.metrics_port)]
         command += self._orchestrator_tls_args()
+        command += self.orchestrator_args
         return self._spawn("orchestrator", command, timeout_s)
 
     def _service_tls_args(self) -> list[str]:

@@ -251,10 +251,13 @@ def test_the_single_process_server_serves_tls(jury_checkpoint, redis_url, certif
 
 
 def test_up_with_tls_serves_over_tls(jury_checkpoint, redis_url, tmp_path, capsys):
-    """`hydra-jury up --tls`'s stack: mTLS services, the orchestrator their client and a
-    TLS server; a client that trusts the CA generates, a plaintext one is refused. The
-    services' plaintext health ports (--health-listen) answer a probe without TLS."""
+    """`hydra-jury up --tls --api-keys FILE`'s stack: mTLS services, the orchestrator their
+    client and a TLS server that wants a key; a client that trusts the CA and sends the
+    key generates, one without the key or without TLS is refused. The services'
+    plaintext health ports (--health-listen) answer a probe without TLS."""
     certificates = make_certificates(tmp_path / "certs")
+    key = "a-key-of-the-local-stack"
+    (tmp_path / "api-keys").write_text(f"dev:{key}\n")
     stack = LocalStack(
         str(jury_checkpoint),
         shards=1,
@@ -263,6 +266,7 @@ def test_up_with_tls_serves_over_tls(jury_checkpoint, redis_url, tmp_path, capsy
         shard_threads=1,
         extra_service_args=["--max-session-tokens", "128", "--health-listen", "127.0.0.1:0"],
         tls=certificates,
+        orchestrator_args=["--api-keys", str(tmp_path / "api-keys")],
     )
     try:
         address = stack.start(timeout_s=120)
@@ -275,8 +279,11 @@ def test_up_with_tls_serves_over_tls(jury_checkpoint, redis_url, tmp_path, capsy
                     health_pb2.HealthCheckRequest(), timeout=10
                 )
             assert answer.status == health_pb2.HealthCheckResponse.SERVING
-        assert main(generate_argv(address, "--tls-ca", str(certificates.ca))) == 0
+        trusted = generate_argv(address, "--tls-ca", str(certificates.ca))
+        assert main([*trusted, "--api-key", key]) == 0
         assert len(json.loads(capsys.readouterr().out)["tokenIds"]) == 6
+        assert main(trusted) == 2
+        assert "UNAUTHENTICATED: this server requires an API key" in capsys.readouterr().err
         assert main(generate_argv(address)) == 2
         assert "connect with --tls-ca" in capsys.readouterr().err
     finally:
