@@ -270,7 +270,8 @@ class Rounds:
         prepared = run.prepared
         rule, lenience, seed = prepared.rule, prepared.request.lenience, prepared.seed
         k = len(draft.tokens)
-        probs = _distributions(run, draft, target_logprobs[:k], score)
+        target_probs = target_logprobs.exp()  # every row's: the metrics read them
+        probs = _distributions(run, draft, target_logprobs[:k], target_probs[:k], score)
         positions = torch.arange(run.start + 1, run.start + 1 + k)  # of the drafts
         if prepared.sampling.greedy:
             verification = verify_greedy(rule, lenience, draft.tokens, probs)
@@ -278,7 +279,7 @@ class Rounds:
             verification = verify_coupled(rule, lenience, draft.tokens, probs, seed, positions)
         else:
             verification = verify_sampled(rule, lenience, draft.tokens, probs, seed, positions)
-        return _verdict(draft, verification, target_logprobs.exp(), score, drafter)
+        return _verdict(draft, verification, target_probs, score, drafter)
 
 
 def _decides_apart(run: Run) -> bool:
@@ -293,15 +294,20 @@ def _count_work(stats: RequestStats, trunk_steps: int, head_evaluations: int) ->
 
 
 def _distributions(
-    run: Run, draft: DraftResult, target_logprobs: torch.Tensor, score: ScoreResult
+    run: Run,
+    draft: DraftResult,
+    target_logprobs: torch.Tensor,
+    target_probs: torch.Tensor,
+    score: ScoreResult,
 ) -> Distributions:
     """What a verdict decides on: the draft q and the target P as sampled (tempered,
     filtered), and the decision q and P the cascade rules defer on (temperature 1,
     unfiltered; the sampled ones when the round asked for none). Greedy reads the
-    decision ones: the unfiltered draft and target."""
+    decision ones: the unfiltered draft and target (`target_probs`, the exponent of
+    `target_logprobs`)."""
     draft_probs = draft.logprobs.exp()
     if run.prepared.sampling.greedy:
-        return Distributions(draft_probs, target_logprobs.exp())
+        return Distributions(draft_probs, target_probs)
     sampled_target = filter_logprobs(target_logprobs, run.prepared.sampling).exp()
     if draft.decision_logprobs is None:
         return Distributions(draft_probs, sampled_target)
