@@ -14,22 +14,22 @@ draft's distribution; the PoE target for a cascade that ignored its deferral) mu
 p < 1e-10.
 
 Cost: the model is the smallest that keeps the heads different (one trunk and one head
-layer), and each run stops once its first two tokens are decided (its first round still
-drafts γ tokens); the sample sizes and tolerances are unchanged.
+layer), each run stops once its first two tokens are decided (its first round still
+drafts γ tokens), and the runs are spread over a worker process per core
+(`tests.engine_sampling`: the counts are those of one process running every seed); the
+sample sizes and tolerances are unchanged.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 
 from hydra_jury.hydra_model import DraftModel, HydraModel
-from hydra_jury.orchestrator.engine import Engine
-from hydra_jury.orchestrator.local_backend import LocalBackend
-from hydra_jury.orchestrator.request import GenerationRequest
-from hydra_jury.workers.sessions import SessionLimits
+from tests.engine_sampling import RunSampler, worker_count
 from tests.grpc_stack import Stack
 from tests.models import (
     build_draft_checkpoint,
@@ -72,15 +72,27 @@ def small_model(tmp_path_factory) -> HydraModel:
 
 
 @pytest.fixture(scope="module")
-def small_draft(small_model) -> DraftModel:
-    """The small jury's base model, whole (two layers), as its draft model."""
-    return DraftModel.load(build_draft_checkpoint(small_model.directory))
+def draft_checkpoint(small_model) -> Path:
+    """The small jury's base model, whole (two layers): its draft model."""
+    return build_draft_checkpoint(small_model.directory)
 
 
 @pytest.fixture(scope="module")
-def small_engine(small_model, small_draft) -> Engine:
-    backend = LocalBackend(small_model, draft_model=small_draft, limits=SessionLimits(1, 32))
-    return Engine(backend, small_model.load_tokenizer())
+def small_draft(draft_checkpoint) -> DraftModel:
+    return DraftModel.load(draft_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(small_model):
+    return small_model.load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def sampler(small_model, draft_checkpoint):
+    """The runs spread over a worker process per core, each with the same engine."""
+    runs = RunSampler(small_model.directory, draft_checkpoint, worker_count())
+    yield runs
+    runs.close()
 
 
 def exact_target(logits: torch.Tensor, names: list[str], temperature: float) -> torch.Tensor:
@@ -123,46 +135,29 @@ def joint_distribution(model, prompt, target_fn, draft=None) -> tuple[torch.Tens
     return joint, decisions
 
 
-def first_two_tokens(engine, request: GenerationRequest) -> list[int]:
-    """The first two generated tokens: the generation runs only the rounds that decide
-    them (its first round still drafts γ tokens), then is closed."""
-    generation = engine.start(request)
-    tokens: list[int] = []
-    for output in generation:
-        tokens += [record.token_id for record in output.tokens]
-        if len(tokens) >= 2:
-            break
-    generation.close()
-    return tokens[:2]
-
-
-def empirical(engine, request_options: dict, prompt: str = PROMPT) -> torch.Tensor:
-    vocab = engine.backend.info.vocab_size
-    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+def empirical(
+    sampler: RunSampler, vocab: int, request_options: dict, prompt: str = PROMPT
+) -> torch.Tensor:
+    """Counts of the first two tokens of RUNS seeded runs, [V, V]."""
     drafter = (
         {"jury": JURY}
         if "drafter" in request_options
         else {"draft_head": DRAFT_HEAD, "drafter": "head"}
     )
-    for seed in range(RUNS):
-        request = GenerationRequest(
-            prompt=prompt,
-            seed=seed,
-            ignore_eos=True,
-            beta=BETA,
-            **drafter,
-            **request_options,
-        )
-        x1, x2 = first_two_tokens(engine, request)
+    options = dict(prompt=prompt, ignore_eos=True, beta=BETA, **drafter, **request_options)
+    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for x1, x2 in sampler.first_two(options, RUNS):
         counts[x1, x2] += 1
     return counts
 
 
 @pytest.mark.parametrize(("drafter", "gamma"), [("head", 1), ("head", 4), ("model", 3)])
-def test_exact_rule_samples_the_poe_target(small_engine, small_model, small_draft, drafter, gamma):
+def test_exact_rule_samples_the_poe_target(
+    tokenizer, small_model, sampler, small_draft, drafter, gamma
+):
     """Top-k filtered at temperature 0.8, drafted by a head or by the draft model (full
     distributions, checked in one pass with the bonus)."""
-    prompt = small_engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
     temperature, top_k = 0.8, 12
     names = small_model.head_names
 
@@ -190,17 +185,19 @@ def test_exact_rule_samples_the_poe_target(small_engine, small_model, small_draf
     }
     if drafter == "model":
         options["drafter"] = "model"
-    counts = empirical(small_engine, options)
+    counts = empirical(sampler, small_model.config.vocab_size, options)
     assert_fits(counts, joint, draft_joint)
 
 
 @pytest.mark.parametrize("gamma", [2, 4])
-def test_ngram_drafts_checked_in_one_pass_sample_the_poe_target(small_engine, small_model, gamma):
+def test_ngram_drafts_checked_in_one_pass_sample_the_poe_target(
+    tokenizer, small_model, sampler, gamma
+):
     """Prompt-lookup drafts (point masses) with one-pass verification and the bonus token:
     the prompt repeats, so the first round drafts from it, and the second token comes from
     a kept draft, a replacement or the bonus."""
     prompt_text = "hihih"
-    prompt = small_engine.tokenizer.encode(prompt_text, add_special_tokens=False)
+    prompt = tokenizer.encode(prompt_text, add_special_tokens=False)
     temperature, top_k = 0.8, 12
     names = small_model.head_names
 
@@ -215,7 +212,8 @@ def test_ngram_drafts_checked_in_one_pass_sample_the_poe_target(small_engine, sm
     keeps_too_often = 0.7 * joint
     keeps_too_often[drafted[0], drafted[1]] += 0.3
     counts = empirical(
-        small_engine,
+        sampler,
+        small_model.config.vocab_size,
         {
             "rule": "exact",
             "drafter": "ngram",
@@ -230,10 +228,12 @@ def test_ngram_drafts_checked_in_one_pass_sample_the_poe_target(small_engine, sm
 
 
 @pytest.mark.parametrize(("drafter", "gamma"), [("head", 1), ("head", 4), ("model", 2)])
-def test_cascade_rule_samples_its_target(small_engine, small_model, small_draft, drafter, gamma):
+def test_cascade_rule_samples_its_target(
+    tokenizer, small_model, sampler, small_draft, drafter, gamma
+):
     """The cascade's deferral decided on the draft's distribution: the draft head's, or
     the draft model's (drafts checked in one pass, with the bonus)."""
-    prompt = small_engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
     lenience = 0.1
     names = small_model.head_names
 
@@ -257,17 +257,17 @@ def test_cascade_rule_samples_its_target(small_engine, small_model, small_draft,
     }
     if drafter == "model":
         options["drafter"] = "model"
-    counts = empirical(small_engine, options)
+    counts = empirical(sampler, small_model.config.vocab_size, options)
     assert_fits(counts, joint, poe_joint)
 
 
 def test_concurrent_requests_through_the_services_sample_the_poe_target(
-    small_engine, small_model, redis_url
+    tokenizer, small_model, redis_url
 ):
     """The exact rule's test again, through the split stack (trunk, two shards) with 8
     requests at a time: the services batch the sessions' calls into shared forwards,
     and the samples still follow the PoE target."""
-    prompt = small_engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
     temperature = 0.8
     names = small_model.head_names
     joint, _ = joint_distribution(
