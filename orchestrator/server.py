@@ -189,7 +189,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             rounds = self._observed_rounds(request, context, _name(key))
             async with contextlib.aclosing(rounds):
                 async for committed in rounds:
-                    if key is not None:
+                    if key is not None and not committed.replayed:  # a replay costs nothing
                         self._spend(key, len(committed.round.tokens))
                     yield committed
 

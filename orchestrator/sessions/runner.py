@@ -84,6 +84,7 @@ class Committed:
     session_id: str
     round: RoundOutput
     summary: GenerationOutput | None = None
+    replayed: bool = False  # the stored result of a finished request, sent again
 
 
 @dataclass
@@ -248,7 +249,7 @@ class SessionRunner:
                 stats["drafted"],
                 stats["accepted"],
             )
-            yield Committed(plan.record.session_id, every_round, output)
+            yield Committed(plan.record.session_id, every_round, output, replayed=True)
             return
         async for item in self._drive(plan, deadline):
             yield item

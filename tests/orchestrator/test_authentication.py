@@ -31,12 +31,14 @@ BOB = "bob-key-0123456789abcdef"  # in the file as its SHA-256 only
 SINGLE = "single-key-0123456789abcd"  # one generation at a time
 METERED = "metered-key-0123456789abc"  # 5 tokens a minute
 TEMPORARY = "temporary-key-0123456789a"
-KEYS = [ALICE, BOB, SINGLE, METERED, TEMPORARY]
+REPLAYER = "replayer-key-0123456789ab"  # 10 tokens a minute
+KEYS = [ALICE, BOB, SINGLE, METERED, TEMPORARY, REPLAYER]
 KEY_FILE = f"""# the test's keys
 alice:{ALICE}
 bob:sha256:{hashlib.sha256(BOB.encode()).hexdigest()}
 single:{SINGLE}:max_concurrent=1
 metered:{METERED}:tokens_per_minute=5
+replayer:{REPLAYER}:tokens_per_minute=10
 """
 
 
@@ -243,6 +245,16 @@ def test_a_key_past_its_tokens_per_minute_is_refused_with_a_retry_hint(stack):
     assert generation(stack, BOB).Generate(chat("others go on"), timeout=30).token_ids
 
 
+def test_a_replayed_answer_costs_its_key_nothing(stack):
+    stub = generation(stack, REPLAYER)
+    first = stub.Generate(chat("hi", request_id="replayed-1", max_new_tokens=6), timeout=30)
+    again = chat("hi", session_id=first.session_id, request_id="replayed-1", max_new_tokens=6)
+    assert stub.Generate(again, timeout=30) == first
+    # 6 of its 10 tokens a minute: the replay, charged again, would have made it 12.
+    more = stub.Generate(chat("more", max_new_tokens=4, ignore_eos=True), timeout=30)
+    assert len(more.token_ids) == 4
+
+
 def test_metrics_and_logs_name_keys_and_never_show_them(stack, logs):
     generation(stack, ALICE).Generate(chat("counted"), timeout=30)
     info = generation_pb2.GenerationInfoRequest()
@@ -257,8 +269,8 @@ def test_metrics_and_logs_name_keys_and_never_show_them(stack, logs):
     ):
         assert sample in text, sample
     logged = "\n".join(logs.lines)
-    assert "the Generation API requires an API key: 4 keys from" in logged
-    assert "(alice, bob, single, metered)" in logged
+    assert "the Generation API requires an API key: 5 keys from" in logged
+    assert "(alice, bob, single, metered, replayer)" in logged
     assert "reloaded" in logged and "added temporary" in logged  # the revocation test's
     for key in KEYS:
         assert key not in text and key not in logged
