@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from dataclasses import fields
 
 import grpc
 import pytest
@@ -17,7 +18,7 @@ from hydra_jury.orchestrator.config import OrchestratorConfig
 from hydra_jury.orchestrator.convert import request_to_pb
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.flags import add_request_limit_flags
-from hydra_jury.orchestrator.limits import RequestLimits, limit_flag, limits_from
+from hydra_jury.orchestrator.limits import RequestLimits, limit_flag, limit_setting, limits_from
 from hydra_jury.orchestrator.request import GenerationRequest, RequestError
 from hydra_jury.protos.hydrajury.v1 import generation_pb2
 from hydra_jury.workers.errors import CapacityError
@@ -214,3 +215,11 @@ def test_a_generation_without_a_request_id_is_told_how_to_resume(stack):
     assert raised.value.details().endswith(
         "a request with a request_id can be continued by sending it again"
     )
+
+
+def test_every_limit_is_a_configuration_key_with_its_default():
+    """The configuration spells the limits out as keys: a limit added to `RequestLimits`
+    without its key would get a flag that `OrchestratorConfig` cannot take."""
+    config = OrchestratorConfig()
+    for limit in fields(RequestLimits):
+        assert getattr(config, limit_setting(limit.name)) == limit.default, limit.name
