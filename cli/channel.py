@@ -31,3 +31,10 @@ def client_tls(args: argparse.Namespace) -> ClientTls | None:
 def unreachable(tls: ClientTls | None) -> str:
     """What to add to a message saying the server could not be reached."""
     return unreachable_hint(tls, CLIENT_TLS_FLAGS.ca)
+
+
+def tls_flags_given(args: argparse.Namespace) -> list[str]:
+    """The TLS flags set on the command line (for commands that make no connection)."""
+    flags = CLIENT_TLS_FLAGS
+    named = (flags.cert, flags.key, flags.ca, flags.server_name)
+    return [flag for flag in named if flags.value(args, flag)]

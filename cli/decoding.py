@@ -9,12 +9,13 @@ import argparse
 from hydra_jury.cli.args import from_flags
 from hydra_jury.orchestrator.request import AUTO_GAMMA, DEFAULT_GAMMA, DRAFTERS, GenerationRequest
 from hydra_jury.poe import RULES
+from hydra_jury.serving.worker_service import head_list
 from hydra_jury.workers.calls import MAX_GAMMA
 
 
 def _heads(text: str) -> list[str] | None:
     """--jury: comma-separated heads; empty, the default jury."""
-    return text.split(",") if text else None
+    return head_list(text) or None
 
 
 def add_decoding_flags(parser: argparse.ArgumentParser) -> None:

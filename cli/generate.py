@@ -13,7 +13,12 @@ import sys
 import grpc
 from google.protobuf.json_format import MessageToJson
 
-from hydra_jury.cli.channel import add_server_tls_flags, client_tls, unreachable
+from hydra_jury.cli.channel import (
+    add_server_tls_flags,
+    client_tls,
+    tls_flags_given,
+    unreachable,
+)
 from hydra_jury.cli.decoding import add_decoding_flags, decoding_request
 from hydra_jury.cli.draft import resolved_draft_model
 from hydra_jury.hydra_model import DraftModel, HydraModel
@@ -120,8 +125,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise ValueError(
             "--session and --request-id need --address: the sessions of --local end with it"
         )
-    if args.tls_ca or args.tls_cert:
-        raise ValueError("--tls-ca and --tls-cert are for a server's port (--address)")
+    if tls := tls_flags_given(args):
+        raise ValueError(f"{', '.join(tls)}: for a server's port (--address)")
     if args.api_key:
         raise ValueError("--api-key is for a server's API (--address)")
     if not args.checkpoint:
