@@ -13,17 +13,20 @@ from contextlib import asynccontextmanager
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from hydra_jury.serving.server import SERVER_OPTIONS, RunningServer
+from hydra_jury.serving.server import RunningServer, bind, server_options
 
 log = logging.getLogger("hydra_jury")
 
+HEALTH_MESSAGE_LIMIT = 64 * 1024
+
 
 async def _start(servicer: health.aio.HealthServicer, address: str) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    # A health check is a few bytes: none of the limit sized for hidden states.
+    server = grpc.aio.server(options=server_options(HEALTH_MESSAGE_LIMIT))
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     try:
-        port = server.add_insecure_port(address)
-    except RuntimeError:  # grpc's "failed to bind", with the reason in its log only
+        port = bind(server, address)
+    except OSError:
         raise OSError(f"--health-listen: cannot bind {address}") from None
     await server.start()
     log.info("grpc.health.v1 in plaintext on %s:%d", address.rsplit(":", 1)[0], port)

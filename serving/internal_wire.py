@@ -52,8 +52,8 @@ def hidden_from_pb(message: tensor_pb2.Tensor, dtype: str, hidden_size: int) -> 
     # Checked here, on the host, where bytes from the network become a tensor: a NaN or
     # an infinity would spread through attention into every later position of the
     # session's caches. The in-process path hands the trunk's own outputs over unchecked.
-    not_finite = ~torch.isfinite(tensor)
-    if not_finite.any():
+    if not bool(torch.isfinite(tensor).all()):
+        not_finite = ~torch.isfinite(tensor)  # only on the way to the error: where
         row, column = (int(index) for index in not_finite.nonzero()[0])
         raise CodecError(
             f"hidden: values must be finite, got {float(tensor[row, column])} at "

@@ -44,6 +44,20 @@ SERVER_OPTIONS = [
 STATUS_FLUSH_S = 1.0
 
 
+def bind(
+    server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None
+) -> int:
+    """Adds the port `address` (port 0: any free one), TLS with `credentials`; returns the
+    port. OSError when it cannot bind (gRPC raises a bare RuntimeError, "Failed to bind
+    to address ...", the reason — a port in use, say — in its log only)."""
+    try:
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+    except RuntimeError as error:
+        raise OSError(str(error)) from None
+
+
 def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
     """`SERVER_OPTIONS` with the largest message the server accepts set to
     `max_receive_bytes` (a larger one is refused with RESOURCE_EXHAUSTED by gRPC)."""
@@ -151,12 +165,7 @@ class GrpcServer:
 
     async def start(self, address: str) -> int:
         """Binds (port 0 picks a free one), starts, and reports SERVING; returns the port."""
-        if self.credentials is None:
-            self.port = self.server.add_insecure_port(address)
-        else:
-            self.port = self.server.add_secure_port(address, self.credentials)
-        if self.port == 0:
-            raise OSError(f"cannot bind {address}")
+        self.port = bind(self.server, address, self.credentials)
         await self.server.start()
         for name in ["", *self.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

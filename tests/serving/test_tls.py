@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hydra_jury.cli.certs import Validity, issue, make_certificates, new_authority
 from hydra_jury.protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
-from hydra_jury.serving.health_port import health_port
+from hydra_jury.serving.health_port import HEALTH_MESSAGE_LIMIT, health_port
 from hydra_jury.serving.tls import ClientTls, ServerTls, TlsError, TlsFlags, open_channel
 from hydra_jury.serving.worker_service import service_main
 from hydra_jury.trunk_service.server import TRUNK_SERVICE
@@ -145,6 +145,11 @@ def test_the_health_port_serves_health_alone_in_plaintext(
         with pytest.raises(grpc.RpcError) as raised:
             internal_pb2_grpc.TrunkStub(channel).Info(internal_pb2.InfoRequest(), timeout=5)
         assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        # An open port takes no more than a health check needs (not the services' 256 MiB).
+        oversized = health_pb2.HealthCheckRequest(service="x" * (HEALTH_MESSAGE_LIMIT + 1))
+        with pytest.raises(grpc.RpcError) as raised:
+            health.Check(oversized, timeout=5)
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         background_loop.run(trunk.running.server.stop(0))
         answer = health.Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
