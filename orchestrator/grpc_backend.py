@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -345,23 +345,26 @@ class GrpcBackend(DecodingBackend):
 
     def release(self, session: str) -> None:
         """Best effort on every holder, without the request's deadline: a cancelled or
-        failed request must still free its caches."""
+        failed request must still free its caches. A service that is down holds
+        nothing; idle eviction covers the rest."""
         request = internal_pb2.ReleaseRequest(session=session)
-        for replica in self._holders(session):
-            # A service that is down holds nothing; idle eviction covers the rest.
-            with suppress(grpc.RpcError):
-                replica.stub.Release(request, timeout=5)
+        _release_on(self._holders(session), request)
 
     def finish(self, session: str) -> None:
-        """Tells the replicas that hold the session's caches, all at once, that its
-        generation ended. A hint: a replica that misses it reclaims the slot after its
-        --reclaim-after-s instead."""
+        """Tells the replicas that hold the session's caches that its generation ended.
+        A hint: a replica that misses it reclaims the slot after its --reclaim-after-s
+        instead."""
         request = internal_pb2.ReleaseRequest(session=session, keep_caches=True)
-        replicas = self._placed_replicas(session).values()
-        pending = [replica.stub.Release.future(request, timeout=5) for replica in replicas]
-        for call in pending:
-            with suppress(grpc.RpcError):
-                call.result()
+        _release_on(self._placed_replicas(session).values(), request)
+
+
+def _release_on(replicas: Iterable[_Replica], request: internal_pb2.ReleaseRequest) -> None:
+    """`request` to every replica at once (one slow replica delays the rest by nothing),
+    best effort: a failure is left to the replica's own eviction."""
+    pending = [replica.stub.Release.future(request, timeout=5) for replica in replicas]
+    for call in pending:
+        with suppress(grpc.RpcError):
+            call.result()
 
 
 def _decoded(service: _Replica, decode: Callable[[], Result]) -> Result:
