@@ -80,6 +80,9 @@ class RequestLimits:
             )
 
 
+DEFAULT_LIMITS = RequestLimits()  # a server's, when no flag or key sets one
+
+
 def limits_from(settings: object) -> RequestLimits:
     """The limits a server's settings hold, each as the attribute `limit_NAME` (the
     parsed flags, or the orchestrator's configuration)."""

@@ -30,7 +30,7 @@ from hydra_jury.orchestrator.discovery import Discovery
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.grpc_backend import GrpcBackend, LayoutError
 from hydra_jury.orchestrator.key_limits import KeyLimiter
-from hydra_jury.orchestrator.limits import RequestLimits
+from hydra_jury.orchestrator.limits import DEFAULT_LIMITS, RequestLimits
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.metrics import OrchestratorMetrics
 from hydra_jury.orchestrator.request import RequestError
@@ -78,7 +78,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         metrics: OrchestratorMetrics,
         *,
         max_concurrency: int = 32,
-        request_limits: RequestLimits | None = None,
+        request_limits: RequestLimits,
         api_keys: KeyFile | None = None,
     ) -> None:
         """`api_keys`: the server's keys, watched from `start_watching_keys` to `close`."""
@@ -89,7 +89,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             on_refused=lambda key, reason: metrics.key_refusals.labels(key.name, reason).inc()
         )
         self.runner = SessionRunner(
-            Engine(backend, tokenizer, request_limits or RequestLimits()),
+            Engine(backend, tokenizer, request_limits),
             store,
             max_concurrency=max_concurrency,
             observe=lambda event: metrics.session_events.labels(event).inc(),
@@ -310,7 +310,7 @@ async def serve_orchestrator(
     metrics_port: int | None = None,
     metrics_address: str = "127.0.0.1",
     max_concurrency: int = 32,
-    request_limits: RequestLimits | None = None,
+    request_limits: RequestLimits = DEFAULT_LIMITS,
     connect_timeout_s: float = 30.0,
     tls: ServerTls | None = None,
     internal_tls: ClientTls | None = None,
@@ -339,7 +339,7 @@ async def serve_orchestrator(
         metrics_port=metrics_port,
         metrics_address=metrics_address,
         max_concurrency=max_concurrency,
-        request_limits=request_limits or RequestLimits(),
+        request_limits=request_limits,
         tls=tls,
         auth=auth,
     )
@@ -357,7 +357,7 @@ async def serve_embedded(
     metrics_port: int | None = None,
     metrics_address: str = "127.0.0.1",
     max_concurrency: int = 32,
-    request_limits: RequestLimits | None = None,
+    request_limits: RequestLimits = DEFAULT_LIMITS,
     tls: ServerTls | None = None,
     auth: ApiKeyAuth | None = None,
 ) -> RunningServer:
@@ -383,7 +383,7 @@ async def serve_embedded(
         metrics_port=metrics_port,
         metrics_address=metrics_address,
         max_concurrency=max_concurrency,
-        request_limits=request_limits or RequestLimits(),
+        request_limits=request_limits,
         tls=tls,
         auth=auth,
     )

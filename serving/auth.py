@@ -156,7 +156,10 @@ def auth_from(settings: AuthSettings) -> ApiKeyAuth | None:
     for flag, value in limits.items():
         if value is not None and value < 0:
             raise ValueError(f"{flag} must be 0 (no limit) or more, got {value}")
-    defaults = KeyLimits(*(value or None for value in limits.values()))
+    defaults = KeyLimits(
+        max_concurrent=settings.max_concurrent_per_key or None,
+        tokens_per_minute=settings.tokens_per_minute_per_key or None,
+    )
     protect_open_services = bool(settings.auth_health)
     if settings.api_keys is None:
         given = [flag for flag, value in limits.items() if value]
