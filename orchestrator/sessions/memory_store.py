@@ -62,8 +62,7 @@ class MemoryStore(SessionStore):
         record.version, record.owner = 1, owner
         record.lease_until_ms = now + self.settings.lease_ms if owner else 0
         record.created_ms = record.updated_ms = now
-        scoped = scoped_id(record.session_id, record.key_name)
-        entry = self._entries[scoped] = _Entry(copy.deepcopy(record), 0)
+        entry = self._entries[record.scoped_id] = _Entry(copy.deepcopy(record), 0)
         self._touch(entry, now)
 
     async def acquire(self, session_id: str, owner: str, key_name: str = "") -> Acquired:
