@@ -9,23 +9,10 @@ from hydra_jury.cli.args import log
 
 def resolved_draft_model(source: str | None) -> str | None:
     """The Hydra checkpoint of the draft model `source` (None: no draft model)."""
-    return _converted(source) if source else None
-
-
-def _converted(source: str) -> str:
+    if not source:
+        return None
     # The builder only where there is a draft model: a service started without one never
     # loads the conversion tooling.
     from hydra_jury.hydra_model.build.draft import default_draft_cache, resolve_draft_model
 
     return str(resolve_draft_model(source, default_draft_cache(), log=log))
-
-
-def with_resolved_draft_model(argv: list[str]) -> list[str]:
-    """A service's arguments with the value of --draft-model resolved to a checkpoint."""
-    resolved = list(argv)
-    for index, argument in enumerate(argv):
-        if argument == "--draft-model" and index + 1 < len(argv):
-            resolved[index + 1] = _converted(argv[index + 1])
-        elif argument.startswith("--draft-model="):
-            resolved[index] = "--draft-model=" + _converted(argument.split("=", 1)[1])
-    return resolved

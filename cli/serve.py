@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from hydra_jury.cli.certs import make_certificates
-from hydra_jury.cli.draft import resolved_draft_model, with_resolved_draft_model
+from hydra_jury.cli.draft import resolved_draft_model
 from hydra_jury.jury_service.server import JURY_SERVICE
 from hydra_jury.orchestrator.__main__ import main as orchestrator_main
 from hydra_jury.orchestrator.config import REDIS_URL_VARIABLE
@@ -30,7 +30,6 @@ from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
 from hydra_jury.orchestrator.sessions.redis_store import RedisStore, redacted
 from hydra_jury.orchestrator.sessions.store import StoreSettings
 from hydra_jury.serving.auth import auth_from
-from hydra_jury.serving.errors import EXPECTED_FAILURES, failure_line
 from hydra_jury.serving.flags import (
     add_draft_model_flag,
     add_model_flags,
@@ -63,14 +62,7 @@ def run_server(name: str, argv: list[str]) -> int:
     prog = f"hydra-jury {name}"
     if name == "orchestrator":
         return orchestrator_main(argv, prog=prog)
-    spec = WORKER_SERVICES[name]
-    if spec.hosts_draft_model:
-        try:
-            argv = with_resolved_draft_model(argv)
-        except EXPECTED_FAILURES as error:
-            print(failure_line(prog, error), file=sys.stderr)
-            return 2
-    return service_main(spec, argv, prog=prog)
+    return service_main(WORKER_SERVICES[name], argv, prog, resolve_draft_model=resolved_draft_model)
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:

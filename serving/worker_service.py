@@ -245,12 +245,19 @@ def build_parser(spec: WorkerServiceSpec, prog: str) -> argparse.ArgumentParser:
     return parser
 
 
-def service_main(spec: WorkerServiceSpec, argv: list[str] | None = None, prog: str = "") -> int:
+def service_main(
+    spec: WorkerServiceSpec,
+    argv: list[str] | None = None,
+    prog: str = "",
+    resolve_draft_model: Callable[[str | None], str | None] = lambda path: path,
+) -> int:
     """The whole command line of a worker service. Prints "NAME listening on
     HOST:PORT[ DETAIL]" to stderr once it serves (the line launchers wait for), serves
     until SIGTERM or SIGINT, then stops gracefully and returns 0; returns 2 with a
     one-line message when it cannot start (a bad checkpoint, an unknown head, an
-    address in use, a TLS file missing or not matching its pair)."""
+    address in use, a TLS file missing or not matching its pair). `resolve_draft_model`
+    turns the parsed --draft-model into the Hydra checkpoint the service loads (the CLI
+    converts other formats)."""
     args = build_parser(spec, prog or f"hydra-jury {spec.name.split()[0]}").parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -269,7 +276,7 @@ def service_main(spec: WorkerServiceSpec, argv: list[str] | None = None, prog: s
                 reclaim_after_s=args.reclaim_after_s,
                 dtype=args.dtype,
                 device=args.device,
-                draft_model=getattr(args, "draft_model", None),
+                draft_model=resolve_draft_model(getattr(args, "draft_model", None)),
                 batch_limits=batch_limits(
                     args.max_batch_tokens,
                     args.max_queue,

@@ -15,6 +15,8 @@ from hydra_jury.orchestrator.engine import REBUILDS_PER_ROUND, Engine
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.request import GenerationRequest, RequestError
 from hydra_jury.poe import RULES
+from hydra_jury.serving.worker_service import service_main
+from hydra_jury.trunk_service.server import TRUNK_SERVICE
 from hydra_jury.workers.errors import PositionError
 from hydra_jury.workers.sessions import SessionLimits
 
@@ -611,19 +613,25 @@ def test_the_draft_model_is_described_in_the_model_info(model_engine, engine):
     assert engine.backend.info.draft_model == ""
 
 
-def test_a_trunk_service_gets_its_draft_model_resolved(jury_checkpoint, tmp_path, monkeypatch):
+def test_a_trunk_service_gets_its_draft_model_resolved(
+    jury_checkpoint, tmp_path, monkeypatch, capsys
+):
     """`hydra-jury trunk --draft-model` converts a Hugging Face directory before the
-    service (which loads only Hydra checkpoints) starts; a missing path is one line."""
-    from hydra_jury.cli.draft import with_resolved_draft_model
+    service (which loads only Hydra checkpoints) starts — the value argparse parsed, so an
+    abbreviated flag too; a missing path is one line."""
+    from hydra_jury.cli.draft import resolved_draft_model
 
     monkeypatch.setenv("HYDRA_JURY_CACHE", str(tmp_path))
     source = str(jury_checkpoint.parent / "base")
-    spaced = with_resolved_draft_model(["--listen", "x", "--draft-model", source])
-    joined = with_resolved_draft_model([f"--draft-model={source}"])
-    converted = spaced[-1]
-    assert converted.startswith(str(tmp_path / "draft-models")) and joined == [
-        f"--draft-model={converted}"
-    ]
-    assert spaced[:3] == ["--listen", "x", "--draft-model"]
+    converted = resolved_draft_model(source)
+    assert converted.startswith(str(tmp_path / "draft-models"))
+    assert resolved_draft_model(None) is None
+
+    def refuse(path):
+        raise ValueError(f"asked to resolve {path}")
+
+    argv = ["--checkpoint", str(jury_checkpoint), "--listen", "127.0.0.1:0", "--draft-m", source]
+    assert service_main(TRUNK_SERVICE, argv, resolve_draft_model=refuse) == 2
+    assert f"asked to resolve {source}" in capsys.readouterr().err
     argv = ["trunk", "--checkpoint", str(jury_checkpoint), "--draft-model", str(tmp_path / "no")]
     assert main(argv) == 2
