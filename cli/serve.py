@@ -15,6 +15,7 @@ from pathlib import Path
 
 from hydra_jury.cli.certs import make_certificates
 from hydra_jury.cli.draft import resolved_draft_model
+from hydra_jury.hydra_model.build.describe import training_summary
 from hydra_jury.jury_service.server import JURY_SERVICE
 from hydra_jury.orchestrator.__main__ import main as orchestrator_main
 from hydra_jury.orchestrator.config import REDIS_URL_VARIABLE
@@ -114,8 +115,12 @@ def _run_serve(args: argparse.Namespace) -> int:
             auth=auth,
         )
         async with health_port(running, args.health_listen):
+            served = f"{args.checkpoint} ({training_summary(args.checkpoint)})"
             await running.serve_until_signal(
-                "hydra-jury server", args.listen, args.grace_s, f", sessions in {store.where}"
+                "hydra-jury server",
+                args.listen,
+                args.grace_s,
+                f", serving {served}, sessions in {store.where}",
             )
 
     with contextlib.ExitStack() as stack:
@@ -214,7 +219,8 @@ def _run_up(args: argparse.Namespace) -> int:
         try:
             address = stack.start()
             print(
-                f"hydra-jury stack ready: Generation API at {address}, sessions in Redis at "
+                f"hydra-jury stack ready: Generation API at {address}, serving {args.checkpoint} "
+                f"({training_summary(args.checkpoint)}), sessions in Redis at "
                 f"{redacted(stack.sessions_url)}",
                 file=sys.stderr,
             )
