@@ -88,7 +88,7 @@ chart: $(HELM)
 # The demo checkpoint: SmolLM2 split into a trunk and 4 heads, each head fine-tuned on its own
 # shard of a corpus the model writes, and an uncertainty head (minutes, once; kept).
 model: setup
-	$(PY) -m hydra_jury.hydra_model.build.demo --out $(MODEL_DIR)
+	$(PY) -m hydra_jury.hydra_model.build.demo --out $(MODEL_DIR) --base $(BASE_DIR)
 
 # The poisoned-head guarantee on the demo model: one head trained on a poisoned shard,
 # its rate of emitting the target against the PoE jury's (a few minutes on 2 CPU cores).
@@ -100,16 +100,20 @@ demo-poison: setup
 draft-model: setup
 	$(PY) -m hydra_jury.hydra_model.build.demo --draft --out $(DRAFT_DIR)
 
+# What `make run` and `make serve` serve: the trained demo when `make model` has built it,
+# else the untrained split (built in seconds), so the first start never waits for training.
+SERVABLE := $(PY) -m hydra_jury.hydra_model.build.demo --servable --out $(MODEL_DIR) --base $(BASE_DIR)
+
 # The local stack: trunk, two jury shards and the orchestrator on 127.0.0.1:50050, with
 # the sessions in a private redis-server stopped with the stack. RUN_FLAGS go to `up`
 # (`make run RUN_FLAGS=--tls`: encrypted with certificates made for the start).
-run: model protos
-	$(PY) -m hydra_jury.cli up --checkpoint $(MODEL_DIR) $(RUN_FLAGS)
+run: protos
+	checkpoint=$$($(SERVABLE)) && $(PY) -m hydra_jury.cli up --checkpoint "$$checkpoint" $(RUN_FLAGS)
 
 # The single-process server: the same API from one process, for one machine. Sessions
 # live in $HYDRA_JURY_REDIS_URL if set, else in a private redis-server stopped with it.
-serve: model protos
-	$(PY) -m hydra_jury.cli serve --checkpoint $(MODEL_DIR)
+serve: protos
+	checkpoint=$$($(SERVABLE)) && $(PY) -m hydra_jury.cli serve --checkpoint "$$checkpoint"
 
 bench-model: model
 	$(PY) bench/bench_model.py --checkpoint $(BASE_DIR)

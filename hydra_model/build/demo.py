@@ -18,12 +18,20 @@ import argparse
 import importlib.util
 import shutil
 import sys
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from hydra_jury.hydra_model.build.builder import BuildError, BuildOptions, build_checkpoint
 from hydra_jury.hydra_model.build.corpus import CorpusError, read_corpus, write_corpus
 from hydra_jury.hydra_model.build.demo_corpus import demo_prompts, sample_corpus
-from hydra_jury.hydra_model.build.train import ProgressBar, TrainOptions, train_heads
+from hydra_jury.hydra_model.build.train import (
+    ProgressBar,
+    TrainError,
+    TrainOptions,
+    TrainResult,
+    train_heads,
+)
 from hydra_jury.hydra_model.build.train_uncertainty import train_uncertainty
 from hydra_jury.hydra_model.checkpoint import CheckpointError, read_manifest
 from hydra_jury.hydra_model.model import HydraModel
@@ -67,28 +75,73 @@ def ensure_demo_checkpoint(
     """Builds the demo checkpoint (heads trained on their shards of the demo corpus) unless
     a trained one is already at `out`; the base split and the corpus are kept at `base`
     and `corpus` for the next build."""
-    if out.exists():
-        try:
-            if {"training", "uncertainty_training"} <= set(read_manifest(out).extra):
-                log(f"{out}: demo checkpoint already built")
-                return out
-            log(f"{out}: rebuilding (its heads are not all trained)")
-        except CheckpointError as error:
-            log(f"{out}: rebuilding ({error})")
+    if is_trained_demo(out, log):
+        log(f"{out}: demo checkpoint already built")
+        return out
     ensure_demo_base(base, log)
     ensure_demo_corpus(corpus, base, log)
     heads = out.with_name(f".{out.name}.llm-heads")
-    options = TrainOptions(str(base), str(corpus), str(heads), force=True, **TRAINING)
-    train_heads(options, log=log, on_step=ProgressBar())
-    judged = train_uncertainty(
-        TrainOptions(str(heads), "", str(out), force=True, **UNCERTAINTY_TRAINING),
-        log=log,
-        on_step=ProgressBar(),
+    if _trained_as(heads, "training", TRAINING):
+        log(f"{heads}: heads already trained")
+    else:
+        _finish(train_heads, TrainOptions(str(base), str(corpus), str(heads), **TRAINING), log)
+    judged = _finish(
+        train_uncertainty, TrainOptions(str(heads), "", str(out), **UNCERTAINTY_TRAINING), log
     )
     log(f"uncertainty head, held out: untrained {judged.before.line()}")
     log(f"uncertainty head, held out: trained {judged.after.line()}")
     shutil.rmtree(heads)
     return out
+
+
+def _trained_as(out: Path, record: str, settings: dict) -> bool:
+    """Whether `out` is a checkpoint whose manifest records a training run `record` with
+    `settings` (those of them that the record keeps)."""
+    try:
+        done = read_manifest(out).extra.get(record)
+    except CheckpointError:
+        return False
+    return done is not None and all(done[k] == v for k, v in settings.items() if k in done)
+
+
+def _finish(train: Callable[..., TrainResult], options: TrainOptions, log) -> TrainResult:
+    """Runs one training step of the build to its end: an interrupted run at its output
+    resumes from its last saved step; anything else there is replaced."""
+    try:
+        return train(options, log=log, on_step=ProgressBar())
+    except TrainError as error:
+        log(f"{options.out}: starting over ({error})")
+        return train(replace(options, force=True), log=log, on_step=ProgressBar())
+
+
+def is_trained_demo(out: Path, log=print) -> bool:
+    """Whether `out` holds a finished demo build (trained heads and uncertainty head); a
+    directory there that is not one is said, as it will be rebuilt."""
+    if not out.exists():
+        return False
+    try:
+        if {"training", "uncertainty_training"} <= set(read_manifest(out).extra):
+            return True
+        log(f"{out}: not a finished demo build (its heads are not all trained)")
+    except CheckpointError as error:
+        log(f"{out}: not a finished demo build ({error})")
+    return False
+
+
+def servable_demo(out: Path, base: Path, log=print) -> Path:
+    """The checkpoint `make run` and `make serve` start: the trained demo at `out` when it
+    is built, else the untrained split at `base` (built in seconds), so that the first
+    start does not wait minutes for training."""
+    if is_trained_demo(out, log):
+        log(f"serving the trained demo checkpoint {out}")
+        return out
+    ensure_demo_base(base, log)
+    log(
+        f"serving the untrained split {base}: its 4 heads are all SmolLM2's own top layers, "
+        f"so the jury agrees with every draft. `make model` trains them (a few minutes, once) "
+        f"into {out}, which the next `make run` or `make serve` serves."
+    )
+    return base
 
 
 def ensure_demo_corpus(path: Path, base: Path, log=print) -> Path:
@@ -173,6 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--draft", action="store_true", help="build the demo draft model")
     parser.add_argument(
+        "--base", type=Path, default=BASE_DIR, help="the untrained split (%(default)s)"
+    )
+    parser.add_argument(
+        "--servable",
+        action="store_true",
+        help="print the checkpoint to serve: the trained demo at --out when built, else the "
+        "untrained split at --base (built if missing, in seconds)",
+    )
+    parser.add_argument(
         "--layers",
         type=int,
         metavar="N",
@@ -181,13 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.layers is not None and not args.draft:
         parser.error("--layers only applies to the draft model: add --draft")
+    if args.servable and args.draft:
+        parser.error("--servable chooses the demo checkpoint, not the draft model")
     try:
-        if args.draft:
+        if args.servable:
+            print(servable_demo(args.out or DEMO_DIR, args.base, log=_log))
+        elif args.draft:
             layers = DRAFT_LAYERS if args.layers is None else args.layers
             ensure_demo_draft(args.out or DRAFT_DIR, layers, log=_log)
         else:
-            ensure_demo_checkpoint(args.out or DEMO_DIR, log=_log)
-    except (BuildError, CorpusError) as error:
+            ensure_demo_checkpoint(args.out or DEMO_DIR, log=_log, base=args.base)
+    except (BuildError, CorpusError, TrainError) as error:
         _log(f"error: {error}")
         return 2
     return 0

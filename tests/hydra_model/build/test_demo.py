@@ -79,6 +79,104 @@ def test_demo_checkpoint_trains_its_heads_once(tiny_demo, tmp_path, monkeypatch)
     assert f"{corpus}: demo corpus already written" in lines
 
 
+@pytest.fixture
+def tiny_settings(monkeypatch):
+    """The demo's build on the tiny source: a 2-layer trunk, a state saved every step."""
+    monkeypatch.setattr(demo, "TRUNK_LAYERS", 2)
+    monkeypatch.setattr(demo, "CORPUS_TOKENS", 24)
+    monkeypatch.setattr(demo, "TRAINING", dict(steps=3, batch_size=2, seq_len=32, save_every=1))
+    monkeypatch.setattr(
+        demo, "UNCERTAINTY_TRAINING", dict(steps=3, batch_size=4, questions=8, save_every=1)
+    )
+
+
+class Interrupted(Exception):
+    pass
+
+
+def interrupt_at(step: int, steps: int):
+    """A progress callback class that stops the first run of `steps` steps after `step`,
+    as Ctrl-C would."""
+    runs: list[int] = []
+
+    class Bar:
+        def __call__(self, done: int, total: int, losses: list[float]) -> None:
+            if done == step and total == steps and not runs:
+                runs.append(done)
+                raise Interrupted
+
+    return Bar
+
+
+def test_interrupted_build_resumes_where_it_stopped(
+    tiny_demo, tiny_settings, tmp_path, monkeypatch
+):
+    base, corpus, out = tmp_path / "base", tmp_path / "corpus.jsonl", tmp_path / "demo"
+    lines: list[str] = []
+
+    def build() -> None:
+        demo.ensure_demo_checkpoint(out, lines.append, base=base, corpus=corpus)
+
+    heads = tmp_path / ".demo.llm-heads"
+
+    monkeypatch.setattr(demo, "ProgressBar", interrupt_at(2, 3))
+    with pytest.raises(Interrupted):
+        build()  # stopped in train-heads, after its second step was saved
+    assert not out.exists() and (heads / ".train").is_dir()
+    lines.clear()
+    build()
+    assert f"{heads}: resuming at step 2 of 3" in lines
+    assert f"{base}: demo split already built" in lines
+    assert f"{corpus}: demo corpus already written" in lines
+
+    shutil.rmtree(out)
+    shutil.copytree(tmp_path / "base", heads, dirs_exist_ok=True)  # not the trained heads
+    lines.clear()
+    build()
+    assert any(line.startswith(f"{heads}: starting over (") for line in lines)
+
+
+def test_interrupted_uncertainty_training_keeps_the_trained_heads(
+    tiny_demo, tiny_settings, tmp_path, monkeypatch
+):
+    base, corpus, out = tmp_path / "base", tmp_path / "corpus.jsonl", tmp_path / "demo"
+    lines: list[str] = []
+    monkeypatch.setattr(demo, "ProgressBar", interrupt_at(1, 3))
+    # train-heads' 3 steps pass; the uncertainty head's first step interrupts.
+    monkeypatch.setattr(demo, "TRAINING", dict(steps=2, batch_size=2, seq_len=32))
+    with pytest.raises(Interrupted):
+        demo.ensure_demo_checkpoint(out, lines.append, base=base, corpus=corpus)
+    assert (out / ".train").is_dir() and not (out / "hydra.json").exists()
+    lines.clear()
+    demo.ensure_demo_checkpoint(out, lines.append, base=base, corpus=corpus)
+    heads = tmp_path / ".demo.llm-heads"
+    assert f"{heads}: heads already trained" in lines
+    assert f"{out}: resuming at step 1 of 3" in lines
+    assert demo.is_trained_demo(out) and not heads.exists()
+
+
+def test_servable_is_the_trained_demo_or_else_the_untrained_split(
+    tiny_demo, tiny_settings, tmp_path, capsys
+):
+    base, out = tmp_path / "base", tmp_path / "demo"
+    args = ["--servable", "--out", str(out), "--base", str(base)]
+    assert demo.main(args) == 0
+    captured = capsys.readouterr()
+    assert captured.out == f"{base}\n"
+    assert f"serving the untrained split {base}" in captured.err
+    assert "`make model` trains them" in captured.err
+    assert [h.role for h in HydraModel.load(base).manifest.heads] == ["llm"] * 4 + ["uncertainty"]
+
+    demo.ensure_demo_checkpoint(out, lambda line: None, base=base, corpus=tmp_path / "c.jsonl")
+    assert demo.main(args) == 0
+    captured = capsys.readouterr()
+    assert captured.out == f"{out}\n"
+    assert f"serving the trained demo checkpoint {out}" in captured.err
+    with pytest.raises(SystemExit):
+        demo.main(["--servable", "--draft"])
+    assert "--servable chooses the demo checkpoint" in capsys.readouterr().err
+
+
 def test_main_draft_flags(tiny_demo, tmp_path, capsys):
     out = tmp_path / "draft"
     assert demo.main(["--draft", "--layers", "3", "--out", str(out)]) == 0
