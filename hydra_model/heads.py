@@ -84,11 +84,19 @@ class HeadStack:
 
     @torch.inference_mode()
     def forward_ragged(
-        self, hidden: torch.Tensor, segments: list[Segment], return_hidden: bool = False
+        self,
+        hidden: torch.Tensor,
+        segments: list[Segment],
+        return_hidden: bool = False,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """hidden: trunk outputs [N, D] of the segments' tokens one after the other ->
-        logits [S, N, V] (and the hidden states [S, N, D], as `forward`)."""
+        logits [S, N, V] (and the hidden states [S, N, D], as `forward`). With `rows`
+        (indices into N), only those rows come out, [S, len(rows), ...]: the LM head is
+        most of a small head's work, and a prompt's next token needs only its last row."""
         x = self._layers_ragged(hidden, segments)
+        if rows is not None:
+            x = x[:, rows]
         logits = self._logits(x)
         return (logits, x) if return_hidden else logits
 

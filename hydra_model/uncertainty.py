@@ -92,24 +92,48 @@ class Witness:
     probability: float  # the head's probability of the answer's first token
 
 
-@torch.inference_mode()
 def find_witness(model: HydraModel, prompt: torch.Tensor, answer_token: int) -> Witness:
     """prompt: token ids [T] the answer continued; answer_token: the answer's first."""
-    segments = [Segment(None, 0, len(prompt))]
-    hidden = model.trunk.forward_ragged(prompt, segments)
-    logits, states = model.heads.forward_ragged(hidden, segments, return_hidden=True)
-    probabilities = torch.softmax(logits[:, -1], dim=-1)[:, answer_token]  # [S]
-    index = int(probabilities.argmax())
-    return Witness(index, states[index, -1], float(probabilities[index]))
+    return find_witnesses(model, [prompt], [answer_token])[0]
 
 
 @torch.inference_mode()
+def find_witnesses(
+    model: HydraModel, prompts: list[torch.Tensor], answer_tokens: list[int]
+) -> list[Witness]:
+    """`find_witness` of each prompt, all in one ragged pass; the LM heads run on each
+    prompt's last position only."""
+    segments = [Segment(None, 0, len(prompt)) for prompt in prompts]
+    hidden = model.trunk.forward_ragged(torch.cat(prompts), segments)
+    last = torch.tensor([len(prompt) for prompt in prompts]).cumsum(0) - 1
+    logits, states = model.heads.forward_ragged(hidden, segments, return_hidden=True, rows=last)
+    witnesses = []
+    for index, answer_token in enumerate(answer_tokens):
+        probabilities = torch.softmax(logits[:, index], dim=-1)[:, answer_token]  # [S]
+        head = int(probabilities.argmax())
+        witnesses.append(Witness(head, states[head, index], float(probabilities[head])))
+    return witnesses
+
+
 def check_hidden(model: HydraModel, check: torch.Tensor, witness: torch.Tensor) -> torch.Tensor:
     """The uncertainty head's input [T, D]: the trunk's outputs over the check prompt
     `check` [T], the witness hidden state added at the last position."""
-    hidden = model.trunk.forward_ragged(check, [Segment(None, 0, len(check))]).clone()
-    hidden[-1] += witness.to(hidden.dtype)
-    return hidden
+    return check_hiddens(model, [check], [witness])[0]
+
+
+@torch.inference_mode()
+def check_hiddens(
+    model: HydraModel, checks: list[torch.Tensor], witnesses: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """`check_hidden` of each check prompt and witness, the trunk in one ragged pass."""
+    segments = [Segment(None, 0, len(check)) for check in checks]
+    hidden = model.trunk.forward_ragged(torch.cat(checks), segments)
+    inputs = []
+    for part, witness in zip(hidden.split([len(c) for c in checks]), witnesses, strict=True):
+        part = part.clone()
+        part[-1] += witness.to(part.dtype)
+        inputs.append(part)
+    return inputs
 
 
 def verdict_logit(logits: torch.Tensor, verdict: tuple[int, int]) -> torch.Tensor:
@@ -119,5 +143,6 @@ def verdict_logit(logits: torch.Tensor, verdict: tuple[int, int]) -> torch.Tenso
 
 @torch.inference_mode()
 def p_correct(head: HeadStack, hidden: torch.Tensor, verdict: tuple[int, int]) -> float:
-    logits = head.forward_ragged(hidden, [Segment(None, 0, len(hidden))])  # [1, T, V]
-    return float(torch.sigmoid(verdict_logit(logits[0, -1], verdict)))
+    last = torch.tensor([len(hidden) - 1])
+    logits = head.forward_ragged(hidden, [Segment(None, 0, len(hidden))], rows=last)  # [1, 1, V]
+    return float(torch.sigmoid(verdict_logit(logits[0, 0], verdict)))

@@ -139,8 +139,10 @@ def continue_prompts(
         tokens, [Segment(c[0], 0, len(p)) for c, p in zip(caches, prompts, strict=True)]
     )
     logits = heads.forward_ragged(
-        hidden, [Segment(c[1], 0, len(p)) for c, p in zip(caches, prompts, strict=True)]
-    )[:, lengths.cumsum(0) - 1]  # [S, B, V]: after each prompt's last token
+        hidden,
+        [Segment(c[1], 0, len(p)) for c, p in zip(caches, prompts, strict=True)],
+        rows=lengths.cumsum(0) - 1,
+    )  # [S, B, V]: after each prompt's last token
     generated: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
     for step in range(max_new_tokens):

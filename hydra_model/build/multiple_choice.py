@@ -23,9 +23,9 @@ import torch
 from hydra_jury.hydra_model.build.demo_corpus import continue_prompts, greedy_product
 from hydra_jury.hydra_model.model import HydraModel
 from hydra_jury.hydra_model.uncertainty import (
-    check_hidden,
+    check_hiddens,
     check_tokens,
-    find_witness,
+    find_witnesses,
     user_turn_tokens,
 )
 
@@ -112,19 +112,23 @@ def grade(question: Question, answer: str) -> bool:
 
 def answer_and_grade(model: HydraModel, questions: list[Question]) -> list[Example]:
     """The model's greedy PoE answer to each question, graded, with the uncertainty
-    head's input for it."""
+    head's input for it; `ANSWER_BATCH` questions at a time, each pass one ragged batch."""
     tokenizer = model.load_tokenizer()
-    prompts = [user_turn_tokens(tokenizer, q.text) for q in questions]
-    answers: list[list[int]] = []
-    for first in range(0, len(prompts), ANSWER_BATCH):
-        batch = prompts[first : first + ANSWER_BATCH]
-        answers += continue_prompts(model, model.heads, batch, ANSWER_TOKENS, greedy_product)
     examples = []
-    for question, prompt, answer in zip(questions, prompts, answers, strict=True):
-        text = tokenizer.decode(answer, skip_special_tokens=True)
-        witness = find_witness(model, torch.tensor(prompt), answer[0])
-        check = torch.tensor(check_tokens(tokenizer, question.text, text))
-        # Cloned out of inference mode: training reads it in the backward pass.
-        hidden = check_hidden(model, check, witness.hidden).clone()
-        examples.append(Example(question, text, grade(question, text), hidden))
+    for first in range(0, len(questions), ANSWER_BATCH):
+        batch = questions[first : first + ANSWER_BATCH]
+        prompts = [user_turn_tokens(tokenizer, q.text) for q in batch]
+        answers = continue_prompts(model, model.heads, prompts, ANSWER_TOKENS, greedy_product)
+        texts = [tokenizer.decode(answer, skip_special_tokens=True) for answer in answers]
+        witnesses = find_witnesses(
+            model, [torch.tensor(p) for p in prompts], [answer[0] for answer in answers]
+        )
+        checks = [
+            torch.tensor(check_tokens(tokenizer, q.text, text))
+            for q, text in zip(batch, texts, strict=True)
+        ]
+        hiddens = check_hiddens(model, checks, [w.hidden for w in witnesses])
+        for question, text, hidden in zip(batch, texts, hiddens, strict=True):
+            # Cloned out of inference mode: training reads it in the backward pass.
+            examples.append(Example(question, text, grade(question, text), hidden.clone()))
     return examples

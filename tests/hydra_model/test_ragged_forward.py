@@ -117,3 +117,18 @@ def test_a_bad_batch_moves_no_cache(jury_model):
             torch.tensor([1, 2, 3]), [Segment(trunk_a, 2, 1), Segment(trunk_b, 1, 1)]
         )
     assert (trunk_a.length, trunk_b.length) == (2, 1)
+
+
+def test_selected_rows_are_those_rows_of_the_whole_output(jury_model):
+    """`rows` keeps the LM head to the rows a caller reads (each prompt's last, in a
+    prefill): the same logits and hidden states as those rows of the whole output."""
+    segments = [Segment(None, 0, 3), Segment(None, 0, 5)]
+    hidden = jury_model.trunk.forward_ragged(torch.tensor([5, 6, 7, 1, 2, 3, 4, 9]), segments)
+    logits, states = jury_model.heads.forward_ragged(hidden, segments, return_hidden=True)
+    last = torch.tensor([2, 7])
+    picked, picked_states = jury_model.heads.forward_ragged(
+        hidden, segments, return_hidden=True, rows=last
+    )
+    assert picked.shape == (jury_model.heads.size, 2, jury_model.config.vocab_size)
+    torch.testing.assert_close(picked, logits[:, last], **TOLERANCE)
+    torch.testing.assert_close(picked_states, states[:, last], **TOLERANCE)

@@ -11,7 +11,15 @@ import torch
 from hydra_jury.cli import main
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.layers import Segment
-from hydra_jury.hydra_model.uncertainty import check_tokens, load_uncertainty_head, verdict_tokens
+from hydra_jury.hydra_model.uncertainty import (
+    check_hidden,
+    check_hiddens,
+    check_tokens,
+    find_witness,
+    find_witnesses,
+    load_uncertainty_head,
+    verdict_tokens,
+)
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.request import GenerationRequest, RequestError
@@ -105,6 +113,25 @@ def test_the_witness_is_the_head_most_sure_of_the_first_token(model):
         )
         > 1
     )
+
+
+def test_batched_witnesses_and_check_inputs_equal_each_alone(model):
+    """Training builds its examples in ragged batches (`find_witnesses`,
+    `check_hiddens`); serving judges one answer at a time: the same witness and input."""
+    prompts = [torch.tensor([5, 9, 14, 20]), torch.tensor([3, 1]), torch.tensor([7, 7, 2])]
+    answers = [4, 11, 30]
+    checks = [torch.tensor([3, 7, 8, 9, 4]), torch.tensor([2, 6]), torch.tensor([9, 1, 1])]
+    batched = find_witnesses(model, prompts, answers)
+    inputs = check_hiddens(model, checks, [w.hidden for w in batched])
+    for prompt, answer, check, witness, hidden in zip(
+        prompts, answers, checks, batched, inputs, strict=True
+    ):
+        alone = find_witness(model, prompt, answer)
+        assert witness.index == alone.index
+        assert witness.probability == pytest.approx(alone.probability, abs=1e-6)
+        torch.testing.assert_close(witness.hidden, alone.hidden, atol=1e-5, rtol=1e-5)
+        expected = check_hidden(model, check, alone.hidden)
+        torch.testing.assert_close(hidden, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_bad_uncertainty_calls_are_refused(model, jury_model):
