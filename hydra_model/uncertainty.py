@@ -92,27 +92,22 @@ class Witness:
     probability: float  # the head's probability of the answer's first token
 
 
+@torch.inference_mode()
 def find_witness(model: HydraModel, prompt: torch.Tensor, answer_token: int) -> Witness:
     """prompt: token ids [T] the answer continued; answer_token: the answer's first."""
-    return find_witnesses(model, [prompt], [answer_token])[0]
-
-
-@torch.inference_mode()
-def find_witnesses(
-    model: HydraModel, prompts: list[torch.Tensor], answer_tokens: list[int]
-) -> list[Witness]:
-    """`find_witness` of each prompt, all in one ragged pass; the LM heads run on each
-    prompt's last position only."""
-    segments = [Segment(None, 0, len(prompt)) for prompt in prompts]
-    hidden = model.trunk.forward_ragged(torch.cat(prompts), segments)
-    last = torch.tensor([len(prompt) for prompt in prompts]).cumsum(0) - 1
+    segments = [Segment(None, 0, len(prompt))]
+    hidden = model.trunk.forward_ragged(prompt, segments)
+    last = torch.tensor([len(prompt) - 1])  # the LM heads run there only
     logits, states = model.heads.forward_ragged(hidden, segments, return_hidden=True, rows=last)
-    witnesses = []
-    for index, answer_token in enumerate(answer_tokens):
-        probabilities = torch.softmax(logits[:, index], dim=-1)[:, answer_token]  # [S]
-        head = int(probabilities.argmax())
-        witnesses.append(Witness(head, states[head, index], float(probabilities[head])))
-    return witnesses
+    return witness_from(logits[:, 0], states[:, 0], answer_token)
+
+
+def witness_from(logits: torch.Tensor, states: torch.Tensor, answer_token: int) -> Witness:
+    """The witness among the heads' logits [S, V] and last hidden states [S, D] after a
+    prompt (from `find_witnesses`, or from the prefill that generated the answer)."""
+    probabilities = torch.softmax(logits, dim=-1)[:, answer_token]  # [S]
+    head = int(probabilities.argmax())
+    return Witness(head, states[head], float(probabilities[head]))
 
 
 def check_hidden(model: HydraModel, check: torch.Tensor, witness: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ each, with a seeded generator: the same checkpoint and seed give the same corpus
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -114,7 +115,16 @@ def sample_continuations(
 ) -> list[list[int]]:
     """Samples from the first head after each prompt."""
     pick = sampled_from_first_head(temperature, generator)
-    return continue_prompts(model, model.heads.select(0), prompts, max_new_tokens, pick)
+    return continue_prompts(model, model.heads.select(0), prompts, max_new_tokens, pick).tokens
+
+
+@dataclass(frozen=True)
+class Continuations:
+    tokens: list[list[int]]  # each prompt's continuation
+    # The heads after each prompt's last token, which chose the first tokens: logits
+    # [S, B, V] and last hidden states before the final norm [S, B, D].
+    first_logits: torch.Tensor
+    first_states: torch.Tensor
 
 
 @torch.inference_mode()
@@ -124,7 +134,7 @@ def continue_prompts(
     prompts: list[list[int]],
     max_new_tokens: int,
     pick: Pick,
-) -> list[list[int]]:
+) -> Continuations:
     """Continues each prompt, token by token as `pick` chooses from `heads`' logits, all
     prompts in one ragged batch, until an end-of-sequence token (kept) or
     `max_new_tokens`."""
@@ -138,11 +148,13 @@ def continue_prompts(
     hidden = model.trunk.forward_ragged(
         tokens, [Segment(c[0], 0, len(p)) for c, p in zip(caches, prompts, strict=True)]
     )
-    logits = heads.forward_ragged(
+    logits, states = heads.forward_ragged(
         hidden,
         [Segment(c[1], 0, len(p)) for c, p in zip(caches, prompts, strict=True)],
+        return_hidden=True,
         rows=lengths.cumsum(0) - 1,
-    )  # [S, B, V]: after each prompt's last token
+    )  # [S, B, V] and [S, B, D]: after each prompt's last token
+    first = (logits, states)
     generated: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
     for step in range(max_new_tokens):
@@ -158,4 +170,4 @@ def continue_prompts(
         head_segments = [Segment(caches[i][1], len(prompts[i]) + step, 1) for i in active]
         hidden = model.trunk.forward_ragged(step_tokens, trunk_segments)
         logits = heads.forward_ragged(hidden, head_segments)
-    return generated
+    return Continuations(generated, *first)

@@ -25,8 +25,8 @@ from hydra_jury.hydra_model.model import HydraModel
 from hydra_jury.hydra_model.uncertainty import (
     check_hiddens,
     check_tokens,
-    find_witnesses,
     user_turn_tokens,
+    witness_from,
 )
 
 LETTERS = "ABCD"
@@ -118,11 +118,13 @@ def answer_and_grade(model: HydraModel, questions: list[Question]) -> list[Examp
     for first in range(0, len(questions), ANSWER_BATCH):
         batch = questions[first : first + ANSWER_BATCH]
         prompts = [user_turn_tokens(tokenizer, q.text) for q in batch]
-        answers = continue_prompts(model, model.heads, prompts, ANSWER_TOKENS, greedy_product)
-        texts = [tokenizer.decode(answer, skip_special_tokens=True) for answer in answers]
-        witnesses = find_witnesses(
-            model, [torch.tensor(p) for p in prompts], [answer[0] for answer in answers]
-        )
+        answered = continue_prompts(model, model.heads, prompts, ANSWER_TOKENS, greedy_product)
+        texts = [tokenizer.decode(answer, skip_special_tokens=True) for answer in answered.tokens]
+        # The prefill that chose each answer's first token holds its witness.
+        witnesses = [
+            witness_from(answered.first_logits[:, i], answered.first_states[:, i], answer[0])
+            for i, answer in enumerate(answered.tokens)
+        ]
         checks = [
             torch.tensor(check_tokens(tokenizer, q.text, text))
             for q, text in zip(batch, texts, strict=True)

@@ -10,15 +10,16 @@ import torch
 
 from hydra_jury.cli import main
 from hydra_jury.hydra_model import HydraModel
+from hydra_jury.hydra_model.build.demo_corpus import continue_prompts, greedy_product
 from hydra_jury.hydra_model.layers import Segment
 from hydra_jury.hydra_model.uncertainty import (
     check_hidden,
     check_hiddens,
     check_tokens,
     find_witness,
-    find_witnesses,
     load_uncertainty_head,
     verdict_tokens,
+    witness_from,
 )
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.local_backend import LocalBackend
@@ -115,18 +116,22 @@ def test_the_witness_is_the_head_most_sure_of_the_first_token(model):
     )
 
 
-def test_batched_witnesses_and_check_inputs_equal_each_alone(model):
-    """Training builds its examples in ragged batches (`find_witnesses`,
-    `check_hiddens`); serving judges one answer at a time: the same witness and input."""
-    prompts = [torch.tensor([5, 9, 14, 20]), torch.tensor([3, 1]), torch.tensor([7, 7, 2])]
-    answers = [4, 11, 30]
+def test_training_finds_the_witness_and_check_input_serving_finds(model):
+    """Training builds its examples in ragged batches (the witness from the prefill that
+    chose each answer, `check_hiddens`); serving judges one answer at a time
+    (`find_witness`, `check_hidden`): the same witness and the same input."""
+    prompts = [[5, 9, 14, 20], [3, 1], [7, 7, 2]]
     checks = [torch.tensor([3, 7, 8, 9, 4]), torch.tensor([2, 6]), torch.tensor([9, 1, 1])]
-    batched = find_witnesses(model, prompts, answers)
-    inputs = check_hiddens(model, checks, [w.hidden for w in batched])
+    answered = continue_prompts(model, model.heads, prompts, 3, greedy_product)
+    witnesses = [
+        witness_from(answered.first_logits[:, i], answered.first_states[:, i], answer[0])
+        for i, answer in enumerate(answered.tokens)
+    ]
+    inputs = check_hiddens(model, checks, [w.hidden for w in witnesses])
     for prompt, answer, check, witness, hidden in zip(
-        prompts, answers, checks, batched, inputs, strict=True
+        prompts, answered.tokens, checks, witnesses, inputs, strict=True
     ):
-        alone = find_witness(model, prompt, answer)
+        alone = find_witness(model, torch.tensor(prompt), answer[0])
         assert witness.index == alone.index
         assert witness.probability == pytest.approx(alone.probability, abs=1e-6)
         torch.testing.assert_close(witness.hidden, alone.hidden, atol=1e-5, rtol=1e-5)
