@@ -2,6 +2,8 @@
 
 - `hidden.safetensors`: every shard's windows of token ids and the trunk's outputs for
   them (the heads' inputs), computed once per run.
+- `examples.safetensors` (`--uncertainty`): the graded answers to the multiple-choice
+  questions with the uncertainty head's input for each, answered once per run.
 - `state.safetensors`: the trained tensors, the optimizer's state and, as metadata, the
   run's settings, the steps done and the loss of every step. Written to a temporary file
   and renamed, so an interrupted save leaves the previous state whole.
@@ -22,6 +24,7 @@ from safetensors.torch import save_file
 
 STATE_DIR = ".train"
 HIDDEN_FILE = "hidden.safetensors"
+EXAMPLES_FILE = "examples.safetensors"
 STATE_FILE = "state.safetensors"
 
 
@@ -49,6 +52,26 @@ def load_hidden(
     return [tensors[f"windows.{i}"] for i in range(shards)], [
         tensors[f"hidden.{i}"] for i in range(shards)
     ]
+
+
+def save_examples(
+    out: Path, settings: dict[str, Any], inputs: list[torch.Tensor], records: list[dict]
+) -> None:
+    """Each example's input tensor, and as metadata what else it is (JSON records)."""
+    tensors = {f"input.{i}": t for i, t in enumerate(inputs)}
+    run = {"settings": settings, "examples": records}
+    _save_atomically(tensors, run, state_dir(out) / EXAMPLES_FILE)
+
+
+def load_examples(
+    out: Path, settings: dict[str, Any]
+) -> tuple[list[torch.Tensor], list[dict]] | None:
+    """(inputs, records) as saved, or None when absent or of other settings."""
+    loaded = _load(state_dir(out) / EXAMPLES_FILE)
+    if loaded is None or loaded[1].get("settings") != settings:
+        return None
+    tensors, run = loaded
+    return [tensors[f"input.{i}"] for i in range(len(run["examples"]))], run["examples"]
 
 
 def saved_settings(out: Path) -> dict[str, Any] | None:

@@ -10,7 +10,8 @@ judge the model's own multiple-choice answers.
 3. Calibration on the held-out examples before and after: the Brier score (mean of
    (p_correct − correct)²), the accuracy of p_correct > 0.5, and for comparison the
    Brier score of always answering the training set's rate of correct answers.
-4. The state is saved every `save_every` steps (the run resumes as `train-heads` does);
+4. The graded examples are saved once answered, the state every `save_every` steps: an
+   interrupted run resumes as `train-heads` does, without answering again;
    at the end `OUT` is the checkpoint with the trained uncertainty head, the calibration
    in `hydra.json` under "uncertainty_training".
 """
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 from hydra_jury.hydra_model.build.multiple_choice import (
     Example,
+    Question,
     answer_and_grade,
     make_questions,
 )
@@ -43,7 +45,12 @@ from hydra_jury.hydra_model.build.train import (
     training_record,
     write_checkpoint,
 )
-from hydra_jury.hydra_model.build.train_state import load_state, save_state
+from hydra_jury.hydra_model.build.train_state import (
+    load_examples,
+    load_state,
+    save_examples,
+    save_state,
+)
 from hydra_jury.hydra_model.build.tuning import TunedHeads
 from hydra_jury.hydra_model.checkpoint import checkpoint_fingerprint, read_manifest, read_tensors
 from hydra_jury.hydra_model.model import HydraModel
@@ -97,8 +104,7 @@ def train_uncertainty(
         verdict = verdict_tokens(model.load_tokenizer())
     except ValueError as error:
         raise TrainError(f"{options.checkpoint}: {error}") from None
-    log(f"answering {options.questions} multiple-choice questions (greedy PoE)")
-    examples = answer_and_grade(model, make_questions(options.questions, options.seed))
+    examples = _graded_examples(model, options, settings, log)
     order = list(range(len(examples)))
     random.Random(options.seed).shuffle(order)
     held_count = max(1, round(HELD_OUT * len(examples)))
@@ -163,6 +169,33 @@ def train_uncertainty(
         after=after,
         constant_brier=constant,
     )
+
+
+def _graded_examples(
+    model: HydraModel, options: TrainOptions, settings: dict[str, Any], log
+) -> list[Example]:
+    """The questions answered and graded, or those of the interrupted run at `out`."""
+    out = Path(options.out)
+    saved = load_examples(out, settings)
+    if saved is not None:
+        log(f"{out}: the {len(saved[0])} graded answers of the interrupted run")
+        return [
+            Example(Question(r["question"], r["letter"]), r["answer"], r["correct"], hidden)
+            for hidden, r in zip(*saved, strict=True)
+        ]
+    log(f"answering {options.questions} multiple-choice questions (greedy PoE)")
+    examples = answer_and_grade(model, make_questions(options.questions, options.seed))
+    records = [
+        {
+            "question": e.question.text,
+            "letter": e.question.correct,
+            "answer": e.answer,
+            "correct": e.correct,
+        }
+        for e in examples
+    ]
+    save_examples(out, settings, [e.hidden for e in examples], records)
+    return examples
 
 
 def _settings(options: TrainOptions) -> dict[str, Any]:

@@ -151,6 +151,7 @@ def test_interrupted_uncertainty_training_keeps_the_trained_heads(
     demo.ensure_demo_checkpoint(out, lines.append, base=base, corpus=corpus)
     heads = tmp_path / ".demo.llm-heads"
     assert f"{heads}: heads already trained" in lines
+    assert f"{out}: the 8 graded answers of the interrupted run" in lines
     assert f"{out}: resuming at step 1 of 3" in lines
     assert demo.is_trained_demo(out) and not heads.exists()
 

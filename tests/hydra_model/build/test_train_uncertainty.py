@@ -102,3 +102,37 @@ def test_the_command_line(checkpoint, tmp_path, capsys):
     assert "give --data" in capsys.readouterr().err
     assert main(argv) == 2
     assert "give --data" in capsys.readouterr().err
+
+
+def test_an_interrupted_run_resumes_without_answering_again(checkpoint, tmp_path, monkeypatch):
+    """The graded answers are kept with the run's state: the resumed run reads them back
+    and ends bit for bit where an uninterrupted run ends."""
+    settings = dict(steps=4, questions=16, save_every=2)
+    whole = tmp_path / "whole"
+    train_uncertainty(options(checkpoint, whole, **settings), log=lambda line: None)
+
+    class Interrupted(Exception):
+        pass
+
+    def stop_at_3(step, steps, losses):
+        if step == 3:
+            raise Interrupted
+
+    out = tmp_path / "resumed"
+    with pytest.raises(Interrupted):
+        train_uncertainty(options(checkpoint, out, **settings), lambda line: None, stop_at_3)
+
+    def unanswerable(model, questions):
+        raise AssertionError("the resumed run answered the questions again")
+
+    monkeypatch.setattr(
+        "hydra_jury.hydra_model.build.train_uncertainty.answer_and_grade", unanswerable
+    )
+    lines: list[str] = []
+    result = train_uncertainty(options(checkpoint, out, **settings), log=lines.append)
+    assert f"{out}: the 16 graded answers of the interrupted run" in lines
+    assert f"{out}: resuming at step 2 of 4" in lines and result.resumed_at == 2
+    head = "heads/uncertainty.safetensors"
+    assert (out / head).read_bytes() == (whole / head).read_bytes()
+    saved, expected = (json.loads((d / "hydra.json").read_text()) for d in (out, whole))
+    assert saved["uncertainty_training"] == expected["uncertainty_training"]
