@@ -7,7 +7,13 @@ from __future__ import annotations
 import argparse
 
 from hydra_jury.cli.args import from_flags
-from hydra_jury.orchestrator.request import AUTO_GAMMA, DEFAULT_GAMMA, DRAFTERS, GenerationRequest
+from hydra_jury.orchestrator.request import (
+    AUTO_GAMMA,
+    DEFAULT_GAMMA,
+    DRAFTERS,
+    MAX_TOP_LOGPROBS,
+    GenerationRequest,
+)
 from hydra_jury.poe import RULES
 from hydra_jury.serving.worker_service import head_list
 from hydra_jury.workers.calls import MAX_GAMMA
@@ -118,6 +124,19 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="multiple choice: the checkpoint's uncertainty head judges the answer and "
         "reports p_correct, the probability that it is correct",
+    )
+    parser.add_argument(
+        "--logprobs",
+        action="store_true",
+        help="report each token's log-probability under the target (with --json)",
+    )
+    parser.add_argument(
+        "--top-logprobs",
+        type=int,
+        default=GenerationRequest.top_logprobs,
+        metavar="N",
+        help=f"with --logprobs, also the N most likely tokens at each position, "
+        f"0..{MAX_TOP_LOGPROBS} (%(default)s)",
     )
 
 

@@ -26,6 +26,8 @@ _PLAIN_FIELDS = (
     "early_stopping",
     "return_beams",
     "uncertainty",
+    "logprobs",
+    "top_logprobs",
 )
 
 

@@ -211,7 +211,9 @@ class Engine:
         bonus = verdict.bonus and len(tokens) == len(verdict.tokens)
         progress.stats.observe_round(drafted, accepted, bonus)
         run.rounds_by_drafter[verdict.drafter] = run.rounds_by_drafter.get(verdict.drafter, 0) + 1
-        records = token_records(self.tokenizer, verdict, tokens, len(run.committed))
+        request = run.prepared.request
+        logprobs = request.top_logprobs if request.logprobs else None
+        records = token_records(self.tokenizer, verdict, tokens, len(run.committed), logprobs)
         run.committed += tokens
         progress.generated += tokens
         run.records += records

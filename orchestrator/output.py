@@ -16,6 +16,8 @@ from hydra_jury.poe import (
     stability_margin,
     stability_radius,
     suppression_score,
+    token_logprobs,
+    top_logprobs,
     validity_radius,
 )
 
@@ -51,6 +53,10 @@ class TokenRecord:
     rejected_text: str | None = None
     validity_radius: int | None = None  # replacement only
     suppression_score: float | None = None  # replacement only: P(rejected token)
+    # Asked for (`logprobs`): log P(token), and the most likely tokens at this position,
+    # most likely first ({"token_id", "text", "logprob"} each).
+    logprob: float | None = None
+    top_logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -71,10 +77,15 @@ class Verdict:
 
 
 def token_records(
-    tokenizer, verdict: Verdict, tokens: list[int], first_position: int
+    tokenizer,
+    verdict: Verdict,
+    tokens: list[int],
+    first_position: int,
+    logprobs: int | None = None,
 ) -> list[TokenRecord]:
     """The records of the round's emitted `tokens` (the verdict's, up to a stop
-    condition) at positions from `first_position`, with the target's metrics."""
+    condition) at positions from `first_position`, with the target's metrics; with
+    `logprobs` (not None), each token's log-probability and that many most likely tokens."""
     records = [
         TokenRecord(token, tokenizer.decode([token]), first_position + i, kind)
         for i, (token, kind) in enumerate(zip(tokens, verdict.kinds, strict=False))
@@ -100,7 +111,24 @@ def token_records(
             record.suppression_score = float(
                 suppression_score(target[i : i + 1], torch.tensor([rejected]))[0]
             )
+    if logprobs is not None:
+        _add_logprobs(tokenizer, records, target, torch.tensor(tokens), logprobs)
     return records
+
+
+def _add_logprobs(
+    tokenizer, records: list[TokenRecord], target: torch.Tensor, tokens: torch.Tensor, top: int
+) -> None:
+    chosen = token_logprobs(target, tokens).tolist()
+    likeliest, values = top_logprobs(target, top)
+    for record, logprob, ids, logprobs in zip(
+        records, chosen, likeliest.tolist(), values.tolist(), strict=True
+    ):
+        record.logprob = logprob
+        record.top_logprobs = [
+            {"token_id": token, "text": tokenizer.decode([token]), "logprob": value}
+            for token, value in zip(ids, logprobs, strict=True)
+        ]
 
 
 @dataclass

@@ -41,6 +41,7 @@ class DrafterKind(StrEnum):
 
 
 DEFAULT_GAMMA = 4  # draft length of the head, n-gram and model drafters when unset
+MAX_TOP_LOGPROBS = 20  # the most likely tokens a request may ask for at each position
 AUTO_GAMMA = 8  # the most the automatic mode drafts in a round when gamma is unset
 
 
@@ -78,6 +79,9 @@ class GenerationRequest:
     return_beams: bool = False  # also return every finished hypothesis
     # Multiple choice: the uncertainty head judges the finished answer (`p_correct`).
     uncertainty: bool = False
+    # Each token's log-probability under the target, and this many most likely tokens.
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def sampling(self) -> SamplingParams:
@@ -139,6 +143,7 @@ def prepare_request(
         _check_limits(request, limits)
     if request.uncertainty:
         _check_uncertainty(info, tokenizer)
+    _check_logprobs(request, rule)
     if request.num_beams > 1:
         _check_beam_search(request, rule)
         rule = Rule.VERIFIER_ONLY  # one target row per beam and step: no speculation
@@ -255,6 +260,28 @@ def _check_numbers(request: GenerationRequest, info: ModelInfo) -> Rule:
             "num_beams > 1"
         )
     return rule
+
+
+def _check_logprobs(request: GenerationRequest, rule: Rule) -> None:
+    """Log-probabilities are read from each token's target: a rule or mode that computes
+    none for the tokens it emits cannot give them."""
+    top = request.top_logprobs
+    if not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"top_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {top!r}")
+    if top and not request.logprobs:
+        raise RequestError("top_logprobs needs logprobs")
+    if not request.logprobs:
+        return
+    if rule == Rule.DRAFTER_ONLY:
+        raise RequestError(
+            "logprobs: rule drafter_only computes no target, so its tokens have no "
+            "log-probabilities"
+        )
+    if request.num_beams > 1:
+        raise RequestError(
+            "logprobs: beam search scores whole hypotheses (see beams and beam_score), "
+            "not one target per token"
+        )
 
 
 def _check_limits(request: GenerationRequest, limits: RequestLimits) -> None:

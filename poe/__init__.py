@@ -5,7 +5,8 @@ Modules
 - filters: sampling options and the top-k / top-p / min-p filters.
 - rules: acceptance rules (exact, lenient, speculative cascades, baselines).
 - verify: verification of a draft (greedy, sampled, coupled) and single-token draws.
-- metrics: per-token metrics (entropy, stability, validity, suppression) and request counters.
+- metrics: per-token metrics (entropy, stability, validity, suppression, log-probabilities)
+  and request counters.
 - randomness: counter-based draws keyed by (seed, position, purpose).
 - contrastive: contrastive decoding scores (the jury as expert, one head as amateur).
 - drafting: prompt-lookup (n-gram) drafts and point-mass draft distributions.
@@ -23,6 +24,8 @@ from hydra_jury.poe.metrics import (
     stability_margin,
     stability_radius,
     suppression_score,
+    token_logprobs,
+    top_logprobs,
     validity_radius,
 )
 from hydra_jury.poe.randomness import PURPOSES, categorical, choice, random_seed, uniforms
@@ -89,6 +92,8 @@ __all__ = [
     "stability_radius",
     "suppression_score",
     "target_logprobs",
+    "token_logprobs",
+    "top_logprobs",
     "uniforms",
     "validate_rule",
     "validity_radius",

@@ -10,6 +10,7 @@ Terms
 - validity radius of a rejected draft token: the fewest votes that must move to it for
   it to hold strictly more votes than any other token.
 - suppression score of a rejected draft token: P(token).
+- logprob of a token: log P(token), floored at `LOGPROB_FLOOR` (log 0 is no number).
 - round: one draft / verify / accept cycle of the decoding loop.
 - reached: a draft position is reached in a round when every earlier draft token of
   that round was accepted, i.e. when an acceptance decision is taken on it.
@@ -84,6 +85,23 @@ def suppression_score(target_probs: torch.Tensor, tokens: torch.Tensor) -> torch
     check_long("tokens", tokens, dims=1)
     check_rows("tokens", tokens, target_probs.shape[0])
     return target_probs.float().gather(1, tokens[:, None]).squeeze(1)
+
+
+# log 0, as a number that JSON and every client can hold (OpenAI's API answers the same).
+LOGPROB_FLOOR = -9999.0
+
+
+def token_logprobs(target_probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """target_probs: [B, V], tokens: [B] long → [B] float32 log P(token)."""
+    return suppression_score(target_probs, tokens).log().clamp(min=LOGPROB_FLOOR)
+
+
+def top_logprobs(target_probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """target_probs: [B, V] → the k most likely tokens of each row, most likely first
+    ([B, k] long), and their log-probabilities ([B, k] float32)."""
+    check_float("target_probs", target_probs, dims=2)
+    values, tokens = target_probs.float().topk(k, dim=-1)
+    return tokens, values.log().clamp(min=LOGPROB_FLOOR)
 
 
 def reached_positions(num_drafted: int, num_accepted: int) -> int:

@@ -211,6 +211,25 @@ def test_per_token_metrics_and_request_stats(engine):
     assert positions == list(range(positions[0], positions[0] + 40))
 
 
+def test_logprobs_are_the_targets_of_the_emitted_tokens(engine):
+    """Speculative and sampled: each token's log-probability and the likeliest tokens'
+    are read from the target its position was decided on (the entropy's)."""
+    request = GenerationRequest(
+        prompt="hi", max_new_tokens=12, seed=3, ignore_eos=True, drafter="head", logprobs=True
+    )
+    plain = engine.generate(request)
+    assert all(t.logprob is not None and t.top_logprobs == [] for t in plain.tokens)
+    ranked = engine.generate(replace(request, top_logprobs=4))
+    assert ranked.token_ids == plain.token_ids
+    for record in ranked.tokens:
+        likeliest = {top["token_id"]: top["logprob"] for top in record.top_logprobs}
+        values = list(likeliest.values())
+        assert len(values) == 4 and values == sorted(values, reverse=True)
+        assert record.logprob <= values[0] <= 0
+        assert likeliest.get(record.token_id, record.logprob) == record.logprob
+    assert engine.generate(replace(request, logprobs=False)).tokens[0].logprob is None
+
+
 @pytest.mark.parametrize("rule", [r for r in RULES if r != "verifier_only"])
 def test_every_rule_runs(engine, rule):
     """What every speculative rule must do: keep at most what it drafted, replace a rejected
@@ -280,6 +299,10 @@ def test_every_rule_runs(engine, rule):
         ({"drafter": "ngram", "rule": "verifier_only"}, "conflicts with rule 'verifier_only'"),
         ({"drafter": "ngram", "rule": "drafter_only"}, "conflicts with rule 'drafter_only'"),
         ({"drafter": "ngram", "draft_head": "head1"}, "drafts without a head"),
+        ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, r"top_logprobs must be an integer in 0..20"),
+        ({"logprobs": True, "rule": "drafter_only"}, "rule drafter_only computes no target"),
+        ({"logprobs": True, "num_beams": 2}, "beam search scores whole hypotheses"),
     ],
 )
 def test_invalid_options_fail_before_any_compute(jury_model, tokenizer, options, message):

@@ -4,11 +4,14 @@ import pytest
 import torch
 
 from hydra_jury.poe.metrics import (
+    LOGPROB_FLOOR,
     RequestStats,
     entropy,
     stability_margin,
     stability_radius,
     suppression_score,
+    token_logprobs,
+    top_logprobs,
     validity_radius,
 )
 
@@ -59,6 +62,19 @@ def test_suppression_score():
     torch.testing.assert_close(
         suppression_score(probs, torch.tensor([2, 0])), torch.tensor([0.3, 0.5])
     )
+
+
+def test_logprobs_of_the_tokens_and_the_likeliest_floored_at_zero_probability():
+    probs = torch.tensor([[0.1, 0.6, 0.3, 0.0], [0.5, 0.25, 0.25, 0.0]])
+    torch.testing.assert_close(
+        token_logprobs(probs, torch.tensor([2, 3])),
+        torch.tensor([math.log(0.3), LOGPROB_FLOOR]),
+    )
+    tokens, logprobs = top_logprobs(probs, 2)
+    assert tokens.tolist() == [[1, 2], [0, 1]]
+    torch.testing.assert_close(logprobs, torch.tensor([[0.6, 0.3], [0.5, 0.25]]).log())
+    tokens, logprobs = top_logprobs(probs, 0)
+    assert tokens.shape == logprobs.shape == (2, 0)
 
 
 def test_request_stats_counts_and_rates():
