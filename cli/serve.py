@@ -22,6 +22,7 @@ from hydra_jury.orchestrator.config import REDIS_URL_VARIABLE
 from hydra_jury.orchestrator.flags import (
     add_api_key_flags,
     add_generation_server_flags,
+    add_http_listen_flag,
     add_redis_url_flag,
 )
 from hydra_jury.orchestrator.launcher import LocalStack
@@ -113,6 +114,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             request_limits=request_limits,
             tls=tls,
             auth=auth,
+            http_listen=args.http_listen,
         )
         async with health_port(running, args.health_listen):
             served = f"{args.checkpoint} ({training_summary(args.checkpoint)})"
@@ -170,6 +172,7 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
         help="CPU threads per jury shard (default: torch's, every core; on a 2-core host one "
         "thread each measured slower)",
     )
+    add_http_listen_flag(parser)
     add_redis_url_flag(parser, ", else a private redis-server, stopped with the stack")
     add_draft_model_flag(parser, "on the trunk service: ")
     parser.add_argument(
@@ -214,12 +217,14 @@ def _run_up(args: argparse.Namespace) -> int:
             redis_url=args.redis_url or os.environ.get(REDIS_URL_VARIABLE),
             draft_model=resolved_draft_model(args.draft_model),
             tls=certificates,
+            http_listen=args.http_listen,
             orchestrator_args=_api_key_args(args),
         )
         try:
             address = stack.start()
             print(
-                f"hydra-jury stack ready: Generation API at {address}, serving {args.checkpoint} "
+                f"hydra-jury stack ready: Generation API at {address}{stack.http_detail}, "
+                f"serving {args.checkpoint} "
                 f"({training_summary(args.checkpoint)}), sessions in Redis at "
                 f"{redacted(stack.sessions_url)}",
                 file=sys.stderr,

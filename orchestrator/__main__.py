@@ -71,6 +71,7 @@ async def _serve(config: OrchestratorConfig) -> None:
         tls=config.server_tls(),
         internal_tls=config.internal_tls(),
         auth=config.auth(),
+        http_listen=config.http_listen,
     )
     async with health_port(running, config.health_listen):
         await running.serve_until_signal("orchestrator", config.listen, config.grace_s)

@@ -2,6 +2,7 @@
 
 checkpoint: var/models/smollm2-hydra   # for the tokenizer; must match the services
 listen: 127.0.0.1:50050
+http_listen: 127.0.0.1:8080            # the OpenAI-compatible HTTP API too; omit: off
 trunk: 127.0.0.1:50051                 # kubernetes discovery: the trunk's Service name
 jury: [127.0.0.1:50052, 127.0.0.1:50053]  # ... and each shard's Service name
 discovery: static                      # or kubernetes: follow the Services' EndpointSlices
@@ -69,6 +70,7 @@ class OrchestratorConfig:
     discovery: str = "static"
     namespace: str | None = None
     listen: str = "127.0.0.1:50050"
+    http_listen: str | None = None  # None: no HTTP API
     metrics_port: int | None = None
     metrics_address: str = METRICS_ADDRESS
     max_concurrency: int = 32
@@ -86,6 +88,7 @@ class OrchestratorConfig:
     limit_beams: int = RequestLimits.beams
     limit_stream_s: float = RequestLimits.stream_s
     limit_sessions_per_key: int = RequestLimits.sessions_per_key
+    limit_choices: int = RequestLimits.choices
     tls_cert: str | None = None  # None: the public port is plaintext
     tls_key: str | None = None
     tls_ca: str | None = None  # None: no client certificate asked for

@@ -26,6 +26,7 @@ def add_generation_server_flags(parser: argparse.ArgumentParser, redis_fallback:
     """`redis_fallback`: where sessions live when neither --redis-url nor the variable
     names a Redis (", else ...", or "" where one is required)."""
     add_listen_flag(parser, OrchestratorConfig.listen)
+    add_http_listen_flag(parser)
     add_metrics_flags(parser)
     parser.add_argument(
         "--max-concurrency",
@@ -55,6 +56,15 @@ def add_generation_server_flags(parser: argparse.ArgumentParser, redis_fallback:
     )
     add_tls_flags(parser)
     add_api_key_flags(parser)
+
+
+def add_http_listen_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--http-listen",
+        metavar="HOST:PORT",
+        help="also serve the OpenAI-compatible HTTP API (docs/http-api.md) on this address, "
+        "HTTPS with the --tls-* files (port 0 picks a free one; default: off)",
+    )
 
 
 def add_redis_url_flag(parser: argparse.ArgumentParser, fallback: str) -> None:

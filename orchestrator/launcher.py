@@ -25,6 +25,7 @@ from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
 from hydra_jury.serving.tls import CertificateDirectory
 
 LISTENING = re.compile(r"listening on (\S+?):(\d+)")
+HTTP_API = re.compile(r"HTTP API on ([^,\s]+)")  # on the orchestrator's line, with one
 
 # How the stack's processes wait between OpenMP parallel regions, since they share the
 # host (docs/benchmarks.md, "One host"). They take turns (draft, score, accept), and a process whose
@@ -49,6 +50,7 @@ class Child:
     name: str
     process: subprocess.Popen
     address: str = ""  # HOST:PORT once it printed its "listening on" line
+    line: str = ""  # that line
     failure: str = ""  # why it did not start
 
 
@@ -70,12 +72,12 @@ def start_child(
             print(f"[{name}] {line}", end="", file=sys.stderr, flush=True)
             match = LISTENING.search(line)
             if match and listening.empty():
-                listening.put(f"{match[1]}:{match[2]}")
-        listening.put("")  # end of output: the child has exited
+                listening.put((f"{match[1]}:{match[2]}", line))
+        listening.put(("", ""))  # end of output: the child has exited
 
     threading.Thread(target=forward, daemon=True).start()
     try:
-        child.address = listening.get(timeout=timeout_s)
+        child.address, child.line = listening.get(timeout=timeout_s)
     except queue.Empty:
         child.failure = f"{name} did not start within {timeout_s:g} s; see its output above"
     else:
@@ -100,6 +102,7 @@ class LocalStack:
     redis_url: str | None = None  # the sessions' Redis; None: a private one per start
     draft_model: str | None = None  # the trunk's draft model (a Hydra checkpoint)
     tls: CertificateDirectory | None = None  # None: plaintext everywhere
+    http_listen: str | None = None  # the orchestrator's HTTP API (None: off)
     orchestrator_args: list[str] = field(default_factory=list)  # e.g. --api-keys FILE
     children: list[Child] = field(default_factory=list)
     redis: LocalRedis | None = None  # the private Redis, once started
@@ -112,6 +115,16 @@ class LocalStack:
         if self.redis is None:
             raise RuntimeError("the stack has not started")
         return self.redis.url
+
+    @property
+    def http_detail(self) -> str:
+        """The HTTP API's URL as ", HTTP API on URL", once the orchestrator said it serves
+        one (on its listening line); "" without one."""
+        for child in self.children:
+            match = HTTP_API.search(child.line) if child.name == "orchestrator" else None
+            if match:
+                return f", HTTP API on {match[1]}"
+        return ""
 
     def _port(self, offset: int) -> int:
         return 0 if self.port == 0 else self.port + offset
@@ -184,6 +197,8 @@ class LocalStack:
         ]
         if self.metrics_port is not None:
             command += ["--metrics-port", str(self.metrics_port)]
+        if self.http_listen is not None:
+            command += ["--http-listen", self.http_listen]
         command += self._orchestrator_tls_args()
         command += self.orchestrator_args
         return self._spawn("orchestrator", command, timeout_s)

@@ -11,6 +11,8 @@ file by the key `limit_NAME`. Where each is enforced, and how a request past it 
   its last round (DEADLINE_EXCEEDED) and a request with the same ids resumes it;
 - sessions_per_key: by the session runner when an API key opens a session, counted by
   the session store (RESOURCE_EXHAUSTED; a server without keys has no such limit).
+- choices: by the HTTP API (`orchestrator.http_api`), before anything runs
+  (INVALID_ARGUMENT, HTTP 400).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class RequestLimits:
         "the same request (same session_id and request_id) continues it",
     )
     sessions_per_key: int = _limit(64, "sessions one API key may hold open at once")
+    choices: int = _limit(8, "n of one HTTP API request: its choices, each a generation of its own")
 
     def __post_init__(self) -> None:
         for setting in fields(self):

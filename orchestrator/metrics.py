@@ -1,7 +1,7 @@
 """Prometheus metrics of the orchestrator, collected raw; rates are derived in queries.
 
 Counters and histograms (names prefixed `hydrajury_`):
-- requests_total{rpc}, errors_total{code}
+- requests_total{rpc} (a gRPC method, or an HTTP API path), errors_total{code}
 - tokens_emitted_total, draft_tokens_total, accepted_tokens_total,
   rejections_total, draft_position_reached_total{position},
   draft_position_accepted_total{position}
@@ -19,6 +19,7 @@ draft position i = draft_position_accepted_total / draft_position_reached_total.
 
 from __future__ import annotations
 
+import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hydra_jury.orchestrator.output import RoundOutput
@@ -106,6 +107,12 @@ class OrchestratorMetrics:
     def serve(self, port: int, address: str = "127.0.0.1") -> int:
         """Exposes /metrics over HTTP; port 0 picks a free one. Returns the port."""
         return serve_metrics(self.registry, port, address)
+
+    def observe_unauthenticated(self, reason: str) -> None:
+        """A call refused for want of a valid API key (`reason`: missing, malformed,
+        unknown), over either API; an UNAUTHENTICATED error too."""
+        self.errors.labels(grpc.StatusCode.UNAUTHENTICATED.name).inc()
+        self.unauthenticated.labels(reason).inc()
 
     def observe_round(self, output: RoundOutput) -> None:
         drafted, accepted = output.drafted, output.accepted

@@ -10,6 +10,10 @@ for the next turn). A background task frees the caches of sessions whose TTL pas
 With API keys (`serving.auth`) every call runs with its key: the sessions it makes and
 finds are that key's, and its generations stay within the key's limits
 (`orchestrator.key_limits`).
+
+With an HTTP address the same servicer also answers the OpenAI-compatible HTTP API
+(`orchestrator.http_api`), in this process and event loop, through `generate`: the one
+path of every generation, whichever API asked for it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import contextlib
 import hashlib
 import logging
 import time
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 
@@ -29,17 +35,19 @@ from hydra_jury.orchestrator.convert import output_to_pb, request_from_pb, round
 from hydra_jury.orchestrator.discovery import Discovery
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.grpc_backend import GrpcBackend, LayoutError
+from hydra_jury.orchestrator.http_api.app import openai_app
 from hydra_jury.orchestrator.key_limits import KeyLimiter
 from hydra_jury.orchestrator.limits import DEFAULT_LIMITS, RequestLimits
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.metrics import OrchestratorMetrics
 from hydra_jury.orchestrator.request import RequestError
-from hydra_jury.orchestrator.sessions.runner import SessionRunner
+from hydra_jury.orchestrator.sessions.runner import Committed, SessionRunner
 from hydra_jury.orchestrator.sessions.store import SessionStore
 from hydra_jury.poe import RULES
 from hydra_jury.protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
 from hydra_jury.serving.api_keys import ApiKey, KeyFile
 from hydra_jury.serving.auth import ApiKeyAuth, current_key
+from hydra_jury.serving.http_server import HttpServer
 from hydra_jury.serving.metrics import SessionMetrics
 from hydra_jury.serving.model_thread import ModelThread, start_model_thread
 from hydra_jury.serving.server import GrpcServer, RunningServer
@@ -132,17 +140,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         for up to `grace_s`, the rest end after their round, resumable elsewhere."""
         await self.runner.drain(grace_s)
 
-    def _called(self, rpc: str) -> ApiKey | None:
-        """Counts the call; its API key (None on a server without keys)."""
+    @property
+    def draining(self) -> bool:
+        """Whether the server is shutting down (new generations are refused)."""
+        return self.runner.draining
+
+    def count(self, rpc: str, key: ApiKey | None) -> None:
+        """Counts a call to `rpc` (a gRPC method, or an HTTP API path) made with `key`."""
         self.metrics.requests.labels(rpc).inc()
-        key = current_key()
         if key is not None:
             self.metrics.key_requests.labels(key.name, rpc).inc()
+
+    def _called(self, rpc: str) -> ApiKey | None:
+        """Counts the gRPC call; its API key (None on a server without keys)."""
+        key = current_key()
+        self.count(rpc, key)
         return key
 
     async def Info(self, request, context):
-        info = self.backend.info
         self._called("Info")
+        return self.info()
+
+    def info(self) -> generation_pb2.GenerationInfoResponse:
+        info = self.backend.info
         return generation_pb2.GenerationInfoResponse(
             model_fingerprint=info.fingerprint,
             architecture=info.architecture,
@@ -172,21 +192,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         key = self._called("Generate")
         final = None
-        async for committed in self._rounds(request, context, key):
+        async for committed in self.generate(request, key, _deadline(context)):
             final = committed.summary or final
         return output_to_pb(final)
 
     async def GenerateStream(self, request, context):
         key = self._called("GenerateStream")
-        async for committed in self._rounds(request, context, key):
+        async for committed in self.generate(request, key, _deadline(context)):
             message = round_to_pb(committed.round, committed.summary)
             message.session_id, message.request_id = committed.session_id, request.request_id
             yield message
 
-    async def _rounds(self, request, context, key: ApiKey | None):
-        """The committed rounds, within the limits of the call's API key."""
+    async def generate(
+        self,
+        request: generation_pb2.GenerateRequest,
+        key: ApiKey | None,
+        deadline: float | None,
+    ) -> AsyncIterator[Committed]:
+        """The committed rounds of `request`, on the sessions of `key` and within its
+        limits; `deadline`: a `time.monotonic()` value (None: none)."""
         with self.key_limits.generation(key) if key else contextlib.nullcontext():
-            rounds = self._observed_rounds(request, context, _name(key))
+            rounds = self._observed_rounds(request, deadline, _name(key))
             async with contextlib.aclosing(rounds):
                 async for committed in rounds:
                     if key is not None and not committed.replayed:  # a replay costs nothing
@@ -197,14 +223,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.key_limits.spend(key, tokens)
         self.metrics.key_tokens.labels(key.name).inc(tokens)
 
-    async def _observed_rounds(self, request, context, key_name: str):
+    async def _observed_rounds(self, request, deadline: float | None, key_name: str):
         """The committed rounds, with the request's metrics observed."""
         rounds = self.runner.generate(
             request_from_pb(request),
             session_id=request.session_id or None,
             request_id=request.request_id or None,
             digest=request_digest(request),
-            deadline=_deadline(context),
+            deadline=deadline,
             key_name=key_name,
         )
         began = time.monotonic()
@@ -243,9 +269,13 @@ async def start_generation_server(
     request_limits: RequestLimits,
     tls: ServerTls | None = None,
     auth: ApiKeyAuth | None = None,
+    http_listen: str | None = None,
+    model: str,
 ) -> RunningServer:
     """The Generation service over `backend`, started on `address` (port 0: any free;
-    `tls`: a TLS port, else plaintext; `auth`: calls need an API key, else open)."""
+    `tls`: a TLS port, else plaintext; `auth`: calls need an API key, else open), and
+    with `http_listen` the HTTP API on that address too (TLS alike), serving `model`
+    (the checkpoint's name)."""
     metrics = OrchestratorMetrics()
     servicer = GenerationServicer(
         backend,
@@ -264,9 +294,19 @@ async def start_generation_server(
         interceptors=_auth_interceptors(auth, metrics),
         credentials=tls.credentials() if tls else None,
     )
+    http = None
+    if http_listen is not None:
+        app = openai_app(servicer, model=model, auth=auth, limits=request_limits)
+        http = HttpServer(app, tls=tls)
     try:
         await store.ping()  # a clear error now rather than on the first request
         port = await server.start(address)
+        if http is not None:
+            try:
+                await http.start(http_listen)
+            except BaseException:
+                await server.stop(0)
+                raise
     except BaseException:
         await servicer.close()
         raise
@@ -275,7 +315,7 @@ async def start_generation_server(
     bound_metrics = (
         metrics.serve(metrics_port, metrics_address) if metrics_port is not None else None
     )
-    return RunningServer(server, port, servicer, bound_metrics)
+    return RunningServer(server, port, servicer, bound_metrics, http)
 
 
 def _auth_interceptors(
@@ -294,11 +334,7 @@ def _auth_interceptors(
         "; health checks and reflection too" if auth.protect_open_services else "",
     )
 
-    def refused(reason: str) -> None:
-        metrics.errors.labels(grpc.StatusCode.UNAUTHENTICATED.name).inc()
-        metrics.unauthenticated.labels(reason).inc()
-
-    return [auth.interceptor(on_refused=refused)]
+    return [auth.interceptor(on_refused=metrics.observe_unauthenticated)]
 
 
 async def serve_orchestrator(
@@ -315,10 +351,11 @@ async def serve_orchestrator(
     tls: ServerTls | None = None,
     internal_tls: ClientTls | None = None,
     auth: ApiKeyAuth | None = None,
+    http_listen: str | None = None,
 ) -> RunningServer:
     """The split stack's orchestrator: connects to the services (checking their layout;
     over TLS with `internal_tls`) and starts the Generation server (a TLS port with
-    `tls`; API keys required with `auth`)."""
+    `tls`; API keys required with `auth`; the HTTP API too on `http_listen`)."""
     read_manifest(checkpoint)  # a clear error for a wrong --checkpoint, before connecting
     backend = await asyncio.to_thread(GrpcBackend, discovery, connect_timeout_s, internal_tls)
     manifest_fingerprint = checkpoint_fingerprint(checkpoint)
@@ -342,7 +379,14 @@ async def serve_orchestrator(
         request_limits=request_limits,
         tls=tls,
         auth=auth,
+        http_listen=http_listen,
+        model=model_name(checkpoint),
     )
+
+
+def model_name(checkpoint: str) -> str:
+    """The name the HTTP API serves a checkpoint under: its folder's name."""
+    return Path(checkpoint).resolve().name
 
 
 async def serve_embedded(
@@ -360,11 +404,12 @@ async def serve_embedded(
     request_limits: RequestLimits = DEFAULT_LIMITS,
     tls: ServerTls | None = None,
     auth: ApiKeyAuth | None = None,
+    http_listen: str | None = None,
 ) -> RunningServer:
     """The single-process server: the whole model loaded here, the same Generation
     service over the in-process backend. All compute runs on one model thread.
     `draft_model`: a Hydra checkpoint used as the draft model (drafter "model"); `auth`:
-    API keys required."""
+    API keys required; `http_listen`: the HTTP API on that address too."""
 
     def build(thread: ModelThread) -> tuple[HydraModel, LocalBackend]:
         model = HydraModel.load(checkpoint, dtype=dtype, device=device)
@@ -386,6 +431,8 @@ async def serve_embedded(
         request_limits=request_limits,
         tls=tls,
         auth=auth,
+        http_listen=http_listen,
+        model=model_name(checkpoint),
     )
     SessionMetrics(running.servicer.metrics.registry).watch(backend.trunk.sessions)
     return running

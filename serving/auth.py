@@ -101,9 +101,8 @@ def with_api_key(channel: grpc.Channel, key: str | None) -> grpc.Channel:
     return channel if not key else grpc.intercept_channel(channel, _SendsKey(key))
 
 
-def _presented_key(metadata: tuple[tuple[str, str | bytes], ...] | None) -> tuple[str, str]:
+def _presented_key(values: list[str | bytes]) -> tuple[str, str]:
     """(the key presented, "") or ("", why it cannot be one)."""
-    values = [value for name, value in metadata or () if name == METADATA_KEY]
     if not values:
         return "", MISSING
     if len(values) > 1 or not isinstance(values[0], str):
@@ -114,11 +113,24 @@ def _presented_key(metadata: tuple[tuple[str, str | bytes], ...] | None) -> tupl
     return key.strip(), ""
 
 
-REFUSALS = {
-    MISSING: f"this server requires an API key: send the metadata '{METADATA_KEY}: {SCHEME} <key>'",
-    MALFORMED: f"the '{METADATA_KEY}' metadata must be one value, '{SCHEME} <key>'",
-    UNKNOWN: "the API key is not valid on this server",
-}
+def authenticate(keys: KeyFile, values: list[str | bytes]) -> tuple[ApiKey | None, str]:
+    """The key a call presents as `values`, every value of its authorization metadata
+    (gRPC) or header (HTTP): (the key, "") or (None, why not: MISSING, MALFORMED,
+    UNKNOWN)."""
+    presented, why = _presented_key(values)
+    key = keys.keys.find(presented) if presented else None
+    return key, "" if key is not None else why or UNKNOWN
+
+
+def refusal(reason: str, carrier: str = "metadata") -> str:
+    """The detail of a refusal for `reason`; `carrier` names what carries the key
+    ("metadata" in gRPC, "header" in HTTP)."""
+    name = METADATA_KEY if carrier == "metadata" else METADATA_KEY.capitalize()
+    return {
+        MISSING: f"this server requires an API key: send the {carrier} '{name}: {SCHEME} <key>'",
+        MALFORMED: f"the '{name}' {carrier} must be one value, '{SCHEME} <key>'",
+        UNKNOWN: "the API key is not valid on this server",
+    }[reason]
 
 
 @dataclass(frozen=True)
@@ -190,14 +202,15 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         service = handler_call_details.method.split("/")[1]
         if handler is None or service in self.open_services:
             return handler
-        presented, why = _presented_key(handler_call_details.invocation_metadata)
-        key = self.keys.keys.find(presented) if presented else None
+        metadata = handler_call_details.invocation_metadata or ()
+        key, reason = authenticate(
+            self.keys, [value for name, value in metadata if name == METADATA_KEY]
+        )
         if key is None:
-            reason = why or UNKNOWN
 
             async def refuse(context: grpc.aio.ServicerContext) -> None:
                 self.on_refused(reason)
-                error = Unauthenticated(REFUSALS[reason])
+                error = Unauthenticated(refusal(reason))
                 await context.abort(status_for(error), detail_for(error))
 
             return _run_first(handler, refuse)

@@ -4,8 +4,8 @@ reflection, the epoch and graceful shutdown.
 Shutdown (`RunningServer.stop`, on SIGTERM or SIGINT): health turns NOT_SERVING at once;
 a servicer that drains (`Drainable`: the Generation servicer) refuses new work and lets
 its running work finish for the grace, ending what is left resumably; then the server
-stops accepting calls, lets the in-flight ones finish for what is left of the grace,
-cancels the rest, and the servicer closes."""
+(and its HTTP listener, if it has one) stops accepting calls, lets the in-flight ones
+finish for what is left of the grace, cancels the rest, and the servicer closes."""
 
 from __future__ import annotations
 
@@ -203,6 +203,15 @@ class Drainable(Protocol):
         rest so that it can be resumed elsewhere; returns once it has ended."""
 
 
+class Listener(Protocol):
+    """Another port serving the same servicer (the HTTP API), stopped with the server."""
+
+    address: str  # HOST:PORT
+    scheme: str  # "http", "https"
+
+    async def stop(self, grace_s: float) -> None: ...
+
+
 @dataclass
 class RunningServer:
     """A started server, the servicer behind it (closed after the server stops) and
@@ -212,6 +221,7 @@ class RunningServer:
     port: int
     servicer: Closable
     metrics_port: int | None = None  # None: no metrics served
+    http: Listener | None = None  # the HTTP API, when the server has one
 
     async def stop(self, grace_s: float = 0.0) -> None:
         """Shuts down gracefully within about `grace_s` (see the module's docstring)."""
@@ -221,7 +231,10 @@ class RunningServer:
         if isinstance(self.servicer, Drainable):
             await self.servicer.drain(grace_s)
             left = max(STATUS_FLUSH_S, grace_s - (time.monotonic() - began))
-        await self.server.stop(left)
+        listeners = [self.server.stop(left)]
+        if self.http is not None:
+            listeners.append(self.http.stop(left))
+        await asyncio.gather(*listeners)
         await self.servicer.close()
 
     async def serve_until_signal(
@@ -230,6 +243,8 @@ class RunningServer:
         """Prints "NAME listening on HOST:PORT[DETAIL]" to stderr (the line launchers
         wait for), serves until SIGTERM or SIGINT, then stops gracefully."""
         host = listen.rsplit(":", 1)[0]
+        if self.http is not None:
+            detail += f", HTTP API on {self.http.scheme}://{self.http.address}"
         if self.metrics_port is not None:
             detail += f", metrics on port {self.metrics_port}"
         print(f"{name} listening on {host}:{self.port}{detail}", file=sys.stderr, flush=True)

@@ -11,6 +11,7 @@ opens only secure channels."""
 from __future__ import annotations
 
 import datetime
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,9 @@ class KeyPair:
 
     certificate_chain: bytes
     private_key: bytes
+    # The files they were read from: Python's ssl (the HTTP API's listener) loads a
+    # certificate and key from files only.
+    files: tuple[Path, Path]
 
     @classmethod
     def load(cls, cert: str | Path, key: str | Path, flags: TlsFlags) -> KeyPair:
@@ -121,7 +125,7 @@ class KeyPair:
                 f"{flags.key}: {key} is not the private key of the certificate in {cert}"
             )
         _check_dates(certificates[0], cert, flags.cert)
-        return cls(chain, private_pem)
+        return cls(chain, private_pem, (Path(cert), Path(key)))
 
 
 def _load_ca(path: str | Path, flag: str) -> bytes:
@@ -184,6 +188,16 @@ class ServerTls:
             root_certificates=self.client_ca,
             require_client_auth=self.mutual,
         )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same TLS for an HTTP listener (Python's ssl): this certificate, and with a
+        client CA every client's certificate required."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*self.identity.files)
+        if self.client_ca is not None:
+            context.verify_mode = ssl.CERT_REQUIRED
+            context.load_verify_locations(cadata=self.client_ca.decode())
+        return context
 
 
 def transport(tls: ServerTls | None) -> str:

@@ -135,6 +135,11 @@ class SessionRunner:
         await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
         await self.store.close()
 
+    @property
+    def draining(self) -> bool:
+        """Whether the server is shutting down: new generations are refused."""
+        return self._draining
+
     async def drain(self, grace_s: float) -> None:
         """Refuses new generations, lets the running ones finish for up to `grace_s`,
         then ends the rest after their current round (resumable) and waits up to

@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -40,6 +41,16 @@ def answers(port: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def http_completion(url: str, model: str, prompt: str, max_tokens: int, **options) -> dict:
+    """POST /v1/completions at the HTTP API `url`: the answer's JSON."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, **options}
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return json.load(answer)
 
 
 def test_request_messages_round_trip():
@@ -110,6 +121,7 @@ def test_local_stack_serves_the_cli_and_shuts_down_gracefully(jury_checkpoint, e
         port=0,
         shard_threads=1,
         extra_service_args=["--max-session-tokens", "128"],
+        http_listen="127.0.0.1:0",
     )
     try:
         address = stack.start(timeout_s=120)
@@ -138,6 +150,11 @@ def test_local_stack_serves_the_cli_and_shuts_down_gracefully(jury_checkpoint, e
         assert capsys.readouterr().out == expected.text + "\n"
         assert main([*argv, "--gamma", "0"]) == 2
         assert "INVALID_ARGUMENT: gamma" in capsys.readouterr().err
+        # The orchestrator's HTTP API, where its line says: the same tokens.
+        url = re.fullmatch(r", HTTP API on (http://127\.0\.0\.1:\d+)", stack.http_detail)[1]
+        options = {"seed": 4, "hydra": {"ignore_eos": True, "gamma": 3}}
+        completion = http_completion(url, jury_checkpoint.name, "hi", 12, **options)
+        assert completion["choices"][0]["text"] == expected.text
         assert stack.redis is not None and stack.sessions_url == stack.redis.url
         assert answers(stack.redis.port)
         if sys.platform == "linux" and not set(OPENMP_WAIT_VARIABLES) & set(os.environ):
@@ -194,11 +211,12 @@ def test_the_single_process_server_runs_from_the_command_line(jury_checkpoint, e
     command = [
         *(sys.executable, "-m", "hydra_jury.cli", "serve"),
         *("--checkpoint", str(jury_checkpoint), "--listen", "127.0.0.1:0"),
-        *("--max-session-tokens", "128", "--threads", "1"),
+        *("--max-session-tokens", "128", "--threads", "1", "--http-listen", "127.0.0.1:0"),
     ]
     server = start_child("server", command, 60.0)
     try:
         assert server.address, server.failure
+        url = re.search(r"HTTP API on (http://127\.0\.0\.1:\d+)", server.line)[1]
         # Without a Redis named, it started its own, and says where.
         redis_port = int(
             re.search(r"sessions in Redis at redis://127\.0\.0\.1:(\d+)/", capsys.readouterr().err)[
@@ -213,6 +231,8 @@ def test_the_single_process_server_runs_from_the_command_line(jury_checkpoint, e
             )
         expected = engine.generate(GenerationRequest(prompt="hi", max_new_tokens=10, seed=4))
         assert list(response.token_ids) == expected.token_ids
+        completion = http_completion(url, jury_checkpoint.name, "hi", 10, seed=4)
+        assert completion["choices"][0]["text"] == expected.text
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=15) == 0
         assert not answers(redis_port)

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from hydra_jury.serving.api_keys import KeyFile, KeyLimits
-from hydra_jury.serving.auth import REFUSALS, ApiKeyInterceptor, auth_from, with_api_key
+from hydra_jury.serving.auth import ApiKeyInterceptor, auth_from, refusal, with_api_key
 from hydra_jury.serving.server import GrpcServer
 from tests.grpc_stack import BackgroundLoop
 
@@ -65,7 +65,7 @@ def test_health_and_reflection_are_open_unless_protected(served):
             with pytest.raises(grpc.RpcError) as raised:
                 call(channel)
             assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert raised.value.details() == REFUSALS["missing"]
+            assert raised.value.details() == refusal("missing")
         keyed = with_api_key(channel, KEY)
         assert check_health(keyed) == serving
         assert "grpc.health.v1.Health" in list_services(keyed)
@@ -92,7 +92,7 @@ def test_what_a_refusal_says(served, value, reason):
         with pytest.raises(grpc.RpcError) as raised:
             check_health(channel, metadata)
     assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert raised.value.details() == REFUSALS[reason] and KEY not in raised.value.details()
+    assert raised.value.details() == refusal(reason) and KEY not in raised.value.details()
     assert refused == [reason]
 
 
