@@ -1,5 +1,6 @@
-"""Flags the commands pass on or refuse: `up` hands its API-key flags to the stack's
-orchestrator; `generate --local` refuses every connection flag; `--jury` lists heads."""
+"""Flags the commands pass on or refuse: `serve` and `up` take the HTTP API's address;
+`up` hands its API-key flags to the stack's orchestrator; `generate --local` refuses
+every connection flag; `--jury` lists heads."""
 
 from pathlib import Path
 
@@ -7,6 +8,13 @@ import pytest
 
 from hydra_jury.cli import build_parser, main
 from hydra_jury.cli.serve import _api_key_args
+
+
+@pytest.mark.parametrize("command", [["serve", "--checkpoint", "x"], ["up"]])
+def test_serve_and_up_take_an_http_address_off_by_default(command):
+    args = build_parser().parse_args([*command, "--http-listen", "127.0.0.1:8080"])
+    assert args.http_listen == "127.0.0.1:8080"
+    assert build_parser().parse_args(command).http_listen is None
 
 
 def test_up_passes_the_api_key_flags_to_the_orchestrator(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import urllib.error
 import urllib.request
 
@@ -359,3 +360,15 @@ def test_https_with_the_grpc_ports_certificate_and_a_drain(tls_server):
     assert draining.status_code == 503 and "draining" in draining.body["message"]
     health = http_client.get(f"https://localhost:{port}/health")
     assert health.status_code == 503 and health.json() == {"status": "NOT_SERVING"}
+
+
+def test_an_http_address_in_use_stops_the_start_naming_the_flag(jury_checkpoint, redis_url):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        stack = Stack(str(jury_checkpoint), [], redis_url)
+        try:
+            with pytest.raises(OSError, match=f"--http-listen: cannot bind {address}: "):
+                stack.start_embedded(http_listen=address)
+            assert not stack.servers
+        finally:
+            stack.close()
