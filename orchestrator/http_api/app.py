@@ -297,9 +297,11 @@ class HttpApi:
         """Starlette's own refusals (no such path, a method the path does not take) in
         OpenAI's error form."""
         assert isinstance(error, HTTPException)
-        status = Code.NOT_FOUND if error.status_code == 404 else Code.INVALID_ARGUMENT
+        found = error.status_code != 404
+        status = Code.INVALID_ARGUMENT if found else Code.NOT_FOUND
         message = f"{request.method} {request.url.path}: {error.detail}"
-        reported = ApiError(status, message, code="not_found", http_status=error.status_code)
+        code = "method_not_allowed" if found else "not_found"
+        reported = ApiError(status, message, code=code, http_status=error.status_code)
         return JSONResponse(reported.body(), status_code=error.status_code)
 
     async def gone_response(self, request: Request, error: Exception) -> Response:

@@ -31,7 +31,7 @@ from typing import Any
 from google.protobuf import json_format
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from hydra_jury.orchestrator.http_api.errors import invalid
+from hydra_jury.orchestrator.http_api.errors import ApiError, invalid
 from hydra_jury.orchestrator.limits import RequestLimits
 from hydra_jury.poe.randomness import MAX_SEED
 from hydra_jury.protos.hydrajury.v1 import generation_pb2
@@ -149,9 +149,10 @@ def parse_body(
         raise _refusal(error) from None
 
 
-def _refusal(error: ValidationError):
+def _refusal(error: ValidationError, within: str = "") -> ApiError:
+    """The first problem pydantic found, naming its field (`within` the extension)."""
     first = error.errors()[0]
-    param = ".".join(str(part) for part in first["loc"][:1])
+    param = within + ".".join(str(part) for part in first["loc"][:1])
     if first["type"] == "extra_forbidden":
         return invalid(
             f"unknown field {param!r}: this server takes OpenAI's fields it can honour and "
@@ -183,9 +184,12 @@ def plan_request(
 ) -> Plan:
     """The generations `body` asks for; `headers` may name a session and a request id."""
     hydra = dict(body.hydra or {})
-    own = HydraFields.model_validate(
-        {name: hydra.pop(name) for name in HydraFields.model_fields if name in hydra}
-    )
+    try:
+        own = HydraFields.model_validate(
+            {name: hydra.pop(name) for name in HydraFields.model_fields if name in hydra}
+        )
+    except ValidationError as error:
+        raise _refusal(error, "hydra.") from None
     session_id = _one_of(headers.get(SESSION_HEADER), own.session_id, "session_id")
     request_id = _one_of(headers.get(REQUEST_HEADER), own.request_id, "request_id")
     keep_session = own.keep_session or session_id is not None

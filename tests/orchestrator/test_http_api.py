@@ -265,10 +265,19 @@ def test_refusals_are_openai_errors_with_their_status(stack):
         "unknown rule 'nope'"
         in error_of(lambda: chat(stack, extra_body={"hydra": {"rule": "nope"}}), 400)["message"]
     )
-    assert (
-        error_of(lambda: chat(stack, extra_body={"hydra": {"temperature": 1}}), 400)["param"]
-        == "hydra.temperature"
-    )
+    for extension, param in (
+        ({"temperature": 1}, "temperature"),
+        ({"keep_session": 1}, "keep_session"),
+    ):
+        body = {"hydra": extension}
+        assert error_of(lambda body=body: chat(stack, extra_body=body), 400)["param"] == (
+            f"hydra.{param}"
+        )
+    for path, status in (("/v1/embeddings", 404), ("/v1/chat/completions", 405)):
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(f"http://{http_address(stack)}{path}", timeout=5)
+        assert answer.value.code == status
+        assert json.load(answer.value)["error"]["message"].startswith(f"GET {path}: ")
     wrong_model = client(stack).chat.completions.create
     assert error_of(lambda: wrong_model(model="gpt-4o", messages=HELLO), 404)["code"] == (
         "model_not_found"
