@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
+from google.protobuf import json_format
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -113,30 +114,19 @@ class HttpApi:
     async def models(self, request: Request) -> Response:
         key = self._authenticate(request)
         self.servicer.count("/v1/models", key)
-        info = self.servicer.info()
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.model,
-                        "object": "model",
-                        "created": self.started,
-                        "owned_by": "hydra-jury",
-                        "hydra": {
-                            "heads": list(info.heads),
-                            "drafter_heads": list(info.drafter_heads),
-                            "rules": list(info.rules),
-                            "max_gamma": info.max_gamma,
-                            "context_length": info.context_length,
-                            "draft_model": info.draft_model,
-                            "uncertainty_head": info.uncertainty_head,
-                            "fingerprint": info.model_fingerprint,
-                        },
-                    }
-                ],
-            }
-        )
+        model = {
+            "id": self.model,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "hydra-jury",
+            # What the gRPC API's Info says: heads, drafters, rules, limits, services.
+            "hydra": json_format.MessageToDict(
+                self.servicer.info(),
+                preserving_proto_field_name=True,
+                always_print_fields_with_no_presence=True,
+            ),
+        }
+        return JSONResponse({"object": "list", "data": [model]})
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._complete(request, Chat, ChatBody)
