@@ -9,10 +9,12 @@ each, with a seeded generator: the same checkpoint and seed give the same corpus
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from hydra_jury.hydra_model.heads import HeadStack
 from hydra_jury.hydra_model.layers import Segment
@@ -79,9 +81,11 @@ def sample_corpus(
     encoded = [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
     generator = torch.Generator().manual_seed(seed)
     answers = []
-    for first in range(0, len(encoded), batch_size):
-        group = encoded[first : first + batch_size]
-        answers += sample_continuations(model, group, max_new_tokens, temperature, generator)
+    with tqdm(total=len(encoded), desc="demo corpus", unit="answer", file=sys.stderr) as bar:
+        for first in range(0, len(encoded), batch_size):
+            group = encoded[first : first + batch_size]
+            answers += sample_continuations(model, group, max_new_tokens, temperature, generator)
+            bar.update(len(group))
     return [
         text + tokenizer.decode(answer, skip_special_tokens=False)
         for text, answer in zip(texts, answers, strict=True)

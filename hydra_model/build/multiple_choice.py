@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import random
 import re
+import sys
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from hydra_jury.hydra_model.build.demo_corpus import continue_prompts, greedy_product
 from hydra_jury.hydra_model.model import HydraModel
@@ -115,22 +117,30 @@ def answer_and_grade(model: HydraModel, questions: list[Question]) -> list[Examp
     head's input for it; `ANSWER_BATCH` questions at a time, each pass one ragged batch."""
     tokenizer = model.load_tokenizer()
     examples = []
-    for first in range(0, len(questions), ANSWER_BATCH):
-        batch = questions[first : first + ANSWER_BATCH]
-        prompts = [user_turn_tokens(tokenizer, q.text) for q in batch]
-        answered = continue_prompts(model, model.heads, prompts, ANSWER_TOKENS, greedy_product)
-        texts = [tokenizer.decode(answer, skip_special_tokens=True) for answer in answered.tokens]
-        # The prefill that chose each answer's first token holds its witness.
-        witnesses = [
-            witness_from(answered.first_logits[:, i], answered.first_states[:, i], answer[0])
-            for i, answer in enumerate(answered.tokens)
-        ]
-        checks = [
-            torch.tensor(check_tokens(tokenizer, q.text, text))
-            for q, text in zip(batch, texts, strict=True)
-        ]
-        hiddens = check_hiddens(model, checks, [w.hidden for w in witnesses])
-        for question, text, hidden in zip(batch, texts, hiddens, strict=True):
-            # Cloned out of inference mode: training reads it in the backward pass.
-            examples.append(Example(question, text, grade(question, text), hidden.clone()))
+    with tqdm(total=len(questions), desc="answering", unit="question", file=sys.stderr) as bar:
+        for first in range(0, len(questions), ANSWER_BATCH):
+            batch = questions[first : first + ANSWER_BATCH]
+            examples += _answered(model, tokenizer, batch)
+            bar.update(len(batch))
     return examples
+
+
+def _answered(model: HydraModel, tokenizer, batch: list[Question]) -> list[Example]:
+    prompts = [user_turn_tokens(tokenizer, q.text) for q in batch]
+    answered = continue_prompts(model, model.heads, prompts, ANSWER_TOKENS, greedy_product)
+    texts = [tokenizer.decode(answer, skip_special_tokens=True) for answer in answered.tokens]
+    # The prefill that chose each answer's first token holds its witness.
+    witnesses = [
+        witness_from(answered.first_logits[:, i], answered.first_states[:, i], answer[0])
+        for i, answer in enumerate(answered.tokens)
+    ]
+    checks = [
+        torch.tensor(check_tokens(tokenizer, q.text, text))
+        for q, text in zip(batch, texts, strict=True)
+    ]
+    hiddens = check_hiddens(model, checks, [w.hidden for w in witnesses])
+    # Cloned out of inference mode: training reads them in the backward pass.
+    return [
+        Example(question, text, grade(question, text), hidden.clone())
+        for question, text, hidden in zip(batch, texts, hiddens, strict=True)
+    ]
