@@ -190,8 +190,8 @@ def plan_request(
         )
     except ValidationError as error:
         raise _refusal(error, "hydra.") from None
-    session_id = _one_of(headers.get(SESSION_HEADER), own.session_id, "session_id")
-    request_id = _one_of(headers.get(REQUEST_HEADER), own.request_id, "request_id")
+    session_id = _one_of(headers, SESSION_HEADER, own.session_id, "session_id")
+    request_id = _one_of(headers, REQUEST_HEADER, own.request_id, "request_id")
     keep_session = own.keep_session or session_id is not None
     _check_choices(body.n, keep_session, limits)
     if request_id is not None and not keep_session:
@@ -223,12 +223,13 @@ def plan_request(
     )
 
 
-def _one_of(header: str | None, field: str | None, name: str) -> str | None:
-    """A value the header and the extension may both give: the same one, if both do."""
-    if header is not None and field is not None and header != field:
-        header_name = SESSION_HEADER if name == "session_id" else REQUEST_HEADER
-        raise invalid(f"{header_name} and hydra.{name} differ: give one", f"hydra.{name}")
-    return header if header is not None else field
+def _one_of(headers: Mapping[str, str], header: str, field: str | None, name: str) -> str | None:
+    """A value that the header `header` and the extension's `name` may both give (an
+    empty one: none): the same one, if both do."""
+    given = headers.get(header) or None
+    if given is not None and field is not None and given != field:
+        raise invalid(f"{header} and hydra.{name} differ: give one", f"hydra.{name}")
+    return given if given is not None else field
 
 
 def _check_choices(n: int, keep_session: bool, limits: RequestLimits) -> None:
