@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hydra_jury.cli.certs import make_certificates
 from hydra_jury.cli.draft import resolved_draft_model
-from hydra_jury.hydra_model.build.describe import training_summary
+from hydra_jury.hydra_model.checkpoint import training_summary
 from hydra_jury.jury_service.server import JURY_SERVICE
 from hydra_jury.orchestrator.__main__ import main as orchestrator_main
 from hydra_jury.orchestrator.config import REDIS_URL_VARIABLE

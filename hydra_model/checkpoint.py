@@ -246,3 +246,13 @@ def split_layers(tensors: dict[str, torch.Tensor], layers: range) -> list[dict[s
         }
         for i in layers
     ]
+
+
+def training_summary(directory: str | Path) -> str:
+    """What the checkpoint's heads have learned, in a few words, for the servers' ready
+    lines: a newly built split serves heads that are copies of one model."""
+    extra = read_manifest(directory).extra
+    summary = "heads trained" if "training" in extra else "heads untrained"
+    if "uncertainty_training" in extra:
+        summary += ", uncertainty head trained"
+    return summary

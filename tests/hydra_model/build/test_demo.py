@@ -12,6 +12,7 @@ import torch
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.build import demo
 from hydra_jury.hydra_model.build.demo import DRAFT_LAYERS, demo_gguf_path, ensure_demo_draft
+from hydra_jury.hydra_model.checkpoint import training_summary
 from tests.models import save_hf_model
 
 TOLERANCE = 1e-4
@@ -167,12 +168,14 @@ def test_servable_is_the_trained_demo_or_else_the_untrained_split(
     assert f"serving the untrained split {base}" in captured.err
     assert "`make model` trains them" in captured.err
     assert [h.role for h in HydraModel.load(base).manifest.heads] == ["llm"] * 4 + ["uncertainty"]
+    assert training_summary(base) == "heads untrained"
 
     demo.ensure_demo_checkpoint(out, lambda line: None, base=base, corpus=tmp_path / "c.jsonl")
     assert demo.main(args) == 0
     captured = capsys.readouterr()
     assert captured.out == f"{out}\n"
     assert f"serving the trained demo checkpoint {out}" in captured.err
+    assert training_summary(out) == "heads trained, uncertainty head trained"
     with pytest.raises(SystemExit):
         demo.main(["--servable", "--draft"])
     assert "--servable chooses the demo checkpoint" in capsys.readouterr().err
