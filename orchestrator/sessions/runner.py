@@ -6,7 +6,8 @@ holds it). Then one of three things happens:
 - replay: the same request id finished before: its stored output, without compute;
 - resume: the same request id was interrupted (a broken stream, a dead orchestrator):
   the loop goes on from the last committed round, with the stored seed, draft head and
-  progress, so the tokens equal those of an uninterrupted run;
+  progress, so the tokens equal those of an uninterrupted run; its first item is a
+  catch-up, every round committed before in one (`caught_up`);
 - new turn: the request's messages (or prompt) follow the conversation; the longest
   common prefix of the new context and the committed tokens that the caches hold is
   reused, and only the rest is prefilled.
@@ -95,6 +96,9 @@ class _Plan:
     request_id: str
     generation: Generation | None = None
     replay: GenerationOutput | None = None
+    # A resumed generation's rounds committed before, as one round: a stream that broke
+    # between a commit and its send never delivered the last of them.
+    caught_up: RoundOutput | None = None
 
 
 class _Active:
@@ -256,6 +260,8 @@ class SessionRunner:
             )
             yield Committed(plan.record.session_id, every_round, output, replayed=True)
             return
+        if plan.caught_up is not None:
+            yield Committed(plan.record.session_id, plan.caught_up, replayed=True)
         async for item in self._drive(plan, deadline):
             yield item
 
@@ -302,7 +308,7 @@ class SessionRunner:
                 await self.store.commit(record, release=True, retired_cache=retired)
             elif request_id and current is not None and current.request_id == request_id:
                 _check_digest(current.digest, digest, request_id)
-                plan.generation = await self._resume(record, request)
+                plan.generation, plan.caught_up = await self._resume(record, request)
                 self._observe("resumed")
                 await self.store.commit(record, retired_cache=retired)
             else:
@@ -352,7 +358,11 @@ class SessionRunner:
                 await asyncio.sleep(pause)
                 waited += pause
 
-    async def _resume(self, record: SessionRecord, request: GenerationRequest) -> Generation:
+    async def _resume(
+        self, record: SessionRecord, request: GenerationRequest
+    ) -> tuple[Generation, RoundOutput | None]:
+        """The generation going on from its last committed round, and those rounds as one
+        (None before the first)."""
         current = record.generation
         context = record.tokens[: current.context_length]
         # The stored seed and draft head: the request may have left them to the server.
@@ -367,7 +377,11 @@ class SessionRunner:
             progress=current.progress,
             records=records,
         )
-        return generation
+        progress = current.progress
+        if not progress.round_sizes:
+            return generation, None
+        text = progress.text[: progress.sent]  # what the rounds' deltas handed out
+        return generation, RoundOutput(len(progress.round_sizes) - 1, records, text)
 
     async def _new_turn(
         self,
