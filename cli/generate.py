@@ -23,16 +23,14 @@ from hydra_jury.cli.decoding import add_decoding_flags, decoding_request
 from hydra_jury.cli.draft import resolved_draft_model
 from hydra_jury.hydra_model import DraftModel, HydraModel
 from hydra_jury.orchestrator.chat import Chat
+from hydra_jury.orchestrator.client import GenerationClient, ResumeError
 from hydra_jury.orchestrator.convert import request_to_pb
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.orchestrator.sessions.memory_store import MemoryStore
 from hydra_jury.orchestrator.sessions.runner import SessionRunner
-from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
-from hydra_jury.serving.auth import with_api_key
 from hydra_jury.serving.flags import add_draft_model_flag, add_model_flags
-from hydra_jury.serving.tls import open_channel
 from hydra_jury.workers.sessions import SessionLimits
 
 CONNECT_TIMEOUT_S = 10.0  # `chat`: how long a server may take to answer at all
@@ -46,6 +44,24 @@ API_KEY_VARIABLE = "HYDRA_JURY_API_KEY"  # below --api-key
 def add_commands(commands: argparse._SubParsersAction) -> None:
     _add_generate(commands)
     _add_chat(commands)
+
+
+def _add_address_flag(
+    parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup, required: bool = False
+) -> None:
+    parser.add_argument(
+        "--address",
+        required=required,
+        metavar="HOST:PORT[,...]",
+        help="a server's Generation API, or several sharing one Redis: a generation broken "
+        "by a server going away is resumed on the next",
+    )
+
+
+def _client(args: argparse.Namespace) -> GenerationClient:
+    return GenerationClient(
+        args.address, api_key=_api_key(args), tls=client_tls(args), timeout_s=args.timeout_s
+    )
 
 
 def _add_timeout_flag(parser: argparse.ArgumentParser, what: str) -> None:
@@ -77,7 +93,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("prompt", help="the prompt (a user message unless --no-chat)")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--local", action="store_true", help="run the engine in-process")
-    where.add_argument("--address", metavar="HOST:PORT", help="a server's Generation API")
+    _add_address_flag(where)
     parser.add_argument("--checkpoint", metavar="DIR", help="the checkpoint (with --local)")
     add_draft_model_flag(parser, "with --local: ")
     _add_timeout_flag(parser, "with --address: the answer's deadline")
@@ -175,16 +191,13 @@ def _print_p_correct(p_correct: float, witness_head: str) -> None:
 def _generate_remote(args: argparse.Namespace, request: GenerationRequest) -> int:
     message = request_to_pb(request, session_id=args.session or "")
     message.request_id = args.request_id or ""
-    tls = client_tls(args)
-    with open_channel(args.address, tls) as channel:
-        stub = generation_pb2_grpc.GenerationStub(with_api_key(channel, _api_key(args)))
+    with _client(args) as client:
         try:
             if args.json:
-                response = stub.Generate(message, timeout=args.timeout_s)
-                print(MessageToJson(response, indent=2))
+                print(MessageToJson(client.generate(message), indent=2))
                 return 0
             session_id, judged = "", None
-            for streamed in stub.GenerateStream(message, timeout=args.timeout_s):
+            for streamed in client.generate_stream(message):
                 session_id = streamed.session_id
                 print(streamed.text, end="", flush=True)
                 if streamed.HasField("p_correct"):
@@ -195,11 +208,14 @@ def _generate_remote(args: argparse.Namespace, request: GenerationRequest) -> in
             # On stderr, so that stdout stays the answer alone.
             print(f"session: {session_id}", file=sys.stderr)
         except grpc.RpcError as error:
-            hint = unreachable(tls) if error.code() == grpc.StatusCode.UNAVAILABLE else ""
+            hint = "" if error.code() != grpc.StatusCode.UNAVAILABLE else unreachable(client.tls)
             print(
                 f"hydra-jury generate: error: {error.code().name}: {error.details()}{hint}",
                 file=sys.stderr,
             )
+            return 2
+        except ResumeError as error:
+            print(f"hydra-jury generate: error: {error}", file=sys.stderr)
             return 2
     return 0
 
@@ -213,7 +229,7 @@ def _add_chat(commands: argparse._SubParsersAction) -> None:
         "Commands: /reset (close the session, start a new one), /metrics (the last "
         "answer token by token, with its statistics), /session (its id), /quit.",
     )
-    parser.add_argument("--address", required=True, metavar="HOST:PORT")
+    _add_address_flag(parser, required=True)
     parser.add_argument("--system", help="the system message of a new session")
     parser.add_argument("--session", metavar="ID", help="continue this session")
     _add_timeout_flag(parser, "deadline of each answer")
@@ -226,18 +242,16 @@ def _add_chat(commands: argparse._SubParsersAction) -> None:
 def _run_chat(args: argparse.Namespace) -> int:
     if args.system and args.session:
         raise ValueError("--system opens a new session; a continued session keeps its own")
-    tls = client_tls(args)
-    with open_channel(args.address, tls) as channel:
+    with _client(args) as client:
         # Every later failure is one turn's; a server that cannot be reached at all ends
         # the chat before the first line.
-        try:
-            grpc.channel_ready_future(channel).result(timeout=CONNECT_TIMEOUT_S)
-        except grpc.FutureTimeoutError:
+        if not client.wait_ready(CONNECT_TIMEOUT_S):
             raise ConnectionError(
-                f"cannot reach {args.address} within {CONNECT_TIMEOUT_S:g} s{unreachable(tls)}"
-            ) from None
+                f"cannot reach {args.address} within {CONNECT_TIMEOUT_S:g} s"
+                f"{unreachable(client.tls)}"
+            )
         chat = Chat(
-            generation_pb2_grpc.GenerationStub(with_api_key(channel, _api_key(args))),
+            client,
             decoding_request(args),
             stdin=sys.stdin,
             stdout=sys.stdout,

@@ -2,8 +2,9 @@
 
 Each line read is a user message; its answer is streamed with GenerateStream on the
 session, whose record (in the server's Redis) holds the conversation, so a turn sends
-only its new message and the server reuses the caches of the earlier turns. A new
-session's id comes with the first stream message of its first turn.
+only its new message and the server reuses the caches of the earlier turns. The
+client (`orchestrator.client`) opens the session with the first turn and resumes a turn
+broken by a server going away, on the same or another server.
 
 Lines starting with "/" are commands:
 - /reset: close the session (CloseSession frees its caches); the next line starts anew
@@ -17,28 +18,30 @@ cancels that answer only.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import TextIO
 
 import grpc
 
+from hydra_jury.orchestrator.client import GenerationClient, ResumeError
 from hydra_jury.orchestrator.convert import request_to_pb
 from hydra_jury.orchestrator.request import GenerationRequest
-from hydra_jury.protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
+from hydra_jury.protos.hydrajury.v1 import generation_pb2
 
 COMMANDS = ("/reset", "/metrics", "/session", "/quit")
 
 
 class Chat:
-    """The conversation loop over a Generation stub and three text streams.
+    """The conversation loop over a Generation client and three text streams.
 
     `options` carries the decoding options of every turn (its input is ignored);
     `system` opens a new session's conversation; `session_id` continues a session."""
 
     def __init__(
         self,
-        stub: generation_pb2_grpc.GenerationStub,
+        client: GenerationClient,
         options: GenerationRequest,
         *,
         stdin: TextIO,
@@ -48,7 +51,7 @@ class Chat:
         session_id: str = "",
         timeout_s: float = 600.0,
     ) -> None:
-        self.stub, self.options, self.system = stub, options, system
+        self.client, self.options, self.system = client, options, system
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.session_id = session_id  # "" until the first turn of a new session answers
         self.timeout_s = timeout_s
@@ -107,21 +110,21 @@ class Chat:
         if not self.session_id and self.system:
             messages.insert(0, {"role": "system", "content": self.system})
         request = request_to_pb(replace(self.options, messages=messages), self.session_id)
-        responses = self.stub.GenerateStream(request, timeout=self.timeout_s)
         tokens: list[generation_pb2.TokenInfo] = []
         stats = None
         try:
-            for message in responses:
-                # Taken from the first message: a turn broken later still continues
-                # the conversation its first rounds were committed to.
-                self.session_id = self.session_id or message.session_id
-                self.stdout.write(message.text)
-                self.stdout.flush()
-                tokens.extend(message.tokens)
-                if message.finish_reason:
-                    stats = message.stats
+            # Closing the stream cancels the call in flight (Ctrl-C).
+            with contextlib.closing(self.client.generate_stream(request, self.timeout_s)) as rounds:
+                for message in rounds:
+                    # Taken from the first message: a turn broken later still continues
+                    # the conversation its first rounds were committed to.
+                    self.session_id = self.session_id or message.session_id
+                    self.stdout.write(message.text)
+                    self.stdout.flush()
+                    tokens.extend(message.tokens)
+                    if message.finish_reason:
+                        stats = message.stats
         except KeyboardInterrupt:
-            responses.cancel()
             self.stdout.write("\n")
             self._note("(answer cancelled)")
             return
@@ -134,6 +137,9 @@ class Chat:
                 self.session_id = ""
                 self._note("the session is gone; the next message starts a new one")
             return
+        except ResumeError as error:
+            self._note(f"error: {error}")
+            return
         self.stdout.write("\n")
         self.stdout.flush()
         self.last_tokens, self.last_stats = tokens, stats
@@ -141,10 +147,7 @@ class Chat:
     def _reset(self) -> None:
         if self.session_id:
             try:
-                self.stub.CloseSession(
-                    generation_pb2.CloseSessionRequest(session_id=self.session_id),
-                    timeout=self.timeout_s,
-                )
+                self.client.close_session(self.session_id, self.timeout_s)
             except grpc.RpcError as error:
                 # NOT_FOUND: already gone; anything else: it expires by itself.
                 self._note(f"error: {error.code().name}: {error.details()}")

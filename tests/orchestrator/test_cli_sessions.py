@@ -15,6 +15,7 @@ import pytest
 
 from hydra_jury.cli import generate, main
 from hydra_jury.orchestrator.chat import Chat, metrics_lines
+from hydra_jury.orchestrator.client import GenerationClient
 from hydra_jury.orchestrator.convert import request_to_pb
 from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.protos.hydrajury.v1 import generation_pb2
@@ -40,6 +41,12 @@ def stack(jury_checkpoint, redis_url):
     stack.close()
 
 
+@pytest.fixture
+def client(stack):
+    with GenerationClient(stack.addresses["orchestrator"]) as client:
+        yield client
+
+
 def stream_turn(stub, messages: list[dict[str, str]], session_id: str = ""):
     """One turn by the API itself: (text, tokens, stats, session id)."""
     request = request_to_pb(replace(OPTIONS, messages=messages), session_id)
@@ -55,11 +62,11 @@ def close(stub, session_id: str) -> None:
     stub.CloseSession(generation_pb2.CloseSessionRequest(session_id=session_id), timeout=5)
 
 
-def test_chat_keeps_one_session_across_turns_until_reset(stack):
+def test_chat_keeps_one_session_across_turns_until_reset(stack, client):
     stub = stack.generation()
     stdin = io.StringIO("hello\nand more\n/metrics\n/session\n/reset\nagain\n/quit\nunread\n")
     stdout, stderr = io.StringIO(), io.StringIO()
-    chat = Chat(stub, OPTIONS, stdin=stdin, stdout=stdout, stderr=stderr, system=SYSTEM)
+    chat = Chat(client, OPTIONS, stdin=stdin, stdout=stdout, stderr=stderr, system=SYSTEM)
     assert chat.run() == 0
 
     # The same turns sent through the API: the chat printed exactly their answers.
@@ -96,12 +103,12 @@ def test_chat_keeps_one_session_across_turns_until_reset(stack):
     close(stub, chat.session_id)
 
 
-def test_a_failed_turn_is_reported_and_the_chat_goes_on(stack):
+def test_a_failed_turn_is_reported_and_the_chat_goes_on(stack, client):
     stub = stack.generation()
     stdin = io.StringIO("/metrics\nhi\n/bogus\nagain\n")
     stdout, stderr = io.StringIO(), io.StringIO()
     # A session that does not exist: the first turn fails, the next starts a new one.
-    chat = Chat(stub, OPTIONS, stdin=stdin, stdout=stdout, stderr=stderr, session_id="gone")
+    chat = Chat(client, OPTIONS, stdin=stdin, stdout=stdout, stderr=stderr, session_id="gone")
     assert chat.run() == 0
     errors = stderr.getvalue()
     assert "no answer yet" in errors

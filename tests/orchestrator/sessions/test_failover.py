@@ -32,23 +32,27 @@ def start_stack(checkpoint, redis_url: str) -> Stack:
 
 
 @contextmanager
-def second_orchestrator(stack: Stack, *flags: str):
+def orchestrator_process(stack: Stack, *flags: str):
     """A second orchestrator, in a process of its own, on the same services and sessions
-    (with `flags` besides): its process and a client of it, the process killed (if still
-    alive) on leaving."""
+    (with `flags` besides): the started child, killed (if still alive) on leaving."""
     command = [sys.executable, "-m", "hydra_jury.orchestrator", *stack.orchestrator_argv()]
     child = start_child(
         "orchestrator-a", [*command, "--session-lease-s", str(LEASE_S), *flags], timeout_s=120
     )
     assert child.address, child.failure
-    channel = grpc.insecure_channel(child.address)
     try:
-        yield child.process, generation_pb2_grpc.GenerationStub(channel)
+        yield child
     finally:
-        channel.close()
         if child.process.poll() is None:
             child.process.kill()
         child.process.wait()
+
+
+@contextmanager
+def second_orchestrator(stack: Stack, *flags: str):
+    """`orchestrator_process`: its process and a client of it."""
+    with orchestrator_process(stack, *flags) as child, grpc.insecure_channel(child.address) as c:
+        yield child.process, generation_pb2_grpc.GenerationStub(c)
 
 
 def reference_and_resumable(generation, text: str, request_id: str, options: dict):
