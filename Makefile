@@ -104,21 +104,23 @@ draft-model: setup
 # else the untrained split (built in seconds), so the first start never waits for training.
 SERVABLE := $(PY) -m hydra_jury.hydra_model.build.demo --servable --out $(MODEL_DIR) --base $(BASE_DIR)
 
-# Both serve the OpenAI-compatible HTTP API beside gRPC, on this address.
+# Both serve the OpenAI-compatible HTTP API beside gRPC, on this address, the model under
+# one name whether or not `make model` has trained it.
 HTTP_LISTEN ?= 127.0.0.1:8080
+SERVED_MODEL_NAME ?= smollm2-demo
 
 # The local stack: trunk, two jury shards and the orchestrator on 127.0.0.1:50050, with
 # the sessions in a private redis-server stopped with the stack. RUN_FLAGS go to `up`
 # (`make run RUN_FLAGS=--tls`: encrypted with certificates made for the start).
 run: protos
 	checkpoint=$$($(SERVABLE)) && $(PY) -m hydra_jury.cli up --checkpoint "$$checkpoint" \
-		--http-listen $(HTTP_LISTEN) $(RUN_FLAGS)
+		--http-listen $(HTTP_LISTEN) --served-model-name $(SERVED_MODEL_NAME) $(RUN_FLAGS)
 
 # The single-process server: the same API from one process, for one machine. Sessions
 # live in $HYDRA_JURY_REDIS_URL if set, else in a private redis-server stopped with it.
 serve: protos
 	checkpoint=$$($(SERVABLE)) && $(PY) -m hydra_jury.cli serve --checkpoint "$$checkpoint" \
-		--http-listen $(HTTP_LISTEN)
+		--http-listen $(HTTP_LISTEN) --served-model-name $(SERVED_MODEL_NAME)
 
 bench-model: model
 	$(PY) bench/bench_model.py --checkpoint $(BASE_DIR)

@@ -115,6 +115,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             tls=tls,
             auth=auth,
             http_listen=args.http_listen,
+            served_model_name=args.served_model_name,
         )
         async with health_port(running, args.health_listen):
             served = f"{args.checkpoint} ({training_summary(args.checkpoint)})"
@@ -218,6 +219,7 @@ def _run_up(args: argparse.Namespace) -> int:
             draft_model=resolved_draft_model(args.draft_model),
             tls=certificates,
             http_listen=args.http_listen,
+            served_model_name=args.served_model_name,
             orchestrator_args=_api_key_args(args),
         )
         try:

@@ -72,6 +72,7 @@ async def _serve(config: OrchestratorConfig) -> None:
         internal_tls=config.internal_tls(),
         auth=config.auth(),
         http_listen=config.http_listen,
+        served_model_name=config.served_model_name,
     )
     async with health_port(running, config.health_listen):
         await running.serve_until_signal("orchestrator", config.listen, config.grace_s)

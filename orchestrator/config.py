@@ -3,6 +3,7 @@
 checkpoint: var/models/smollm2-hydra   # for the tokenizer; must match the services
 listen: 127.0.0.1:50050
 http_listen: 127.0.0.1:8080            # the OpenAI-compatible HTTP API too; omit: off
+served_model_name: smollm2-demo        # its model name; omit: the checkpoint folder's name
 trunk: 127.0.0.1:50051                 # kubernetes discovery: the trunk's Service name
 jury: [127.0.0.1:50052, 127.0.0.1:50053]  # ... and each shard's Service name
 discovery: static                      # or kubernetes: follow the Services' EndpointSlices
@@ -71,6 +72,7 @@ class OrchestratorConfig:
     namespace: str | None = None
     listen: str = "127.0.0.1:50050"
     http_listen: str | None = None  # None: no HTTP API
+    served_model_name: str | None = None  # None: the checkpoint folder's name
     metrics_port: int | None = None
     metrics_address: str = METRICS_ADDRESS
     max_concurrency: int = 32

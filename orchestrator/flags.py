@@ -65,6 +65,12 @@ def add_http_listen_flag(parser: argparse.ArgumentParser) -> None:
         help="also serve the OpenAI-compatible HTTP API (docs/http-api.md) on this address, "
         "HTTPS with the --tls-* files (port 0 picks a free one; default: off)",
     )
+    parser.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model name the HTTP API serves and requests give (default: the "
+        "checkpoint folder's name)",
+    )
 
 
 def add_redis_url_flag(parser: argparse.ArgumentParser, fallback: str) -> None:

@@ -103,6 +103,7 @@ class LocalStack:
     draft_model: str | None = None  # the trunk's draft model (a Hydra checkpoint)
     tls: CertificateDirectory | None = None  # None: plaintext everywhere
     http_listen: str | None = None  # the orchestrator's HTTP API (None: off)
+    served_model_name: str | None = None  # its model name (None: the checkpoint's)
     orchestrator_args: list[str] = field(default_factory=list)  # e.g. --api-keys FILE
     children: list[Child] = field(default_factory=list)
     redis: LocalRedis | None = None  # the private Redis, once started
@@ -199,6 +200,8 @@ class LocalStack:
             command += ["--metrics-port", str(self.metrics_port)]
         if self.http_listen is not None:
             command += ["--http-listen", self.http_listen]
+        if self.served_model_name is not None:
+            command += ["--served-model-name", self.served_model_name]
         command += self._orchestrator_tls_args()
         command += self.orchestrator_args
         return self._spawn("orchestrator", command, timeout_s)

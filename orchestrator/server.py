@@ -352,6 +352,7 @@ async def serve_orchestrator(
     internal_tls: ClientTls | None = None,
     auth: ApiKeyAuth | None = None,
     http_listen: str | None = None,
+    served_model_name: str | None = None,
 ) -> RunningServer:
     """The split stack's orchestrator: connects to the services (checking their layout;
     over TLS with `internal_tls`) and starts the Generation server (a TLS port with
@@ -380,7 +381,7 @@ async def serve_orchestrator(
         tls=tls,
         auth=auth,
         http_listen=http_listen,
-        model=model_name(checkpoint),
+        model=served_model_name or model_name(checkpoint),
     )
 
 
@@ -405,6 +406,7 @@ async def serve_embedded(
     tls: ServerTls | None = None,
     auth: ApiKeyAuth | None = None,
     http_listen: str | None = None,
+    served_model_name: str | None = None,
 ) -> RunningServer:
     """The single-process server: the whole model loaded here, the same Generation
     service over the in-process backend. All compute runs on one model thread.
@@ -432,7 +434,7 @@ async def serve_embedded(
         tls=tls,
         auth=auth,
         http_listen=http_listen,
-        model=model_name(checkpoint),
+        model=served_model_name or model_name(checkpoint),
     )
     SessionMetrics(running.servicer.metrics.registry).watch(backend.trunk.sessions)
     return running

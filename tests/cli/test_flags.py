@@ -12,9 +12,12 @@ from hydra_jury.cli.serve import _api_key_args
 
 @pytest.mark.parametrize("command", [["serve", "--checkpoint", "x"], ["up"]])
 def test_serve_and_up_take_an_http_address_off_by_default(command):
-    args = build_parser().parse_args([*command, "--http-listen", "127.0.0.1:8080"])
-    assert args.http_listen == "127.0.0.1:8080"
-    assert build_parser().parse_args(command).http_listen is None
+    args = build_parser().parse_args(
+        [*command, "--http-listen", "127.0.0.1:8080", "--served-model-name", "demo"]
+    )
+    assert (args.http_listen, args.served_model_name) == ("127.0.0.1:8080", "demo")
+    plain = build_parser().parse_args(command)
+    assert plain.http_listen is None and plain.served_model_name is None
 
 
 def test_up_passes_the_api_key_flags_to_the_orchestrator(tmp_path):

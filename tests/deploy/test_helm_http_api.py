@@ -29,6 +29,7 @@ def test_enabled_it_has_a_port_on_the_pods_and_the_service(enabled):
     container, service = orchestrator(enabled)
     flags = arguments(container)
     assert flags["http-listen"] == "0.0.0.0:8080"
+    assert "served-model-name" not in flags  # the checkpoint's name
     assert flags["tls-cert"] == "/tls/public/tls.crt"  # the same certificate: HTTPS
     ports = {port["name"]: port["containerPort"] for port in container["ports"]}
     assert ports["http"] == 8080
@@ -51,10 +52,12 @@ def test_its_ports_are_set_by_the_values(render):
                     "orchestrator.http.enabled=true",
                     "orchestrator.http.port=9000",
                     "orchestrator.service.httpPort=80",
+                    "orchestrator.http.servedModelName=demo",
                 )
             )
         )
     )
     assert arguments(container)["http-listen"] == "0.0.0.0:9000"
+    assert arguments(container)["served-model-name"] == "demo"
     http = next(port for port in service["spec"]["ports"] if port["name"] == "http")
     assert http["port"] == 80

@@ -122,6 +122,7 @@ def test_local_stack_serves_the_cli_and_shuts_down_gracefully(jury_checkpoint, e
         shard_threads=1,
         extra_service_args=["--max-session-tokens", "128"],
         http_listen="127.0.0.1:0",
+        served_model_name="demo",
     )
     try:
         address = stack.start(timeout_s=120)
@@ -153,7 +154,7 @@ def test_local_stack_serves_the_cli_and_shuts_down_gracefully(jury_checkpoint, e
         # The orchestrator's HTTP API, where its line says: the same tokens.
         url = re.fullmatch(r", HTTP API on (http://127\.0\.0\.1:\d+)", stack.http_detail)[1]
         options = {"seed": 4, "hydra": {"ignore_eos": True, "gamma": 3}}
-        completion = http_completion(url, jury_checkpoint.name, "hi", 12, **options)
+        completion = http_completion(url, "demo", "hi", 12, **options)  # the served name
         assert completion["choices"][0]["text"] == expected.text
         assert stack.redis is not None and stack.sessions_url == stack.redis.url
         assert answers(stack.redis.port)

@@ -344,7 +344,11 @@ def retry_busy(call, attempts: int = 100):
 def tls_server(jury_checkpoint, redis_url, tmp_path):
     certificates = make_certificates(tmp_path / "certs")
     stack = Stack(str(jury_checkpoint), [], redis_url, tls=certificates)
-    stack.start_embedded(http_listen="127.0.0.1:0", tls=stack.server_tls(mutual=False))
+    stack.start_embedded(
+        http_listen="127.0.0.1:0",
+        tls=stack.server_tls(mutual=False),
+        served_model_name="demo",
+    )
     yield stack
     stack.close()
 
@@ -359,6 +363,7 @@ def test_https_with_the_grpc_ports_certificate_and_a_drain(tls_server):
         http_client=http_client,
     )
     name = api.models.list().data[0].id
+    assert name == "demo"  # --served-model-name, not the checkpoint's folder name
     assert api.chat.completions.create(model=name, messages=HELLO, max_tokens=2).choices
     plaintext = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.APIConnectionError):
