@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hydra_jury.serving.errors import detail_for, status_for
+from hydra_jury.workers.errors import InvalidArgument
 
 log = logging.getLogger("hydra_jury")
 
@@ -67,9 +68,37 @@ def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+class _Undecodable:
+    """A request whose bytes are not a message of its type: decoded into this instead of
+    raising, since gRPC answers an exception of the decoder with UNKNOWN, and refused
+    before the method runs (found by tests/test_fuzz.py)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], object] | None) -> Callable[[bytes], object] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> object:
+        try:
+            return deserializer(data)
+        except Exception as error:  # DecodeError: corrupt bytes, or a string not UTF-8
+            return _Undecodable(error)
+
+    return deserialize
+
+
+def _decoded(request: object) -> None:
+    if isinstance(request, _Undecodable):
+        raise InvalidArgument(f"the request is not a valid message of its type: {request.error}")
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turns an exception escaping any RPC into its status code (`serving.errors`) and a
-    readable detail; an untyped one is a bug, logged with its traceback."""
+    readable detail; an untyped one is a bug, logged with its traceback. A request that
+    cannot be decoded is INVALID_ARGUMENT."""
 
     def __init__(
         self, on_error: Callable[[str, Exception, grpc.StatusCode], None] | None = None
@@ -94,6 +123,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary(request, context):
                 try:
+                    _decoded(request)
                     return await inner(request, context)
                 except grpc.aio.AbortError:
                     raise
@@ -102,7 +132,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(
                 unary,
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
@@ -110,6 +140,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             async def stream(request, context):
                 try:
+                    _decoded(request)
                     async for item in inner_stream(request, context):
                         yield item
                 except grpc.aio.AbortError:
@@ -119,7 +150,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(
                 stream,
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler

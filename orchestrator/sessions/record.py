@@ -123,10 +123,16 @@ class SessionRecord:
 
     @classmethod
     def from_document(cls, document: str | bytes, **store_fields: Any) -> SessionRecord:
+        """The record of a `document()`; a ValueError naming what is wrong for anything
+        else (a corrupt or foreign value in the store), never an error of the decoding
+        code itself (found by tests/test_fuzz.py)."""
         values = json.loads(document)
-        if values.get("generation") is not None:
-            values["generation"] = GenerationRecord.from_dict(values["generation"])
-        return cls(**values, **store_fields)
+        try:
+            if values.get("generation") is not None:
+                values["generation"] = GenerationRecord.from_dict(values["generation"])
+            return cls(**values, **store_fields)
+        except (AttributeError, TypeError, KeyError) as error:
+            raise ValueError(f"not a session record document: {error!r}") from error
 
 
 def pack_tokens(tokens: list[int]) -> bytes:
