@@ -26,10 +26,14 @@ def build_parser(prog: str = "python -m hydra_jury.orchestrator") -> argparse.Ar
     parser.add_argument("--config", help="YAML file of settings (see orchestrator/config.py)")
     parser.add_argument("--checkpoint", help="the Hydra checkpoint the services serve")
     parser.add_argument(
-        "--trunk", help="trunk service address HOST:PORT (kubernetes discovery: its Service)"
+        "--trunk",
+        help="trunk service address HOST:PORT, replicas joined by + (kubernetes discovery: "
+        "its Service)",
     )
     parser.add_argument(
-        "--jury", help="comma-separated jury shard addresses (kubernetes discovery: Services)"
+        "--jury",
+        help="comma-separated jury shard addresses, a shard's replicas joined by + "
+        "(kubernetes discovery: Services)",
     )
     parser.add_argument(
         "--discovery",

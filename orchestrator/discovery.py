@@ -59,12 +59,17 @@ class Discovery(ABC):
         return None
 
 
+REPLICA_SEPARATOR = "+"
+
+
 class StaticDiscovery(Discovery):
+    """Fixed addresses: a target is HOST:PORT, or several joined by `+` for replicas."""
+
     def __init__(self, trunk: str, jury: list[str]) -> None:
         self.targets = dict(zip(component_names(len(jury)), [trunk, *jury], strict=True))
 
     def ready(self, component: str) -> list[str]:
-        return [self.targets[component]]
+        return [a for a in self.targets[component].split(REPLICA_SEPARATOR) if a]
 
 
 def ready_addresses(endpoint_slice: Any, port_name: str) -> list[str]:

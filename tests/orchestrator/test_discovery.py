@@ -75,6 +75,10 @@ def test_ready_addresses_reads_slices_as_the_api_says():
         "jury0": "j:2",
         "jury1": "j:3",
     }
+    replicated = StaticDiscovery("t:1+t:2", ["j:2+j:4", "j:3"])
+    assert replicated.ready("trunk") == ["t:1", "t:2"]
+    assert replicated.ready("jury0") == ["j:2", "j:4"]
+    assert replicated.ready("jury1") == ["j:3"]
 
 
 def test_sessions_are_placed_kept_and_moved(fake, jury_checkpoint, redis_url):
