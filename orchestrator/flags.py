@@ -32,7 +32,8 @@ def add_generation_server_flags(parser: argparse.ArgumentParser, redis_fallback:
         "--max-concurrency",
         type=int,
         default=OrchestratorConfig.max_concurrency,
-        help="requests in progress at once (%(default)s)",
+        help="generations in progress at once; more are refused with RESOURCE_EXHAUSTED "
+        "(%(default)s)",
     )
     add_grace_flag(parser)
     add_request_limit_flags(parser)

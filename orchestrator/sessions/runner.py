@@ -66,6 +66,7 @@ from hydra_jury.orchestrator.sessions.record import (
 from hydra_jury.orchestrator.sessions.store import SessionBusy, SessionStore
 from hydra_jury.poe import Rule
 from hydra_jury.serving.errors import (
+    CapacityError,
     DeadlineExceeded,
     ServiceUnavailable,
     SessionConflict,
@@ -124,6 +125,7 @@ class SessionRunner:
         self._observe = observe
         self._owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="generation")
+        self._max_concurrency = max_concurrency
         self._active: dict[str, _Active] = {}  # by scoped session id
         self._give_backs: set[asyncio.Future] = set()  # leases being given back
         # Draining: new generations are refused; once `_ending`, running ones stop.
@@ -220,6 +222,13 @@ class SessionRunner:
             raise ServiceUnavailable(
                 "this server is draining (shutting down) and takes no new generations: "
                 "send the request to another server"
+            )
+        # Refused at once rather than queued for a generation thread: under overload a
+        # queue only makes every client wait longer (tools.overload).
+        if self._generations >= self._max_concurrency:
+            raise CapacityError(
+                f"all {self._max_concurrency} generations of this server are in progress; "
+                "retry later or raise --max-concurrency"
             )
         self._generations += 1
         self._idle.clear()
