@@ -37,6 +37,8 @@ class ChaosStack:
     shard_replicas: int = 2
     orchestrators: int = 2
     lease_s: float = 1.0
+    service_flags: list[str] = field(default_factory=lambda: list(SERVICE_FLAGS))
+    orchestrator_flags: list[str] = field(default_factory=list)
     processes: dict[str, Process] = field(default_factory=dict)
     redis: LocalRedis | None = None
 
@@ -63,7 +65,8 @@ class ChaosStack:
             ]
             for s in range(self.shards)
         ]
-        self._start_all([*trunks, *(p for shard in shards for p in shard)], SERVICE_FLAGS)
+        services = [*trunks, *(p for shard in shards for p in shard)]
+        self._start_all(services, self.service_flags)
         jury = ",".join(REPLICA_SEPARATOR.join(p.address for p in shard) for shard in shards)
         orchestrator = [
             *python,
@@ -74,7 +77,7 @@ class ChaosStack:
         orchestrators = [
             self._process(f"orchestrator{o}", orchestrator) for o in range(self.orchestrators)
         ]
-        self._start_all(orchestrators, [])
+        self._start_all(orchestrators, self.orchestrator_flags)
         return self
 
     def _process(self, name: str, command: list[str]) -> Process:
