@@ -34,11 +34,13 @@ from hydra_jury.orchestrator.sessions.store import StoreSettings
 from hydra_jury.serving.auth import auth_from
 from hydra_jury.serving.flags import (
     add_draft_model_flag,
+    add_log_format_flag,
     add_model_flags,
     add_session_limit_flags,
     add_threads_flag,
 )
 from hydra_jury.serving.health_port import health_port
+from hydra_jury.serving.logs import configure_logging
 from hydra_jury.serving.model_thread import set_compute_threads
 from hydra_jury.serving.tls import ServerTls
 from hydra_jury.serving.worker_service import service_main
@@ -89,7 +91,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configure_logging(args.log_format)
     # Checked before anything starts: a bad setting is one line, not a half-started server.
     settings = StoreSettings(ttl_s=args.session_ttl_s, lease_s=args.session_lease_s)
     set_compute_threads(args.threads)
@@ -184,6 +186,7 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
         "on stop); the CA's path is printed for clients (--tls-ca)",
     )
     add_api_key_flags(parser)
+    add_log_format_flag(parser)
     parser.set_defaults(handler=_run_up)
 
 
@@ -221,6 +224,7 @@ def _run_up(args: argparse.Namespace) -> int:
             http_listen=args.http_listen,
             served_model_name=args.served_model_name,
             orchestrator_args=_api_key_args(args),
+            log_format=args.log_format,
         )
         try:
             address = stack.start()

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from dataclasses import fields
 
 from hydra_jury.orchestrator.config import DISCOVERY_MODES, OrchestratorConfig
 from hydra_jury.orchestrator.flags import add_generation_server_flags, add_internal_tls_flags
 from hydra_jury.serving.errors import EXPECTED_FAILURES, failure_line
+from hydra_jury.serving.logs import configure_logging
 
 # Every setting the command line can override: the configuration's fields, one flag each.
 SETTINGS = [setting.name for setting in fields(OrchestratorConfig)]
@@ -83,13 +83,13 @@ async def _serve(config: OrchestratorConfig) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m hydra_jury.orchestrator") -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # Every setting starts unset, so argparse fills in no default: a flag overrides the
     # --config file only when given.
     unset = argparse.Namespace(**dict.fromkeys(SETTINGS))
     args = build_parser(prog).parse_args(argv, unset)
     try:
         config = OrchestratorConfig.load(args.config, {k: getattr(args, k) for k in SETTINGS})
+        configure_logging(config.log_format)
         asyncio.run(_serve(config))
     except EXPECTED_FAILURES as error:
         print(failure_line("orchestrator", error), file=sys.stderr)

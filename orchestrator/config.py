@@ -29,6 +29,7 @@ api_keys: /keys/api-keys                # require API keys (serving/api_keys.py)
 auth_health: false                     # true: health checks and reflection need a key too
 max_concurrent_per_key: 4              # defaults for keys whose line sets no limit
 tokens_per_minute_per_key: 6000
+log_format: json                       # or text (the default): see --log-format
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from hydra_jury.orchestrator.sessions.redis_store import KEY_PREFIX
 from hydra_jury.orchestrator.sessions.store import StoreSettings
 from hydra_jury.serving.auth import ApiKeyAuth, auth_from
 from hydra_jury.serving.flags import GRACE_S, METRICS_ADDRESS
+from hydra_jury.serving.logs import LOG_FORMATS
 from hydra_jury.serving.tls import ClientTls, ServerTls, TlsFlags
 
 REDIS_URL_VARIABLE = "HYDRA_JURY_REDIS_URL"  # below the config file and the flags
@@ -103,6 +105,7 @@ class OrchestratorConfig:
     auth_health: bool = False
     max_concurrent_per_key: int | None = None  # None: no limit
     tokens_per_minute_per_key: int | None = None
+    log_format: str = LOG_FORMATS[0]
 
     @classmethod
     def load(cls, path: str | Path | None, overrides: dict[str, Any]) -> OrchestratorConfig:
@@ -141,6 +144,10 @@ class OrchestratorConfig:
             )
         if len(set(self.jury)) != len(self.jury):
             raise ConfigFileError(f"a jury shard address is listed twice: {self.jury}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigFileError(
+                f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}"
+            )
         if self.max_concurrency < 1:
             raise ConfigFileError("max_concurrency must be at least 1")
         if not self.redis_url:

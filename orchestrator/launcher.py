@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from hydra_jury.hydra_model.checkpoint import read_manifest
 from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
+from hydra_jury.serving.logs import LOG_FORMATS
 from hydra_jury.serving.tls import CertificateDirectory
 
 LISTENING = re.compile(r"listening on (\S+?):(\d+)")
@@ -105,6 +106,7 @@ class LocalStack:
     http_listen: str | None = None  # the orchestrator's HTTP API (None: off)
     served_model_name: str | None = None  # its model name (None: the checkpoint's)
     orchestrator_args: list[str] = field(default_factory=list)  # e.g. --api-keys FILE
+    log_format: str = LOG_FORMATS[0]  # every process's --log-format
     children: list[Child] = field(default_factory=list)
     redis: LocalRedis | None = None  # the private Redis, once started
 
@@ -145,31 +147,24 @@ class LocalStack:
     def _start(self, heads: list[str], timeout_s: float) -> str:
         if self.redis_url is None:
             self.redis = LocalRedis().start()
-        python = [sys.executable, "-m"]
         trunk = self._spawn(
             "trunk",
-            [
-                *python,
+            self.command(
                 "hydra_jury.trunk_service",
-                "--checkpoint",
-                self.checkpoint,
                 "--listen",
                 f"{self.host}:{self._port(1)}",
                 *(["--draft-model", self.draft_model] if self.draft_model else []),
                 *self._service_tls_args(),
                 *self.extra_service_args,
-            ],
+            ),
             timeout_s,
         )
         groups = [heads[i :: self.shards] for i in range(self.shards)]
         shards = [
             self._spawn(
                 f"jury{i}",
-                [
-                    *python,
+                self.command(
                     "hydra_jury.jury_service",
-                    "--checkpoint",
-                    self.checkpoint,
                     "--heads",
                     ",".join(group),
                     "--listen",
@@ -177,25 +172,16 @@ class LocalStack:
                     *self._service_tls_args(),
                     *self.extra_service_args,
                     *(["--threads", str(self.shard_threads)] if self.shard_threads else []),
-                ],
+                ),
                 timeout_s,
             )
             for i, group in enumerate(groups)
         ]
-        command = [
-            *python,
+        command = self.command(
             "hydra_jury.orchestrator",
-            "--checkpoint",
-            self.checkpoint,
-            "--trunk",
-            trunk,
-            "--jury",
-            ",".join(shards),
-            "--listen",
-            f"{self.host}:{self.port}",
-            "--redis-url",
-            self.sessions_url,
-        ]
+            *("--trunk", trunk, "--jury", ",".join(shards)),
+            *("--listen", f"{self.host}:{self.port}", "--redis-url", self.sessions_url),
+        )
         if self.metrics_port is not None:
             command += ["--metrics-port", str(self.metrics_port)]
         if self.http_listen is not None:
@@ -205,6 +191,14 @@ class LocalStack:
         command += self._orchestrator_tls_args()
         command += self.orchestrator_args
         return self._spawn("orchestrator", command, timeout_s)
+
+    def command(self, module: str, *args: str) -> list[str]:
+        """The command line of a child: `python -m module` with the stack's checkpoint,
+        `args`, and the settings every process of the stack shares."""
+        return [
+            *(sys.executable, "-m", module, "--checkpoint", self.checkpoint, *args),
+            *("--log-format", self.log_format),
+        ]
 
     def _service_tls_args(self) -> list[str]:
         """mTLS: the stack's server certificate, and only clients its CA signed."""

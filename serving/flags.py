@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from hydra_jury.hydra_model.checkpoint import DTYPES
+from hydra_jury.serving.logs import LOG_FORMATS
 from hydra_jury.serving.tls import SERVER_FLAGS, TlsFlags
 from hydra_jury.workers.sessions import SessionLimits
 
@@ -35,6 +36,16 @@ def add_metrics_flags(parser: argparse.ArgumentParser) -> None:
         "--metrics-port", type=int, help="serve Prometheus /metrics on this HTTP port"
     )
     parser.add_argument("--metrics-address", default=METRICS_ADDRESS, help="(%(default)s)")
+
+
+def add_log_format_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=LOG_FORMATS[0],
+        help="text: readable lines; json: one JSON object a line, for log pipelines; the "
+        "Generation API logs a line per finished or failed generation (%(default)s)",
+    )
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:

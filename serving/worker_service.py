@@ -29,6 +29,7 @@ from hydra_jury.serving.flags import (
     add_draft_model_flag,
     add_grace_flag,
     add_listen_flag,
+    add_log_format_flag,
     add_metrics_flags,
     add_model_flags,
     add_session_limit_flags,
@@ -36,6 +37,7 @@ from hydra_jury.serving.flags import (
     add_tls_flags,
 )
 from hydra_jury.serving.health_port import health_port
+from hydra_jury.serving.logs import configure_logging
 from hydra_jury.serving.metrics import serve_metrics
 from hydra_jury.serving.model_thread import ModelThread, set_compute_threads, start_model_thread
 from hydra_jury.serving.server import GrpcServer, RunningServer
@@ -242,6 +244,7 @@ def build_parser(spec: WorkerServiceSpec, prog: str) -> argparse.ArgumentParser:
     add_metrics_flags(parser)
     add_grace_flag(parser)
     add_tls_flags(parser)
+    add_log_format_flag(parser)
     return parser
 
 
@@ -259,9 +262,7 @@ def service_main(
     turns the parsed --draft-model into the Hydra checkpoint the service loads (the CLI
     converts other formats)."""
     args = build_parser(spec, prog or f"hydra-jury {spec.name.split()[0]}").parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_format)
 
     async def serve() -> int:
         try:

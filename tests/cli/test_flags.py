@@ -1,13 +1,22 @@
 """Flags the commands pass on or refuse: `serve` and `up` take the HTTP API's address;
-`up` hands its API-key flags to the stack's orchestrator; `generate --local` refuses
-every connection flag; `--jury` lists heads."""
+`up` hands its API-key flags to the stack's orchestrator; every server takes
+--log-format (the orchestrator's config file too) and `up` passes it to every process;
+`generate --local` refuses every connection flag; `--jury` lists heads."""
 
+import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from hydra_jury.cli import build_parser, main
 from hydra_jury.cli.serve import _api_key_args
+from hydra_jury.jury_service.server import JURY_SERVICE
+from hydra_jury.orchestrator.__main__ import build_parser as orchestrator_parser
+from hydra_jury.orchestrator.config import ConfigFileError, OrchestratorConfig
+from hydra_jury.orchestrator.launcher import LocalStack
+from hydra_jury.serving.worker_service import build_parser as service_parser
+from hydra_jury.trunk_service.server import TRUNK_SERVICE
 
 
 @pytest.mark.parametrize("command", [["serve", "--checkpoint", "x"], ["up"]])
@@ -30,6 +39,46 @@ def test_up_passes_the_api_key_flags_to_the_orchestrator(tmp_path):
         *("--tokens-per-minute-per-key", "600"),
     ]
     assert _api_key_args(build_parser().parse_args(["up"])) == []
+
+
+SERVICE_ARGV = ["--checkpoint", "x"]
+
+
+@pytest.mark.parametrize(
+    ("parser", "argv"),
+    [
+        (build_parser, ["serve", "--checkpoint", "x"]),
+        (build_parser, ["up"]),
+        (partial(service_parser, TRUNK_SERVICE, "hydra-jury trunk"), SERVICE_ARGV),
+        (partial(service_parser, JURY_SERVICE, "hydra-jury jury"), SERVICE_ARGV),
+    ],
+    ids=["serve", "up", "trunk", "jury"],
+)
+def test_the_servers_log_text_unless_told_json(parser, argv):
+    assert parser().parse_args(argv).log_format == "text"
+    assert parser().parse_args([*argv, "--log-format", "json"]).log_format == "json"
+    with pytest.raises(SystemExit):
+        parser().parse_args([*argv, "--log-format", "xml"])
+
+
+def test_the_orchestrator_takes_its_log_format_from_a_flag_or_its_config(tmp_path):
+    assert orchestrator_parser().parse_args(["--log-format", "json"]).log_format == "json"
+    required = {"checkpoint": "c", "trunk": "t", "jury": "j", "redis_url": "redis://h:1/0"}
+    assert OrchestratorConfig.load(None, required).log_format == "text"
+    path = tmp_path / "orchestrator.yaml"
+    path.write_text("log_format: json\n")
+    assert OrchestratorConfig.load(path, required).log_format == "json"
+    path.write_text("log_format: xml\n")
+    with pytest.raises(ConfigFileError, match="log_format must be one of text, json"):
+        OrchestratorConfig.load(path, required)
+
+
+def test_up_passes_the_log_format_to_every_process():
+    stack = LocalStack("ckpt", log_format="json")
+    for module in ("hydra_jury.trunk_service", "hydra_jury.jury_service"):
+        assert stack.command(module, "--listen", "x")[:3] == [sys.executable, "-m", module]
+        assert stack.command(module)[-2:] == ["--log-format", "json"]
+    assert LocalStack("ckpt").command("hydra_jury.orchestrator")[-1] == "text"
 
 
 @pytest.mark.parametrize(

@@ -123,6 +123,7 @@ def test_local_stack_serves_the_cli_and_shuts_down_gracefully(jury_checkpoint, e
         extra_service_args=["--max-session-tokens", "128"],
         http_listen="127.0.0.1:0",
         served_model_name="demo",
+        log_format="json",
     )
     try:
         address = stack.start(timeout_s=120)
@@ -140,7 +141,9 @@ def test_local_stack_serves_the_cli_and_shuts_down_gracefully(jury_checkpoint, e
             "--gamma",
             "3",
         ]
-        capsys.readouterr()
+        # The launcher forwards each process's lines: the orchestrator's logs are JSON.
+        logged = re.findall(r"^\[orchestrator\] (\{.*)$", capsys.readouterr().err, re.M)
+        assert json.loads(logged[0])["logger"].startswith("hydra_jury")
         assert main([*argv, "--json"]) == 0
         response = json.loads(capsys.readouterr().out)
         expected = engine.generate(
@@ -158,6 +161,10 @@ def test_local_stack_serves_the_cli_and_shuts_down_gracefully(jury_checkpoint, e
         assert completion["choices"][0]["text"] == expected.text
         assert stack.redis is not None and stack.sessions_url == stack.redis.url
         assert answers(stack.redis.port)
+        if sys.platform == "linux":  # every process was started with the stack's log format
+            for child in stack.children:
+                argv = Path(f"/proc/{child.process.pid}/cmdline").read_bytes()
+                assert b"\0--log-format\0json\0" in argv, child.name
         if sys.platform == "linux" and not set(OPENMP_WAIT_VARIABLES) & set(os.environ):
             # what each process was really started with
             for child in stack.children:
