@@ -41,6 +41,7 @@ from hydra_jury.orchestrator.limits import DEFAULT_LIMITS, RequestLimits
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.metrics import OrchestratorMetrics
 from hydra_jury.orchestrator.request import RequestError
+from hydra_jury.orchestrator.request_log import Call, RequestLog
 from hydra_jury.orchestrator.sessions.runner import Committed, SessionRunner
 from hydra_jury.orchestrator.sessions.store import SessionStore
 from hydra_jury.poe import RULES
@@ -192,13 +193,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         key = self._called("Generate")
         final = None
-        async for committed in self.generate(request, key, _deadline(context)):
+        call = Call.grpc("Generate", context)
+        async for committed in self.generate(request, key, _deadline(context), call):
             final = committed.summary or final
         return output_to_pb(final)
 
     async def GenerateStream(self, request, context):
         key = self._called("GenerateStream")
-        async for committed in self.generate(request, key, _deadline(context)):
+        call = Call.grpc("GenerateStream", context)
+        async for committed in self.generate(request, key, _deadline(context), call):
             message = round_to_pb(committed.round, committed.summary)
             message.session_id, message.request_id = committed.session_id, request.request_id
             yield message
@@ -208,16 +211,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request: generation_pb2.GenerateRequest,
         key: ApiKey | None,
         deadline: float | None,
+        call: Call,
     ) -> AsyncIterator[Committed]:
         """The committed rounds of `request`, on the sessions of `key` and within its
-        limits; `deadline`: a `time.monotonic()` value (None: none)."""
-        with self.key_limits.generation(key) if key else contextlib.nullcontext():
-            rounds = self._observed_rounds(request, deadline, _name(key))
-            async with contextlib.aclosing(rounds):
-                async for committed in rounds:
-                    if key is not None and not committed.replayed:  # a replay costs nothing
-                        self._spend(key, len(committed.round.tokens))
-                    yield committed
+        limits; `deadline`: a `time.monotonic()` value (None: none). Logs a line when it
+        finishes or fails (`orchestrator.request_log`), for the API `call`."""
+        logged = RequestLog.of(call, request, _name(key))
+        try:
+            with self.key_limits.generation(key) if key else contextlib.nullcontext():
+                rounds = self._observed_rounds(request, deadline, _name(key))
+                async with contextlib.aclosing(rounds):
+                    async for committed in rounds:
+                        logged.observe(committed)
+                        if key is not None and not committed.replayed:  # a replay is free
+                            self._spend(key, len(committed.round.tokens))
+                        yield committed
+        except BaseException as error:
+            logged.failed(error)
+            raise
+        logged.finished()
 
     def _spend(self, key: ApiKey, tokens: int) -> None:
         self.key_limits.spend(key, tokens)

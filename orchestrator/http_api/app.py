@@ -47,6 +47,7 @@ from hydra_jury.orchestrator.http_api.responses import (
     response,
 )
 from hydra_jury.orchestrator.limits import RequestLimits
+from hydra_jury.orchestrator.request_log import Call
 from hydra_jury.serving.api_keys import ApiKey
 from hydra_jury.serving.auth import ApiKeyAuth, authenticate, refusal
 
@@ -161,6 +162,7 @@ class HttpApi:
             self.servicer,
             plan.requests,
             key,
+            Call.http(form.path, request.headers),
             keep_session=plan.keep_session,
             running=self.running,
         )

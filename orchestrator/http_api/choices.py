@@ -22,6 +22,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from hydra_jury.orchestrator.request_log import Call
 from hydra_jury.orchestrator.sessions.runner import Committed
 from hydra_jury.protos.hydrajury.v1 import generation_pb2
 from hydra_jury.serving.api_keys import ApiKey
@@ -36,20 +37,21 @@ _ROUND, _ERROR, _END = "round", "error", "end"
 
 class Choices:
     """Starts one generation per request of `requests` (an HTTP request's choices) with
-    `key`; `rounds()` yields (choice index, committed round) as they come."""
+    `key`, for the API `call`; `rounds()` yields (choice index, committed round) as they come."""
 
     def __init__(
         self,
         servicer: GenerationServicer,
         requests: list[generation_pb2.GenerateRequest],
         key: ApiKey | None,
+        call: Call,
         *,
         keep_session: bool,
         running: set[asyncio.Task],
     ) -> None:
         """`running`: where the tasks are held until they end (asyncio keeps only weak
         references to tasks)."""
-        self.servicer, self.key, self.keep_session = servicer, key, keep_session
+        self.servicer, self.key, self.call, self.keep_session = servicer, key, call, keep_session
         self._events: asyncio.Queue = asyncio.Queue()
         self.tasks = [
             asyncio.get_running_loop().create_task(self._run(index, request))
@@ -87,7 +89,7 @@ class Choices:
         try:
             if not request.session_id:
                 made = request.session_id = await runner.create_session(None, key_name)
-            rounds = self.servicer.generate(request, self.key, None)
+            rounds = self.servicer.generate(request, self.key, None, self.call)
             async with contextlib.aclosing(rounds):
                 async for item in rounds:
                     committed = True
