@@ -485,6 +485,10 @@ INVALID = {
         {"preStopSleepSeconds": -1},
         "preStopSleepSeconds: Must be greater than or equal to 0",
     ),
+    "an unknown log format": (
+        {"logFormat": "xml"},
+        'logFormat must be one of the following: "text", "json"',
+    ),
     "a client certificate without the services' own": (
         {"tls": {"internal": {"clientSecretName": "orchestrator-tls"}}},
         "set tls.internal.secretName (their certificate) too",
@@ -621,6 +625,13 @@ def test_the_termination_grace_covers_the_pre_stop_sleep_and_the_drain(releases,
     for server in every(servers(releases[case]), "servers"):
         assert arguments(server)["grace-s"] == str(grace)
         assert server["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", str(sleep)]}}}
+
+
+def test_every_server_logs_in_the_log_format(releases, render):
+    for server in every(servers(releases["defaults"]), "servers"):
+        assert arguments(server)["log-format"] == "text"
+    for server in every(servers(manifests(render(sets=("logFormat=json",)))), "servers"):
+        assert arguments(server)["log-format"] == "json"
 
 
 def test_no_pre_stop_sleep_renders_no_hook(render):
