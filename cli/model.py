@@ -146,6 +146,12 @@ def _add_train_heads(commands: argparse._SubParsersAction) -> None:
         "--force", action="store_true", help="discard an existing --out (or unfinished run)"
     )
     parser.add_argument(
+        "--replace-stale",
+        action="store_true",
+        help="resume an unfinished run of these settings at --out, else start over "
+        "(where --out is refused without --force)",
+    )
+    parser.add_argument(
         "--uncertainty",
         action="store_true",
         help="train the uncertainty head instead, on multiple-choice questions the "

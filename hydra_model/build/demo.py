@@ -18,8 +18,6 @@ import argparse
 import importlib.util
 import shutil
 import sys
-from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 from hydra_jury.hydra_model.build.builder import BuildError, BuildOptions, build_checkpoint
@@ -29,7 +27,6 @@ from hydra_jury.hydra_model.build.train import (
     ProgressBar,
     TrainError,
     TrainOptions,
-    TrainResult,
     train_heads,
 )
 from hydra_jury.hydra_model.build.train_uncertainty import train_uncertainty
@@ -84,9 +81,12 @@ def ensure_demo_checkpoint(
     if _trained_as(heads, "training", TRAINING):
         log(f"{heads}: heads already trained")
     else:
-        _finish(train_heads, TrainOptions(str(base), str(corpus), str(heads), **TRAINING), log)
-    judged = _finish(
-        train_uncertainty, TrainOptions(str(heads), "", str(out), **UNCERTAINTY_TRAINING), log
+        options = TrainOptions(str(base), str(corpus), str(heads), replace_stale=True, **TRAINING)
+        train_heads(options, log=log, on_step=ProgressBar())
+    judged = train_uncertainty(
+        TrainOptions(str(heads), "", str(out), replace_stale=True, **UNCERTAINTY_TRAINING),
+        log=log,
+        on_step=ProgressBar(),
     )
     log(f"uncertainty head, held out: untrained {judged.before.line()}")
     log(f"uncertainty head, held out: trained {judged.after.line()}")
@@ -102,16 +102,6 @@ def _trained_as(out: Path, record: str, settings: dict) -> bool:
     except CheckpointError:
         return False
     return done is not None and all(done[k] == v for k, v in settings.items() if k in done)
-
-
-def _finish(train: Callable[..., TrainResult], options: TrainOptions, log) -> TrainResult:
-    """Runs one training step of the build to its end: an interrupted run at its output
-    resumes from its last saved step; anything else there is replaced."""
-    try:
-        return train(options, log=log, on_step=ProgressBar())
-    except TrainError as error:
-        log(f"{options.out}: starting over ({error})")
-        return train(replace(options, force=True), log=log, on_step=ProgressBar())
 
 
 def is_trained_demo(out: Path, log=print) -> bool:

@@ -92,7 +92,10 @@ class TrainOptions:
     seq_len: int = 128
     seed: int = 0
     save_every: int = 20
-    force: bool = False
+    force: bool = False  # start over, whatever `out` holds
+    # An `out` this run cannot resume (finished, or of other settings) is replaced, not
+    # refused; an unfinished run of the same settings still resumes (the demo build).
+    replace_stale: bool = False
     questions: int = 320  # --uncertainty: multiple-choice questions written and answered
 
     @property
@@ -130,7 +133,7 @@ def train_heads(
         )
     settings = _settings(options, manifest, heads)
     out = Path(options.out)
-    resuming = prepare_out(out, settings, options.force)
+    resuming = prepare_out(out, settings, options, log)
 
     model = HydraModel.load(options.checkpoint, dtype="float32")
     windows, hidden = _heads_inputs(model, texts, out, settings, options.seq_len, log)
@@ -221,23 +224,38 @@ def _settings(options: TrainOptions, manifest: Manifest, heads: list[str]) -> di
     }
 
 
-def prepare_out(out: Path, settings: dict[str, Any], force: bool) -> bool:
-    """Clears `out` for a fresh run or checks it for a resumed one; True when resuming."""
-    if force and out.exists():
+def prepare_out(
+    out: Path, settings: dict[str, Any], options: TrainOptions, log: Callable[[str], None]
+) -> bool:
+    """Clears `out` for a fresh run or checks it for a resumed one; True when resuming.
+    What cannot be resumed is refused, or with `replace_stale` replaced."""
+    if options.force and out.exists():
         shutil.rmtree(out)
     if not out.exists():
         return False
+    saved = saved_settings(out)
+    stale = _unresumable(out, settings, saved)
+    if stale is None:
+        return saved is not None
+    if not options.replace_stale:
+        raise TrainError(stale)
+    log(f"{out}: starting over ({stale})")
+    shutil.rmtree(out)
+    return False
+
+
+def _unresumable(out: Path, settings: dict[str, Any], saved: dict[str, Any] | None) -> str | None:
+    """Why the run cannot go on from what `out` holds (None: it can)."""
     unfinished = {p.name for p in out.iterdir()} <= {state_dir(out).name}
     if not unfinished:
-        raise TrainError(f"{out} already exists; pass --force to overwrite it")
-    saved = saved_settings(out)
+        return f"{out} already exists; pass --force to overwrite it"
     if saved is not None and saved != settings:
         changed = sorted(key for key in settings if saved.get(key) != settings[key])
-        raise TrainError(
+        return (
             f"{out} holds an unfinished run with other settings ({', '.join(changed)}); "
             "run it with its own arguments to finish it, or pass --force to start over"
         )
-    return saved is not None
+    return None
 
 
 def _heads_inputs(

@@ -97,7 +97,7 @@ def train_uncertainty(
         )
     settings = _settings(options)
     out = Path(options.out)
-    resuming = prepare_out(out, settings, options.force)
+    resuming = prepare_out(out, settings, options, log)
 
     model = HydraModel.load(options.checkpoint, dtype="float32")
     try:

@@ -227,6 +227,9 @@ def test_the_command_line(jury_checkpoint, corpus, tmp_path, capsys):
     # A finished --out is never overwritten silently.
     assert main(argv) == 2
     assert "already exists; pass --force" in capsys.readouterr().err
+    # --replace-stale replaces what it cannot resume, and says why.
+    assert main([*argv, "--replace-stale"]) == 0
+    assert f"{out}: starting over ({out} already exists" in capsys.readouterr().err
     shutil.rmtree(out)
     assert main([*argv[:-2], "--lora", "99999"]) == 2
     assert "the rank must be between 1 and" in capsys.readouterr().err
