@@ -126,9 +126,13 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_run_generate)
 
 
-def _run_generate(args: argparse.Namespace) -> int:
+def _check_session_flags(args: argparse.Namespace) -> None:
     if args.system and args.session:
         raise ValueError("--system opens a new session; a continued session keeps its own")
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    _check_session_flags(args)
     messages = None
     if args.chat:
         messages = [{"role": "user", "content": args.prompt}]
@@ -240,8 +244,7 @@ def _add_chat(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_chat(args: argparse.Namespace) -> int:
-    if args.system and args.session:
-        raise ValueError("--system opens a new session; a continued session keeps its own")
+    _check_session_flags(args)
     with _client(args) as client:
         # Every later failure is one turn's; a server that cannot be reached at all ends
         # the chat before the first line.

@@ -93,3 +93,12 @@ def test_generate_local_refuses_the_flags_of_a_connection(flag, capsys):
 def test_a_jury_list_is_heads_with_the_spaces_stripped():
     args = build_parser().parse_args(["generate", "--local", "--jury", "head1, head2", "hi"])
     assert args.jury == ["head1", "head2"]
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"]])
+def test_a_system_message_is_refused_for_a_continued_session(command, capsys):
+    argv = [*command, "--address", "127.0.0.1:1", "--system", "be brief", "--session", "s1"]
+    assert main(argv) == 2
+    assert "--system opens a new session; a continued session keeps its own" in (
+        capsys.readouterr().err
+    )
