@@ -287,7 +287,7 @@ async def start_generation_server(
     """The Generation service over `backend`, started on `address` (port 0: any free;
     `tls`: a TLS port, else plaintext; `auth`: calls need an API key, else open), and
     with `http_listen` the HTTP API on that address too (TLS alike), serving `model`
-    (the checkpoint's name)."""
+    (--served-model-name, else the checkpoint's folder name)."""
     metrics = OrchestratorMetrics()
     servicer = GenerationServicer(
         backend,
