@@ -227,6 +227,7 @@ class Engine:
             drafted,
             accepted,
             drafter=verdict.drafter,
+            draft_head=run.prepared.draft_head if verdict.drafter == DrafterKind.HEAD else None,
         )
 
 

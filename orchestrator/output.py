@@ -145,6 +145,7 @@ class RoundOutput:
     # rest: acceptance, sampling, metrics, commit).
     timings: dict[str, float] = field(default_factory=dict)
     drafter: DrafterKind = DrafterKind.NONE  # who drafted this round
+    draft_head: str | None = None  # the head that drafted it (drafter "head" only)
 
 
 @dataclass

@@ -106,7 +106,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._sweeper: asyncio.Task | None = None
 
     def start_sweeping(self) -> None:
-        """Frees the caches of expired sessions every quarter TTL (at most every 30 s)."""
+        """Frees the caches of expired sessions every quarter TTL (at most every 30 s),
+        which tells the metrics whether the session store answers."""
         interval = min(30.0, max(0.2, self.runner.store.settings.ttl_s / 4))
 
         async def sweep_forever() -> None:
@@ -115,7 +116,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 try:
                     await self.runner.sweep()
                 except Exception as error:  # Redis down: try again next time
+                    self.metrics.session_store_up.set(0)
                     log.warning("session sweep failed: %s", error)
+                else:
+                    self.metrics.session_store_up.set(1)
 
         self._sweeper = asyncio.get_running_loop().create_task(sweep_forever())
 
@@ -312,6 +316,7 @@ async def start_generation_server(
         http = HttpServer(app, tls=tls)
     try:
         await store.ping()  # a clear error now rather than on the first request
+        metrics.session_store_up.set(1)
         port = await server.start(address)
         if http is not None:
             try:
@@ -381,7 +386,7 @@ async def serve_orchestrator(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    return await start_generation_server(
+    running = await start_generation_server(
         backend,
         tokenizer,
         store,
@@ -395,6 +400,8 @@ async def serve_orchestrator(
         http_listen=http_listen,
         model=served_model_name or model_name(checkpoint),
     )
+    running.servicer.metrics.watch_replicas(discovery)
+    return running
 
 
 def model_name(checkpoint: str) -> str:

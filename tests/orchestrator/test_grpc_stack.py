@@ -10,6 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from hydra_jury.orchestrator.grpc_backend import GrpcBackend
 from hydra_jury.orchestrator.layout import LayoutError
@@ -257,6 +258,46 @@ def test_info_and_metrics(stack):
         "hydrajury_reused_context_tokens_total",
     ):
         assert name in text, name
+
+
+def samples(url: str) -> dict[tuple[str, tuple], float]:
+    """The server's /metrics as {(sample name, sorted labels): value}."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_each_heads_drafts_and_votes_are_counted(stack):
+    """The per-head metrics the chart's poisoned-head alerts read: a draft head's drafted
+    and kept tokens, and each juror's votes on the emitted tokens and its dissents (its
+    argmax another token), against the response's own records."""
+    url = f"http://127.0.0.1:{stack.metrics_port}/metrics"
+    before = samples(url)
+    options = {"max_new_tokens": 12, "seed": 3, "gamma": 3, "temperature": 1.0, "ignore_eos": True}
+    request = to_pb("the dog", rule="exact", drafter="head", draft_head="head1", **options)
+    response = stack.generation().Generate(request, timeout=30)
+    after = samples(url)
+
+    def added(name: str, head: str) -> float:
+        key = (name, (("head", head),))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert added("hydrajury_head_draft_tokens_total", "head1") == response.stats.drafted > 0
+    assert added("hydrajury_head_accepted_tokens_total", "head1") == response.stats.accepted
+    assert added("hydrajury_head_draft_tokens_total", "head0") == 0
+    assert "head1" not in response.jury  # the draft head is no juror of its own drafts
+    for head in ALL_HEADS:
+        voted = [token for token in response.tokens if head in token.votes]
+        dissents = sum(token.votes[head] != token.token_id for token in voted)
+        assert added("hydrajury_juror_votes_total", head) == len(voted), head
+        assert added("hydrajury_juror_dissents_total", head) == dissents, head
+        assert bool(voted) == (head in response.jury), head
+    assert after[("hydrajury_session_store_up", ())] == 1
+    ready = {k[1][0][1]: v for k, v in after.items() if k[0] == "hydrajury_ready_replicas"}
+    assert ready == ({} if stack.embedded else dict.fromkeys(stack.holders, 1))
 
 
 def test_close_session(stack):
