@@ -38,11 +38,13 @@ from hydra_jury.serving.flags import (
     add_model_flags,
     add_session_limit_flags,
     add_threads_flag,
+    add_tracing_flag,
 )
 from hydra_jury.serving.health_port import health_port
 from hydra_jury.serving.logs import configure_logging
 from hydra_jury.serving.model_thread import set_compute_threads
 from hydra_jury.serving.tls import ServerTls
+from hydra_jury.serving.tracing import configure_tracing, tracing_endpoint
 from hydra_jury.serving.worker_service import service_main
 from hydra_jury.trunk_service.server import TRUNK_SERVICE
 from hydra_jury.workers.sessions import SessionLimits
@@ -92,6 +94,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 
 def _run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
+    configure_tracing("hydra-jury-server", args.otlp_endpoint)
     # Checked before anything starts: a bad setting is one line, not a half-started server.
     settings = StoreSettings(ttl_s=args.session_ttl_s, lease_s=args.session_lease_s)
     set_compute_threads(args.threads)
@@ -187,6 +190,7 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     )
     add_api_key_flags(parser)
     add_log_format_flag(parser)
+    add_tracing_flag(parser)
     parser.set_defaults(handler=_run_up)
 
 
@@ -207,6 +211,7 @@ def _api_key_args(args: argparse.Namespace) -> list[str]:
 
 
 def _run_up(args: argparse.Namespace) -> int:
+    tracing_endpoint(args.otlp_endpoint)  # a bad URL is one line, before any process starts
     with contextlib.ExitStack() as cleanup:
         certificates = None
         if args.tls:
@@ -225,6 +230,7 @@ def _run_up(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             orchestrator_args=_api_key_args(args),
             log_format=args.log_format,
+            otlp_endpoint=args.otlp_endpoint,
         )
         try:
             address = stack.start()

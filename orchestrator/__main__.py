@@ -12,6 +12,7 @@ from hydra_jury.orchestrator.config import DISCOVERY_MODES, OrchestratorConfig
 from hydra_jury.orchestrator.flags import add_generation_server_flags, add_internal_tls_flags
 from hydra_jury.serving.errors import EXPECTED_FAILURES, failure_line
 from hydra_jury.serving.logs import configure_logging
+from hydra_jury.serving.tracing import configure_tracing
 
 # Every setting the command line can override: the configuration's fields, one flag each.
 SETTINGS = [setting.name for setting in fields(OrchestratorConfig)]
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m hydra_jury.orches
     try:
         config = OrchestratorConfig.load(args.config, {k: getattr(args, k) for k in SETTINGS})
         configure_logging(config.log_format)
+        configure_tracing("hydra-jury-orchestrator", config.otlp_endpoint)
         asyncio.run(_serve(config))
     except EXPECTED_FAILURES as error:
         print(failure_line("orchestrator", error), file=sys.stderr)

@@ -30,6 +30,7 @@ auth_health: false                     # true: health checks and reflection need
 max_concurrent_per_key: 4              # defaults for keys whose line sets no limit
 tokens_per_minute_per_key: 6000
 log_format: json                       # or text (the default): see --log-format
+otlp_endpoint: http://otel-collector:4317  # export traces (else $OTEL_EXPORTER_OTLP_ENDPOINT)
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class OrchestratorConfig:
     max_concurrent_per_key: int | None = None  # None: no limit
     tokens_per_minute_per_key: int | None = None
     log_format: str = LOG_FORMATS[0]
+    otlp_endpoint: str | None = None  # None: the OTEL_EXPORTER_OTLP_* variables, else off
 
     @classmethod
     def load(cls, path: str | Path | None, overrides: dict[str, Any]) -> OrchestratorConfig:

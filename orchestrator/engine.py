@@ -50,6 +50,7 @@ from hydra_jury.orchestrator.round_timer import RoundTimer
 from hydra_jury.orchestrator.rounds import Rounds
 from hydra_jury.orchestrator.run import Run
 from hydra_jury.orchestrator.stopping import StopConditions
+from hydra_jury.serving import tracing
 from hydra_jury.workers.calls import PrefillCall, UncertaintyCall, UncertaintyResult
 from hydra_jury.workers.errors import PositionError
 
@@ -108,6 +109,15 @@ class Engine:
             self.tokenizer, progress.generated, progress.detokenizer_offsets
         )
         eos = self.backend.info.eos_token_ids
+        # On the request's span: the options it runs with, as resolved.
+        tracing.annotate(
+            rule=str(prepared.rule),
+            gamma=prepared.gamma,
+            jury=prepared.jury,
+            draft_head=prepared.draft_head,
+            drafter=str(prepared.drafter),
+            seed=prepared.seed,
+        )
         run = Run(
             prepared,
             cache,
@@ -145,7 +155,16 @@ class Engine:
                 self._prefill(run, 0)
             while not run.finished:
                 run.timer = RoundTimer()
-                output = self.backend.run_round(self._round_and_commit, run)
+                with tracing.span("round", index=len(run.progress.round_sizes)):
+                    output = self.backend.run_round(self._round_and_commit, run)
+                    tracing.annotate(
+                        drafter=str(output.drafter),
+                        drafted=output.drafted,
+                        accepted=output.accepted,
+                        tokens=len(output.tokens),
+                        finish_reason=output.finish_reason and str(output.finish_reason),
+                    )
+                    run.trace_context = tracing.context()
                 output.timings = run.timer.timings()
                 yield output
         finally:
@@ -187,6 +206,7 @@ class Engine:
         )
         return self.backend.uncertainty(run.session, call)
 
+    @tracing.span("prefill")
     def _prefill(self, run: Run, start: int) -> None:
         """The committed tokens from `start` on, but the pending one, into every component
         (the position rule drops whatever the caches held from `start` on)."""
@@ -242,6 +262,11 @@ class Generation:
     @property
     def session(self) -> str:
         return self._run.session
+
+    @property
+    def trace_context(self):
+        """The trace context of the last round's span (`tracing.attached`)."""
+        return self._run.trace_context
 
     @property
     def committed(self) -> list[int]:

@@ -20,6 +20,7 @@ from hydra_jury.serving.flags import (
     add_log_format_flag,
     add_metrics_flags,
     add_tls_flags,
+    add_tracing_flag,
 )
 
 
@@ -59,6 +60,7 @@ def add_generation_server_flags(parser: argparse.ArgumentParser, redis_fallback:
     add_tls_flags(parser)
     add_api_key_flags(parser)
     add_log_format_flag(parser)
+    add_tracing_flag(parser)
 
 
 def add_http_listen_flag(parser: argparse.ArgumentParser) -> None:

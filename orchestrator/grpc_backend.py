@@ -45,6 +45,7 @@ from hydra_jury.orchestrator.transport_stats import TransportStats
 from hydra_jury.protos.codec import CodecError
 from hydra_jury.protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from hydra_jury.serving import internal_wire as wire
+from hydra_jury.serving import tracing
 from hydra_jury.serving.errors import (
     InternalServiceError,
     ServiceUnavailable,
@@ -75,7 +76,13 @@ class _Replica:
     channel: grpc.Channel
     stub: Any
     info: Any  # its Info response
+    component: str  # "trunk", "jury0", ...
+    service: str  # the gRPC service's full name, "hydrajury.v1.Trunk"
     epoch: str = ""  # the latest epoch it answered with
+
+    def call(self, method: str) -> tracing.ClientCall:
+        """The client side of a call of `method` here (its trace span)."""
+        return tracing.client_call(f"/{self.service}/{method}", self.component, self.address)
 
 
 @dataclass
@@ -83,7 +90,12 @@ class _Component:
     name: str  # "trunk", "jury0", ...
     label: str  # "trunk service", "jury shard 0"
     stub_class: Any
+    service: str  # the gRPC service's full name, "hydrajury.v1.Trunk"
     replicas: dict[str, _Replica] = field(default_factory=dict)  # connected, by address
+
+
+def _service(name: str) -> str:
+    return internal_pb2.DESCRIPTOR.services_by_name[name].full_name
 
 
 class GrpcBackend(DecodingBackend):
@@ -98,9 +110,11 @@ class GrpcBackend(DecodingBackend):
         self.stats = TransportStats()
         self.connect_timeout_s = connect_timeout_s
         self.tls = tls
-        self.trunk = _Component("trunk", "trunk service", internal_pb2_grpc.TrunkStub)
+        self.trunk = _Component(
+            "trunk", "trunk service", internal_pb2_grpc.TrunkStub, _service("Trunk")
+        )
         self.shards = [
-            _Component(name, f"jury shard {name[4:]}", internal_pb2_grpc.JuryStub)
+            _Component(name, f"jury shard {name[4:]}", internal_pb2_grpc.JuryStub, _service("Jury"))
             for name in names[1:]
         ]
         self._lock = threading.Lock()  # guards each component's replicas
@@ -154,7 +168,9 @@ class GrpcBackend(DecodingBackend):
             raise ServiceUnavailable(
                 f"{name} did not answer Info: {error.details()}{hint}"
             ) from None
-        replica = _Replica(name, address, channel, stub, info, info.epoch)
+        replica = _Replica(
+            name, address, channel, stub, info, component.name, component.service, info.epoch
+        )
         if checked:
             try:
                 self._layout.check_replica(component.name, replica)
@@ -217,16 +233,25 @@ class GrpcBackend(DecodingBackend):
         timeout = self.time_left()
         if len(targets) == 1:  # a plain blocking call: no future to hand over
             ((component, replica),), (request,) = targets, requests
+            traced = replica.call(method)
             try:
-                response = getattr(replica.stub, method)(request, timeout=timeout)
+                response = getattr(replica.stub, method)(
+                    request, timeout=timeout, metadata=traced.metadata
+                )
             except grpc.RpcError as error:
+                traced.finish(error.code())
                 raise self._failed(component, replica, method, error, request) from None
+            traced.finish(grpc.StatusCode.OK)
             replica.epoch = response.epoch
             return [response]
-        futures = [
-            getattr(replica.stub, method).future(request, timeout=timeout)
-            for (_component, replica), request in zip(targets, requests, strict=True)
-        ]
+        futures = []
+        for (_component, replica), request in zip(targets, requests, strict=True):
+            traced = replica.call(method)
+            future = getattr(replica.stub, method).future(
+                request, timeout=timeout, metadata=traced.metadata
+            )
+            traced.finish_with(future)
+            futures.append(future)
         responses = []
         for (component, replica), future, request in zip(targets, futures, requests, strict=True):
             try:
@@ -361,7 +386,11 @@ class GrpcBackend(DecodingBackend):
 def _release_on(replicas: Iterable[_Replica], request: internal_pb2.ReleaseRequest) -> None:
     """`request` to every replica at once (one slow replica delays the rest by nothing),
     best effort: a failure is left to the replica's own eviction."""
-    pending = [replica.stub.Release.future(request, timeout=5) for replica in replicas]
+    pending = []
+    for replica in replicas:
+        traced = replica.call("Release")
+        pending.append(replica.stub.Release.future(request, timeout=5, metadata=traced.metadata))
+        traced.finish_with(pending[-1])
     for call in pending:
         with suppress(grpc.RpcError):
             call.result()

@@ -107,6 +107,8 @@ class LocalStack:
     served_model_name: str | None = None  # its model name (None: the checkpoint's)
     orchestrator_args: list[str] = field(default_factory=list)  # e.g. --api-keys FILE
     log_format: str = LOG_FORMATS[0]  # every process's --log-format
+    # Every process's --otlp-endpoint (None: each reads the OTEL_* variables it inherits)
+    otlp_endpoint: str | None = None
     children: list[Child] = field(default_factory=list)
     redis: LocalRedis | None = None  # the private Redis, once started
 
@@ -195,9 +197,10 @@ class LocalStack:
     def command(self, module: str, *args: str) -> list[str]:
         """The command line of a child: `python -m module` with the stack's checkpoint,
         `args`, and the settings every process of the stack shares."""
+        tracing = ["--otlp-endpoint", self.otlp_endpoint] if self.otlp_endpoint else []
         return [
             *(sys.executable, "-m", module, "--checkpoint", self.checkpoint, *args),
-            *("--log-format", self.log_format),
+            *("--log-format", self.log_format, *tracing),
         ]
 
     def _service_tls_args(self) -> list[str]:

@@ -1,8 +1,9 @@
 """The Generation API's log line per generation: when it finishes, or fails, one line
-with its ids (request, session, the API key's name, the trace its caller's `traceparent`
-header names), its status, token counts and duration, never its prompt or text. With
-`--log-format json` the fields are keys of the line (`serving.logs`), so a log pipeline
-can join a request's line to its trace and its session."""
+with its ids (request, session, the API key's name, its trace: the server span's when
+tracing is on, else the one its caller's `traceparent` header names), its status, token
+counts and duration, never its prompt or text. With `--log-format json` the fields are
+keys of the line (`serving.logs`), so a log pipeline can join a request's line to its
+trace and its session. The same ids and counts go on the request's span."""
 
 from __future__ import annotations
 
@@ -18,15 +19,18 @@ from hydra_jury.orchestrator.sessions.runner import Committed
 from hydra_jury.protos.hydrajury.v1 import generation_pb2
 from hydra_jury.serving.errors import detail_for, status_for
 from hydra_jury.serving.logs import trace_id
+from hydra_jury.serving.tracing import annotate, current_trace_id
 
 log = logging.getLogger("hydra_jury.requests")
 TRACEPARENT = "traceparent"  # the W3C Trace Context header, gRPC metadata alike
+_NOT_ON_THE_SPAN = ("rpc", "key_name", "trace_id", "detail")
 
 
 @dataclass(frozen=True)
 class Call:
     """The API call a generation serves: its method (a gRPC method, or an HTTP API path)
-    and the trace id of its `traceparent` header (None: none, or not valid)."""
+    and its trace id: the current span's when tracing is on, else its `traceparent`
+    header's (None: neither, or the header is not valid)."""
 
     rpc: str
     trace_id: str | None = None
@@ -34,12 +38,12 @@ class Call:
     @classmethod
     def grpc(cls, rpc: str, context: grpc.aio.ServicerContext) -> Call:
         metadata = dict(context.invocation_metadata() or ())
-        return cls(rpc, trace_id(metadata.get(TRACEPARENT)))
+        return cls(rpc, current_trace_id() or trace_id(metadata.get(TRACEPARENT)))
 
     @classmethod
     def http(cls, path: str, headers: Mapping[str, str]) -> Call:
         """`headers`: the HTTP request's (case-insensitive, as Starlette's are)."""
-        return cls(path, trace_id(headers.get(TRACEPARENT)))
+        return cls(path, current_trace_id() or trace_id(headers.get(TRACEPARENT)))
 
 
 @dataclass
@@ -96,6 +100,8 @@ class RequestLog:
         }
         if detail is not None:
             fields["detail"] = detail
+        # Not the detail: a refusal's detail may quote what the client sent.
+        annotate(**{k: v for k, v in fields.items() if k not in _NOT_ON_THE_SPAN})
         outcome = "finished OK" if detail is None else f"failed {code.name}: {detail}"
         log.log(
             level,

@@ -1,12 +1,15 @@
 """Wall time of one round, by phase: `draft_s` (the draft call, or the trunk forward of a
 one-pass round), `score_s` (the jury call) and `accept_s` (the rest: acceptance,
-sampling, metrics, commit) — `RoundOutput.timings`."""
+sampling, metrics, commit) — `RoundOutput.timings`. Each timed phase is a trace span too
+(`draft`, `score`), the child of the round's."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from hydra_jury.serving import tracing
 
 
 class RoundTimer:
@@ -20,7 +23,8 @@ class RoundTimer:
         beam search does, or a round run again after rebuilding lost caches)."""
         began = time.perf_counter()
         try:
-            yield
+            with tracing.span(name.removesuffix("_s")):
+                yield
         finally:
             self._phases[name] = self._phases.get(name, 0.0) + time.perf_counter() - began
 

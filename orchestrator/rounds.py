@@ -41,6 +41,7 @@ from hydra_jury.poe import (
     verify_greedy,
     verify_sampled,
 )
+from hydra_jury.serving import tracing
 from hydra_jury.workers.calls import (
     DraftCall,
     DraftResult,
@@ -232,6 +233,7 @@ class Rounds:
         kinds = [TokenKind.DRAFT] * gamma
         return Verdict(draft.tokens.tolist(), kinds, gamma, gamma, DrafterKind.HEAD)
 
+    @tracing.span("accept")
     def _sample_target(
         self, run: Run, target_logprobs: torch.Tensor, score: ScoreResult
     ) -> Verdict:
@@ -255,6 +257,7 @@ class Rounds:
         )
 
     @staticmethod
+    @tracing.span("accept")
     def _verify(
         run: Run,
         draft: DraftResult,

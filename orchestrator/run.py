@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from opentelemetry.context import Context
+
 from hydra_jury.orchestrator.auto import AutoState
 from hydra_jury.orchestrator.detokenizer import IncrementalDetokenizer
 from hydra_jury.orchestrator.output import FinishReason, GenerationOutput, Progress, TokenRecord
@@ -31,6 +33,8 @@ class Run:
     rounds_by_drafter: dict[DrafterKind, int] = field(default_factory=dict)
     hypotheses: list[Hypothesis] = field(default_factory=list)  # beam search's, best first
     judged: UncertaintyResult | None = None  # the uncertainty head's verdict, when asked
+    # The trace context of the last round's span: its commit continues it (`tracing`).
+    trace_context: Context | None = None
 
     @property
     def start(self) -> int:

@@ -20,8 +20,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
+from opentelemetry.trace import Span
+
+from hydra_jury.serving import tracing
 from hydra_jury.serving.metrics import BatchObserver
 from hydra_jury.serving.model_thread import ModelThread
 from hydra_jury.workers.errors import CapacityError
@@ -33,6 +36,13 @@ Result = TypeVar("Result")
 
 
 CONTINUE = object()  # a handler's result for a call that goes on in the next batch
+
+
+class _Queued(NamedTuple):
+    request: object
+    future: asyncio.Future
+    queued: float  # time.monotonic() when it arrived
+    span: Span | None  # its call's trace span, told the batches it ran in
 
 
 class QueueFull(CapacityError):
@@ -98,7 +108,7 @@ class CallBatcher(Generic[Request, Response]):
         self.size = size
         self.limits = limits or BatchLimits()
         self.largest = 0  # calls in the largest batch so far (the retry hint's batch size)
-        self._queue: deque[tuple[Request, asyncio.Future, float]] = deque()
+        self._queue: deque[_Queued] = deque()
         self._runner: asyncio.Task | None = None
         self._batch_s = 0.01  # a decayed mean of batch times, for the retry hint
         self.running = 0  # calls in the batch on the model thread now
@@ -119,7 +129,7 @@ class CallBatcher(Generic[Request, Response]):
                 f"{self.limits.max_queue}); retry in about {self._retry_hint_ms()} ms"
             )
         future = asyncio.get_running_loop().create_future()
-        self._queue.append((request, future, time.monotonic()))
+        self._queue.append(_Queued(request, future, time.monotonic(), tracing.current_span()))
         if self._runner is None or self._runner.done():
             self._runner = asyncio.create_task(self._run())
         return await future
@@ -133,17 +143,17 @@ class CallBatcher(Generic[Request, Response]):
             self.observer.refused(reason)
 
     async def _run(self) -> None:
-        carried: list[tuple[Request, asyncio.Future, float]] = []  # calls that go on
+        carried: list[_Queued] = []  # calls that go on
         while self._queue or carried:
             if not carried:  # calls arriving during a stepped call join its next step
                 await self._gather()
-            used = sum(self.size(request) for request, _future, _queued in carried)
+            used = sum(self.size(entry.request) for entry in carried)
             joined = self._take(used, first_fits=not carried)
             batch = carried + joined
             if not batch:
                 continue
             began = time.monotonic()
-            requests = [request for request, _future, _queued in batch]
+            requests = [entry.request for entry in batch]
             self.largest = max(self.largest, len(batch))
             self._recent.append(len(batch))
             self.running = len(batch)
@@ -155,16 +165,18 @@ class CallBatcher(Generic[Request, Response]):
                 self.running = 0
             ended = time.monotonic()
             self._batch_s = 0.8 * self._batch_s + 0.2 * (ended - began)
+            tokens = sum(self.size(request) for request in requests)
             if self.observer is not None:
                 self.observer.batch(
-                    len(batch),
-                    sum(self.size(request) for request in requests),
-                    [began - queued for _request, _future, queued in joined],
-                    ended - began,
+                    len(batch), tokens, [began - entry.queued for entry in joined], ended - began
                 )
+            for entry in joined:
+                tracing.describe(entry.span, queue_wait_s=round(began - entry.queued, 6))
+            for entry in batch:
+                tracing.describe(entry.span, batch_size=len(batch), batch_tokens=tokens)
             carried = []
             for entry, result in zip(batch, results, strict=True):
-                future = entry[1]
+                future = entry.future
                 if result is CONTINUE:  # (even if its caller went away: the handler
                     carried.append(entry)  # holds its state until it is done)
                     continue
@@ -185,15 +197,14 @@ class CallBatcher(Generic[Request, Response]):
         while len(self._queue) < expected and time.monotonic() < deadline:
             await asyncio.sleep(0.0005)
 
-    def _take(
-        self, tokens: int = 0, first_fits: bool = True
-    ) -> list[tuple[Request, asyncio.Future, float]]:
+    def _take(self, tokens: int = 0, first_fits: bool = True) -> list[_Queued]:
         """Queued calls in order while the token budget (`tokens` of it used) lasts, the
         first always fitting unless `first_fits` is off; calls that waited too long are
         refused instead."""
         batch, now = [], time.monotonic()
         while self._queue:
-            request, future, queued = self._queue[0]
+            entry = self._queue[0]
+            request, future, queued = entry.request, entry.future, entry.queued
             if future.done():  # cancelled while queued
                 self._queue.popleft()
                 continue
@@ -212,6 +223,6 @@ class CallBatcher(Generic[Request, Response]):
             if (batch or not first_fits) and tokens + size > self.limits.max_tokens:
                 break
             self._queue.popleft()
-            batch.append((request, future, queued))
+            batch.append(entry)
             tokens += size
         return batch

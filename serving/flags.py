@@ -48,6 +48,17 @@ def add_log_format_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_tracing_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="export OpenTelemetry traces over OTLP/gRPC to this collector, http://HOST:PORT "
+        "or https://HOST:PORT (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else "
+        "$OTEL_EXPORTER_OTLP_ENDPOINT, else off; the other OTEL_* variables, such as "
+        "OTEL_TRACES_SAMPLER, apply)",
+    )
+
+
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """How the checkpoint is loaded."""
     parser.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")

@@ -12,6 +12,7 @@ a wake-up. Measured on the 2-core development machine, that is the difference be
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -57,16 +58,18 @@ class ModelThread:
         self._ident = threading.get_ident()
 
     async def run(self, function: Callable[..., T], *args: Any) -> T:
-        """`function(*args)` on the model thread, awaited from the event loop."""
+        """`function(*args)` on the model thread, awaited from the event loop, in the
+        caller's context (its trace span stays current)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, partial(function, *args))
+        run = contextvars.copy_context().run
+        return await loop.run_in_executor(self._executor, partial(run, function, *args))
 
     def call(self, function: Callable[..., T], *args: Any) -> T:
         """`function(*args)` on the model thread, waited for by a plain thread (or run
-        at once when called from the model thread itself)."""
+        at once when called from the model thread itself), in the caller's context."""
         if threading.get_ident() == self._ident:
             return function(*args)
-        return self._executor.submit(function, *args).result()
+        return self._executor.submit(contextvars.copy_context().run, function, *args).result()
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

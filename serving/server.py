@@ -15,7 +15,8 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -23,7 +24,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from hydra_jury.serving import tracing
 from hydra_jury.serving.errors import detail_for, status_for
+from hydra_jury.serving.handlers import wrap_handler
 from hydra_jury.workers.errors import InvalidArgument
 
 log = logging.getLogger("hydra_jury")
@@ -113,47 +116,26 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             self.on_error(method, error, code)
         await context.abort(code, detail_for(error))
 
+    @asynccontextmanager
+    async def _guard(self, method: str, request, context) -> AsyncIterator[None]:
+        try:
+            _decoded(request)
+            yield
+        except grpc.aio.AbortError:
+            raise
+        except Exception as error:
+            await self._abort(method, context, error)
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            async def unary(request, context):
-                try:
-                    _decoded(request)
-                    return await inner(request, context)
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as error:
-                    await self._abort(method, context, error)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary,
-                request_deserializer=_tolerant(handler.request_deserializer),
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
-
-            async def stream(request, context):
-                try:
-                    _decoded(request)
-                    async for item in inner_stream(request, context):
-                        yield item
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as error:
-                    await self._abort(method, context, error)
-
-            return grpc.unary_stream_rpc_method_handler(
-                stream,
-                request_deserializer=_tolerant(handler.request_deserializer),
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+        return wrap_handler(
+            handler,
+            lambda request, context: self._guard(method, request, context),
+            deserializer=_tolerant,
+        )
 
 
 def new_epoch() -> str:
@@ -181,7 +163,8 @@ class GrpcServer:
         max_receive_bytes: int = MESSAGE_LIMIT,
     ) -> None:
         self.server = grpc.aio.server(
-            interceptors=[ErrorInterceptor(on_error), *interceptors],
+            # Tracing outermost: its span covers the whole call, refusals included.
+            interceptors=[*tracing.interceptors(), ErrorInterceptor(on_error), *interceptors],
             options=server_options(max_receive_bytes),
         )
         self.credentials = credentials

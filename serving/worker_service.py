@@ -35,6 +35,7 @@ from hydra_jury.serving.flags import (
     add_session_limit_flags,
     add_threads_flag,
     add_tls_flags,
+    add_tracing_flag,
 )
 from hydra_jury.serving.health_port import health_port
 from hydra_jury.serving.logs import configure_logging
@@ -43,6 +44,7 @@ from hydra_jury.serving.model_thread import ModelThread, set_compute_threads, st
 from hydra_jury.serving.server import GrpcServer, RunningServer
 from hydra_jury.serving.servicer import WorkerServicer
 from hydra_jury.serving.tls import ServerTls, transport
+from hydra_jury.serving.tracing import configure_tracing
 from hydra_jury.workers.errors import InvalidArgument
 from hydra_jury.workers.sessions import SessionLimits
 
@@ -245,6 +247,7 @@ def build_parser(spec: WorkerServiceSpec, prog: str) -> argparse.ArgumentParser:
     add_grace_flag(parser)
     add_tls_flags(parser)
     add_log_format_flag(parser)
+    add_tracing_flag(parser)
     return parser
 
 
@@ -266,6 +269,9 @@ def service_main(
 
     async def serve() -> int:
         try:
+            role = spec.name.split()[0]  # "trunk", "jury"
+            heads = {"hydra.heads": ",".join(args.heads)} if args.heads else {}
+            configure_tracing(f"hydra-jury-{role}", args.otlp_endpoint, heads)
             set_compute_threads(args.threads)
             options = ServiceOptions(
                 checkpoint=args.checkpoint,

@@ -24,6 +24,7 @@ import grpc
 from google.protobuf import json_format
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -50,6 +51,7 @@ from hydra_jury.orchestrator.limits import RequestLimits
 from hydra_jury.orchestrator.request_log import Call
 from hydra_jury.serving.api_keys import ApiKey
 from hydra_jury.serving.auth import ApiKeyAuth, authenticate, refusal
+from hydra_jury.serving.tracing import TracingMiddleware
 
 if TYPE_CHECKING:  # the server module imports this one
     from hydra_jury.orchestrator.server import GenerationServicer
@@ -74,6 +76,7 @@ def openai_app(
     server's API keys (None: open) and request limits."""
     api = HttpApi(servicer, model, auth, limits)
     return Starlette(
+        middleware=[Middleware(TracingMiddleware)],
         routes=[
             Route(Chat.path, api.chat_completions, methods=["POST"]),
             Route(Completion.path, api.completions, methods=["POST"]),

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import socket
@@ -65,6 +66,7 @@ from hydra_jury.orchestrator.sessions.record import (
 )
 from hydra_jury.orchestrator.sessions.store import SessionBusy, SessionStore
 from hydra_jury.poe import Rule
+from hydra_jury.serving import tracing
 from hydra_jury.serving.errors import (
     CapacityError,
     DeadlineExceeded,
@@ -135,7 +137,9 @@ class SessionRunner:
         self._idle.set()
 
     async def _in_thread(self, function: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
+        """`function(*args)` on a generation thread, in this task's context (its trace)."""
+        run = contextvars.copy_context().run
+        return await asyncio.get_running_loop().run_in_executor(self._pool, run, function, *args)
 
     async def close(self) -> None:
         await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
@@ -511,9 +515,11 @@ class SessionRunner:
                         if active.closed or active.stop.is_set():
                             break  # this round was computed but is never committed
                         summary = self._record_round(plan, generation, output)
-                        committing = asyncio.run_coroutine_threadsafe(
-                            commit_then_send(output, summary), loop
-                        )
+                        # The commit's task takes this context: its spans are the round's.
+                        with tracing.attached(generation.trace_context):
+                            committing = asyncio.run_coroutine_threadsafe(
+                                commit_then_send(output, summary), loop
+                            )
                         if summary is None:
                             ended_early = self._ended_early(plan, stream_ends)
                             if ended_early is not None:
@@ -540,7 +546,7 @@ class SessionRunner:
                 generation.close()
                 put(("end", None, None))
 
-        loop.run_in_executor(self._pool, produce)
+        loop.run_in_executor(self._pool, contextvars.copy_context().run, produce)
         kind = ""
         try:
             while True:
