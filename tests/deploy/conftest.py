@@ -1,8 +1,10 @@
-"""The chart's tools: helm (fetched once into var/tools by deploy/tools/fetch_helm.py)
-and kubernetes-validate (the dev extra), and a renderer of the chart."""
+"""The chart's tools: helm (fetched once into var/tools by deploy/tools/fetch_helm.py),
+promtool (by deploy/tools/fetch_promtool.py) and kubernetes-validate (the dev extra),
+and a renderer of the chart."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -14,6 +16,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "hydra-jury"
 RELEASE = "hj"
+# Set (CI sets it) to fail, not skip, the alert tests on a machine without promtool.
+REQUIRE_PROMTOOL = "HYDRA_JURY_REQUIRE_PROMTOOL"
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +28,24 @@ def helm() -> Path:
         capture_output=True,
         text=True,
     )
+    return Path(fetched.stdout.strip())
+
+
+@pytest.fixture(scope="session")
+def promtool() -> Path:
+    """Prometheus' promtool, from Debian's package: the tests that need it skip, saying
+    why, where apt cannot fetch it (another distribution, no apt lists), unless
+    $HYDRA_JURY_REQUIRE_PROMTOOL is 1."""
+    fetched = subprocess.run(
+        [sys.executable, str(REPO / "deploy" / "tools" / "fetch_promtool.py")],
+        capture_output=True,
+        text=True,
+    )
+    if fetched.returncode != 0:
+        reason = f"no promtool: {fetched.stderr.strip()}"
+        if os.environ.get(REQUIRE_PROMTOOL) == "1":
+            pytest.fail(f"{reason} (and ${REQUIRE_PROMTOOL}=1)")
+        pytest.skip(reason)
     return Path(fetched.stdout.strip())
 
 
