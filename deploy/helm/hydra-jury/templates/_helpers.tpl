@@ -398,3 +398,52 @@ stands in the pod spec. */}}
   value: {{ .Values.redis.url | quote }}
 {{- end }}
 {{- end }}
+
+{{/* OpenTelemetry's standard variables, which every server reads itself: where its spans
+go, how they are sampled, and the resource naming the process (the pod's name by the
+downward API, put into OTEL_RESOURCE_ATTRIBUTES by Kubernetes' $(VAR) expansion, so it
+is declared first). Nothing without tracing.otlpEndpoint. Context: (dict "root" $
+"service" "hydra-jury-jury" "shard" "a"), "shard" only for shards. */}}
+{{- define "hydra-jury.tracingEnv" -}}
+{{- $tracing := .root.Values.tracing }}
+{{- if $tracing.otlpEndpoint }}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ $tracing.otlpEndpoint | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ $tracing.sampler | quote }}
+{{- if ne (toString $tracing.samplerArg) "" }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ toString $tracing.samplerArg | quote }}
+{{- end }}
+- name: OTEL_SERVICE_NAME
+  value: {{ .service | quote }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ printf "service.namespace=%s,k8s.pod.name=$(POD_NAME)%s" .root.Release.Namespace (ternary (printf ",hydra.shard=%s" .shard) "" (hasKey . "shard")) | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The labels of every monitoring object (the dashboard, the alerts). Context: $. */}}
+{{- define "hydra-jury.monitoringLabels" -}}
+{{ include "hydra-jury.labels" (dict "root" . "component" "monitoring") }}
+{{- end }}
+
+{{/* The PromQL label matchers of the release's series: alerts.selector, else the
+release's namespace and the jobs its ServiceMonitors scrape (a ServiceMonitor's job is
+its Service's name, <fullname>-<server>-metrics). Context: $. */}}
+{{- define "hydra-jury.alertSelector" -}}
+{{- with .Values.alerts.selector }}
+{{- . }}
+{{- else }}
+{{- printf "namespace=%q,job=~%q" .Release.Namespace (printf "%s-.+-metrics" (include "hydra-jury.fullname" .)) }}
+{{- end }}
+{{- end }}
+
+{{/* An alert's labels: alerts.alertLabels and its severity. Context: (dict "root" $
+"alert" .Values.alerts.NAME). */}}
+{{- define "hydra-jury.alertLabels" -}}
+{{- toYaml (mergeOverwrite (deepCopy .root.Values.alerts.alertLabels) (dict "severity" .alert.severity)) }}
+{{- end }}
