@@ -64,12 +64,14 @@ class Stack:
     draft_model: str | None = None  # the trunk's draft model (a Hydra checkpoint)
     sessions: StoreSettings = field(default_factory=StoreSettings)
     tls: CertificateDirectory | None = None  # `hydra-jury certs`' files; None: plaintext
+    metrics: bool = False  # the trunk and jury replicas serve /metrics on a free port
     prefix: str = field(default_factory=lambda: f"test-{uuid.uuid4().hex[:8]}:")
     loop: BackgroundLoop = field(default_factory=BackgroundLoop)
     servers: dict[str, Any] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
     channels: list[grpc.Channel] = field(default_factory=list)
     workers: dict[str, Any] = field(default_factory=dict)  # service name -> its stub class
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # server name -> /metrics port
 
     def start_services(self) -> Stack:
         """The trunk service ("trunk") and one service per shard ("jury0", ...)."""
@@ -108,10 +110,17 @@ class Stack:
         spec = TRUNK_SERVICE if heads is None else JURY_SERVICE
         draft_model = self.draft_model if heads is None else None
         options = ServiceOptions(
-            self.checkpoint, heads=heads, draft_model=draft_model, tls=self.server_tls(), **limits
+            self.checkpoint,
+            heads=heads,
+            draft_model=draft_model,
+            tls=self.server_tls(),
+            metrics_port=0 if self.metrics else None,
+            **limits,
         )
         running = self.loop.run(serve_worker(spec, options))
         self.servers[name], self.addresses[name] = running, f"127.0.0.1:{running.port}"
+        if running.metrics_port is not None:
+            self.metrics_ports[name] = running.metrics_port
         self.workers[name] = (
             internal_pb2_grpc.TrunkStub if heads is None else internal_pb2_grpc.JuryStub
         )
@@ -136,6 +145,8 @@ class Stack:
         )
         self.servers[name] = running
         self.addresses[name] = f"127.0.0.1:{running.port}"
+        if running.metrics_port is not None:  # started with metrics_port
+            self.metrics_ports[name] = running.metrics_port
         if name == "orchestrator":
             self.servicer, self.metrics_port = running.servicer, running.metrics_port
         return self
