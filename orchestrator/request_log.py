@@ -3,7 +3,11 @@ with its ids (request, session, the API key's name, its trace: the server span's
 tracing is on, else the one its caller's `traceparent` header names), its status, token
 counts and duration, never its prompt or text. With `--log-format json` the fields are
 keys of the line (`serving.logs`), so a log pipeline can join a request's line to its
-trace and its session. The same ids and counts go on the request's span."""
+trace and its session. The same ids and counts go on the request's span.
+
+A call that fails without a generation's line (refused before it began: a missing API
+key, a body that is not JSON, a failed CreateSession or CloseSession) gets one line too
+(`log_failed_call`), with its method, status, detail and trace id."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import grpc
@@ -24,6 +29,8 @@ from hydra_jury.serving.tracing import annotate, current_trace_id
 log = logging.getLogger("hydra_jury.requests")
 TRACEPARENT = "traceparent"  # the W3C Trace Context header, gRPC metadata alike
 _NOT_ON_THE_SPAN = ("rpc", "key_name", "trace_id", "detail")
+# Whether the call in this context logged a generation's line (its failure is in it).
+_generation_logged: ContextVar[bool] = ContextVar("generation_logged", default=False)
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,7 @@ class RequestLog:
         self._write(level, code, detail)
 
     def _write(self, level: int, code: grpc.StatusCode, detail: str | None) -> None:
+        _generation_logged.set(True)
         fields = {
             "rpc": self.call.rpc,
             "status": code.name,
@@ -114,3 +122,29 @@ class RequestLog:
             fields["duration_s"],
             extra=fields,
         )
+
+
+def log_failed_call(rpc: str, code: grpc.StatusCode, detail: str, trace: str | None = None) -> None:
+    """One line for a failed call of `rpc` (a gRPC method, or an HTTP API path), unless
+    its generation's line told of the failure already; `trace`: its trace id when the
+    caller knows it (default: the current span's)."""
+    if _generation_logged.get():
+        return
+    fields = {
+        "rpc": rpc,
+        "status": code.name,
+        "detail": detail,
+        "request_id": None,
+        "session_id": None,
+        "trace_id": trace or current_trace_id(),
+    }
+    level = logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.WARNING
+    log.log(
+        level,
+        "%s failed %s: %s (trace %s)",
+        rpc,
+        code.name,
+        detail,
+        fields["trace_id"],
+        extra=fields,
+    )

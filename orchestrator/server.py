@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import time
@@ -41,13 +42,14 @@ from hydra_jury.orchestrator.limits import DEFAULT_LIMITS, RequestLimits
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.metrics import OrchestratorMetrics
 from hydra_jury.orchestrator.request import RequestError
-from hydra_jury.orchestrator.request_log import Call, RequestLog
+from hydra_jury.orchestrator.request_log import Call, RequestLog, log_failed_call
 from hydra_jury.orchestrator.sessions.runner import Committed, SessionRunner
 from hydra_jury.orchestrator.sessions.store import SessionStore
 from hydra_jury.poe import RULES
 from hydra_jury.protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
 from hydra_jury.serving.api_keys import ApiKey, KeyFile
-from hydra_jury.serving.auth import ApiKeyAuth, current_key
+from hydra_jury.serving.auth import ApiKeyAuth, current_key, refusal
+from hydra_jury.serving.errors import detail_for
 from hydra_jury.serving.http_server import HttpServer
 from hydra_jury.serving.metrics import SessionMetrics
 from hydra_jury.serving.model_thread import ModelThread, start_model_thread
@@ -305,7 +307,7 @@ async def start_generation_server(
     server = GrpcServer(
         lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
         [SERVICE_NAME],
-        on_error=lambda method, error, code: metrics.errors.labels(code.name).inc(),
+        on_error=functools.partial(_failed, metrics),
         max_receive_bytes=request_limits.message_bytes,
         interceptors=_auth_interceptors(auth, metrics),
         credentials=tls.credentials() if tls else None,
@@ -351,7 +353,29 @@ def _auth_interceptors(
         "; health checks and reflection too" if auth.protect_open_services else "",
     )
 
-    return [auth.interceptor(on_refused=metrics.observe_unauthenticated)]
+    def refused(reason: str, method: str) -> None:
+        metrics.observe_unauthenticated(reason)
+        log_failed_call(_rpc(method), grpc.StatusCode.UNAUTHENTICATED, refusal(reason))
+
+    return [auth.interceptor(on_refused=refused)]
+
+
+def _failed(
+    metrics: OrchestratorMetrics,
+    method: str,
+    error: Exception,
+    code: grpc.StatusCode,
+    context: grpc.aio.ServicerContext,
+) -> None:
+    """A call that failed: counted, and logged unless its generation's line was."""
+    metrics.errors.labels(code.name).inc()
+    call = Call.grpc(_rpc(method), context)
+    log_failed_call(call.rpc, code, detail_for(error), call.trace_id)
+
+
+def _rpc(method: str) -> str:
+    """ "/hydrajury.v1.Generation/Generate" → "Generate", as the requests metric names it."""
+    return method.rsplit("/", 1)[-1]
 
 
 async def serve_orchestrator(

@@ -141,7 +141,7 @@ class ApiKeyAuth:
     keys: KeyFile
     protect_open_services: bool = False
 
-    def interceptor(self, on_refused: Callable[[str], None]) -> ApiKeyInterceptor:
+    def interceptor(self, on_refused: Callable[[str, str], None]) -> ApiKeyInterceptor:
         return ApiKeyInterceptor(
             self.keys, protect_open_services=self.protect_open_services, on_refused=on_refused
         )
@@ -184,14 +184,15 @@ def auth_from(settings: AuthSettings) -> ApiKeyAuth | None:
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Runs each call of a protected service with its key in `current_key()`, or
-    refuses it (`on_refused` is told why: missing, malformed, unknown)."""
+    refuses it (`on_refused` is told why — missing, malformed, unknown — and the full
+    method refused)."""
 
     def __init__(
         self,
         keys: KeyFile,
         *,
         protect_open_services: bool = False,
-        on_refused: Callable[[str], None] = lambda reason: None,
+        on_refused: Callable[[str, str], None] = lambda reason, method: None,
     ) -> None:
         self.keys = keys
         self.open_services = frozenset() if protect_open_services else OPEN_SERVICES
@@ -209,7 +210,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if key is None:
 
             async def refuse(context: grpc.aio.ServicerContext) -> None:
-                self.on_refused(reason)
+                self.on_refused(reason, handler_call_details.method)
                 error = Unauthenticated(refusal(reason))
                 await context.abort(status_for(error), detail_for(error))
 

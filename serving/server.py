@@ -43,6 +43,9 @@ SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),
     *CHANNEL_OPTIONS,
 ]
+# Told of each call that failed: its full method, its exception, the status code it
+# gets and its context.
+OnError = Callable[[str, Exception, grpc.StatusCode, grpc.aio.ServicerContext], None]
 # After a drain, how long the statuses of the calls it ended may take to reach their
 # clients before the server cancels what is still in flight.
 STATUS_FLUSH_S = 1.0
@@ -103,9 +106,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     readable detail; an untyped one is a bug, logged with its traceback. A request that
     cannot be decoded is INVALID_ARGUMENT."""
 
-    def __init__(
-        self, on_error: Callable[[str, Exception, grpc.StatusCode], None] | None = None
-    ) -> None:
+    def __init__(self, on_error: OnError | None = None) -> None:
         self.on_error = on_error
 
     async def _abort(self, method: str, context, error: Exception) -> None:
@@ -113,7 +114,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if code == grpc.StatusCode.INTERNAL:
             log.error("internal error in %s", method, exc_info=error)
         if self.on_error is not None:
-            self.on_error(method, error, code)
+            self.on_error(method, error, code, context)
         await context.abort(code, detail_for(error))
 
     @asynccontextmanager
@@ -157,7 +158,7 @@ class GrpcServer:
         add_servicers: Callable[[grpc.aio.Server], None],
         service_names: Iterable[str],
         *,
-        on_error: Callable[[str, Exception, grpc.StatusCode], None] | None = None,
+        on_error: OnError | None = None,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         credentials: grpc.ServerCredentials | None = None,
         max_receive_bytes: int = MESSAGE_LIMIT,

@@ -94,7 +94,9 @@ class WorkerServicer:
         self.hidden_size = self.model_description.hidden_size
         self._evictor: asyncio.Task | None = None
 
-    def count_refusal(self, method: str, error: Exception, code: grpc.StatusCode) -> None:
+    def count_refusal(
+        self, method: str, error: Exception, code: grpc.StatusCode, _context=None
+    ) -> None:
         """Counts a call the worker refused for want of capacity, by its reason (the
         admission queue counts its own refusals)."""
         if isinstance(error, CapacityError) and error.reason is not None:

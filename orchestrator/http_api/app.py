@@ -48,7 +48,7 @@ from hydra_jury.orchestrator.http_api.responses import (
     response,
 )
 from hydra_jury.orchestrator.limits import RequestLimits
-from hydra_jury.orchestrator.request_log import Call
+from hydra_jury.orchestrator.request_log import Call, log_failed_call
 from hydra_jury.serving.api_keys import ApiKey
 from hydra_jury.serving.auth import ApiKeyAuth, authenticate, refusal
 from hydra_jury.serving.tracing import TracingMiddleware
@@ -271,6 +271,7 @@ class HttpApi:
         reported = api_error(error)
         if reported.status == Code.INTERNAL and reported is not error:
             log.error("internal error in an HTTP request", exc_info=error)
+        reported.generation_failed = True
         return reported
 
     def _count(self, error: ApiError) -> None:
@@ -285,6 +286,8 @@ class HttpApi:
         with a generic message; Starlette raises it again for the server's log)."""
         reported = api_error(error)
         self._count(reported)
+        if not reported.generation_failed:
+            _log_failed(request, reported)
         headers = {"WWW-Authenticate": "Bearer"} if reported.http_status == 401 else None
         return JSONResponse(reported.body(), status_code=reported.http_status, headers=headers)
 
@@ -297,6 +300,7 @@ class HttpApi:
         message = f"{request.method} {request.url.path}: {error.detail}"
         code = "method_not_allowed" if found else "not_found"
         reported = ApiError(status, message, code=code, http_status=error.status_code)
+        _log_failed(request, reported)
         return JSONResponse(reported.body(), status_code=error.status_code)
 
     async def gone_response(self, request: Request, error: Exception) -> Response:
@@ -320,3 +324,9 @@ async def _disconnected(request: Request) -> None:
 
 def _event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _log_failed(request: Request, reported: ApiError) -> None:
+    """The log line of a request refused before any generation (`log_failed_call`)."""
+    trace = Call.http(request.url.path, request.headers).trace_id
+    log_failed_call(request.url.path, reported.status, reported.message, trace)

@@ -53,6 +53,8 @@ class ApiError(Exception):
         self.code = code or status.name.lower()
         default_status, self.type = HTTP_STATUS.get(status, INTERNAL)
         self.http_status = http_status or default_status
+        # A generation's failure: its own log line told of it (`request_log`).
+        self.generation_failed = False
 
     def body(self) -> dict[str, Any]:
         return {

@@ -270,6 +270,7 @@ def test_metrics_and_logs_name_keys_and_never_show_them(stack, logs):
         assert sample in text, sample
     logged = "\n".join(logs.lines)
     assert "the Generation API requires an API key: 5 keys from" in logged
+    assert "Info failed UNAUTHENTICATED: this server requires an API key" in logged
     assert "(alice, bob, single, metered, replayer)" in logged
     assert "reloaded" in logged and "added temporary" in logged  # the revocation test's
     for key in KEYS:

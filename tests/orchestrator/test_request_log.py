@@ -1,7 +1,8 @@
 """The Generation API's log line per generation, as `--log-format json` writes it, on the
 single-process server (real servers on loopback, sessions in a real Redis): a finished
 gRPC or HTTP generation's line has its ids, token counts, rounds, status OK and
-duration and never its prompt or text; a refused one has its status and detail; the
+duration and never its prompt or text; a refused one has its status and detail (one
+line, not two); a call that fails without a generation has a line of its own; the
 trace id is the `traceparent` header's when that is valid, else null."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import urllib.error
 import urllib.request
 
 import grpc
@@ -105,3 +107,34 @@ def test_an_http_completion_has_its_path_and_trace(stack, lines):
     assert (line["rpc"], line["status"], line["trace_id"]) == ("/v1/completions", "OK", TRACE)
     assert line["generated_tokens"] == completion["usage"]["completion_tokens"] == 4
     assert line["prompt_tokens"] == completion["usage"]["prompt_tokens"]
+
+
+def test_a_failed_call_without_a_generation_has_a_line_of_its_own(stack, lines):
+    close = generation_pb2.CloseSessionRequest(session_id="no-such-session")
+    with pytest.raises(grpc.RpcError) as raised:
+        stack.generation().CloseSession(close, metadata=[("traceparent", TRACEPARENT)], timeout=10)
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    assert wait_for(lambda: len(lines()) == 1)
+    [line] = lines()
+    assert (line["rpc"], line["status"], line["trace_id"]) == ("CloseSession", "NOT_FOUND", TRACE)
+    assert "no-such-session" in line["detail"] and line["level"] == "WARNING"
+
+
+def test_an_http_body_refused_before_any_generation_has_a_line(stack, lines):
+    address = stack.servers["orchestrator"].http.address
+    call = urllib.request.Request(
+        f"http://{address}/v1/completions",
+        data=b"{not json",
+        headers={"Content-Type": "application/json", "traceparent": TRACEPARENT},
+    )
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(call, timeout=30)
+    assert raised.value.code == 400
+    assert wait_for(lambda: len(lines()) == 1)
+    [line] = lines()
+    assert (line["rpc"], line["status"], line["trace_id"]) == (
+        "/v1/completions",
+        "INVALID_ARGUMENT",
+        TRACE,
+    )
+    assert "not JSON" in line["detail"]

@@ -25,7 +25,9 @@ def served(request, tmp_path):
     path.write_text(f"operator:{KEY}\n")
     refused: list[str] = []
     interceptor = ApiKeyInterceptor(
-        KeyFile(path), protect_open_services=request.param, on_refused=refused.append
+        KeyFile(path),
+        protect_open_services=request.param,
+        on_refused=lambda reason, method: refused.append(reason),
     )
 
     async def start() -> tuple[GrpcServer, int]:
