@@ -3,13 +3,15 @@ launcher), every process exporting to a real OTLP/gRPC receiver on loopback. One
 request is one trace: the orchestrator's server span continues the caller's
 `traceparent`, its rounds hold the draft, score and accept spans, each internal call's
 client span is the parent of the trunk's or a shard's server span, and each round's
-commit to Redis is the round's. No span holds prompt or output text."""
+commit to Redis is the round's. No span holds prompt or output text. The
+single-process server (`serve`) traces its rounds too."""
 
 from __future__ import annotations
 
 import io
 import json
 import re
+import signal
 import sys
 import urllib.request
 from collections import Counter
@@ -18,7 +20,7 @@ from typing import TextIO
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from hydra_jury.orchestrator.launcher import LocalStack
+from hydra_jury.orchestrator.launcher import LocalStack, start_child
 from hydra_jury.protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
 from hydra_jury.serving import tracing
 from hydra_jury.serving.tls import open_channel
@@ -112,12 +114,14 @@ def children(spans: list[ReceivedSpan], parent: ReceivedSpan, name: str | None =
     return [s for s in spans if s.parent_id == parent.span_id and name in (None, s.name)]
 
 
-def check_one_trace(spans: list[ReceivedSpan], root_name: str) -> ReceivedSpan:
-    """The trace's root: the request's server span, the caller's span its parent; every
-    other span's parent is in the trace. Returns the root."""
+def check_one_trace(
+    spans: list[ReceivedSpan], root_name: str, service: str = "hydra-jury-orchestrator"
+) -> ReceivedSpan:
+    """The trace's root: the request's server span in `service`, the caller's span its
+    parent; every other span's parent is in the trace. Returns the root."""
     (root,) = [s for s in spans if s.parent_id == CALLER_SPAN]
     assert root.name == root_name and root.span.kind == SERVER
-    assert root.service == "hydra-jury-orchestrator"
+    assert root.service == service
     ids = {span.span_id for span in spans}
     assert all(span.parent_id in ids for span in spans if span is not root)
     return root
@@ -247,3 +251,34 @@ def test_the_service_name_is_the_roles_unless_the_environment_names_one(monkeypa
     assert resource.attributes["hydra.heads"] == "head0"
     monkeypatch.setenv("OTEL_SERVICE_NAME", "trunk-eu")
     assert tracing.process_resource("hydra-jury-trunk").attributes["service.name"] == "trunk-eu"
+
+
+def test_the_single_process_server_traces_its_rounds(jury_checkpoint):
+    """`serve`: the rounds run on the model thread, and their spans still join the
+    request's trace (the context follows the work across threads)."""
+    with OtlpReceiver() as receiver:
+        command = [sys.executable, "-m", "hydra_jury.cli", "serve", "--checkpoint"]
+        command += [str(jury_checkpoint), "--listen", "127.0.0.1:0"]
+        command += ["--max-session-tokens", "128", "--otlp-endpoint", receiver.endpoint]
+        server = start_child("serve", command, 120)
+        try:
+            assert server.address, server.failure
+            options = generation_pb2.DecodingOptions(
+                max_new_tokens=6, seed=1, rule="exact", drafter="head", ignore_eos=True
+            )
+            request = generation_pb2.GenerateRequest(prompt=PROMPT, options=options)
+            with open_channel(server.address, None) as channel:
+                answer = generation_pb2_grpc.GenerationStub(channel).Generate(
+                    request, timeout=60, metadata=[("traceparent", traceparent(GRPC_TRACE))]
+                )
+        finally:
+            server.process.send_signal(signal.SIGTERM)
+            assert server.process.wait(30) == 0
+        trace = of_trace(receiver.spans, GRPC_TRACE)
+    assert {span.service for span in trace} == {"hydra-jury-server"}
+    root = check_one_trace(trace, GENERATE, "hydra-jury-server")
+    round_spans = children(trace, root, "round")
+    assert len(round_spans) == answer.stats.rounds
+    for round_span in round_spans:
+        assert {"draft", "score", "accept"} <= {s.name for s in children(trace, round_span)}
+        assert children(trace, round_span, "session_store.commit")
