@@ -20,6 +20,9 @@ Every write is one Lua script, so it is atomic, and checks the version and the o
 was given (compare-and-set); lease times come from Redis's own clock, so orchestrators
 with skewed clocks agree on who owns a session. Redis Cluster is not supported (the
 scripts touch a session's keys and the shared expiry index).
+
+Each operation a request makes is a trace span, `session_store.NAME` (`serving.tracing`);
+the sweeper's claim of expired sessions is not, so that it starts no trace of its own.
 """
 
 from __future__ import annotations
@@ -366,7 +369,6 @@ class RedisStore(SessionStore):
         """The index of an API key's sessions."""
         return f"{self.prefix}key-sessions:{key_name}"
 
-    @tracing.span("session_store.claim_expired")
     async def claim_expired(self, limit: int = 100) -> list[str]:
         reply = await self._run("claim_expired", [f"{self.prefix}expiry"], [limit])
         return [item.decode() for item in reply]
