@@ -19,19 +19,13 @@ import time
 from concurrent import futures
 
 import grpc
+from bench_one_host import MODES, SESSIONS, request  # this folder is on the path
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from hydra_jury.orchestrator.convert import request_to_pb
 from hydra_jury.orchestrator.launcher import LocalStack
-from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
 
-PROMPT = "Write a short story about a robot who learns to paint."
-SESSIONS = ["--max-sessions", "4"]  # cache slots per server (bench_one_host.py says why)
-MODES = {
-    "speculative PoE γ=4": {"rule": "exact", "gamma": 4, "drafter": "head"},
-    "non-speculative PoE": {"rule": "verifier_only"},
-}
 GOAL = 0.97
 
 
@@ -49,17 +43,6 @@ class SpanCounter(trace_service_pb2_grpc.TraceServiceServicer):
         with self._lock:
             self.spans += count
         return trace_service_pb2.ExportTraceServiceResponse()
-
-
-def request(mode: str, new_tokens: int) -> GenerationRequest:
-    return GenerationRequest(
-        messages=[{"role": "user", "content": PROMPT}],
-        max_new_tokens=new_tokens,
-        ignore_eos=True,
-        temperature=0.8,
-        seed=0,
-        **MODES[mode],
-    )
 
 
 def generate(stub, mode: str, new_tokens: int) -> tuple[float, list[int]]:

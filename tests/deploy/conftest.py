@@ -71,3 +71,13 @@ def render(helm) -> Callable[..., subprocess.CompletedProcess]:
 def manifests(rendered: subprocess.CompletedProcess) -> list[dict]:
     assert rendered.returncode == 0, rendered.stderr
     return [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+
+
+def refusal(render: Callable[..., subprocess.CompletedProcess], folder: Path, values: dict) -> str:
+    """What helm says refusing to render the chart with `values` (written into
+    `folder`); the test fails if it renders."""
+    path = folder / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    result = render(path)
+    assert result.returncode != 0, f"rendered with {values}"
+    return result.stderr

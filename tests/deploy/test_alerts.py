@@ -124,17 +124,28 @@ def test_the_rules_are_valid_and_cover_every_alert(promtool, rules):
 # --- a drifted or poisoned head -------------------------------------------------------
 
 
+def per_head(
+    whole: str, part: str, parts_of_60: dict[str, float], per_minute: dict[str, float]
+) -> list[dict]:
+    """Each head's counter `whole` per minute and pod (`per_minute[head]`, else 60) and
+    the counter `part` of it, `parts_of_60[head]` per 60."""
+    inputs = []
+    for head, part_of_60 in parts_of_60.items():
+        total = per_minute.get(head, 60)
+        inputs += per_pod(whole, counter(total), head=head)
+        inputs += per_pod(part, counter(part_of_60 * total / 60), head=head)
+    return inputs
+
+
 def drafts(kept_of_60: dict[str, float], drafted: dict[str, float] | None = None) -> list[dict]:
     """Each head's drafts per minute and pod (60 unless `drafted` says) and of which the
     jury kept `kept_of_60[head]` per 60."""
-    inputs = []
-    for head, kept in kept_of_60.items():
-        total = (drafted or {}).get(head, 60)
-        inputs += per_pod("hydrajury_head_draft_tokens_total", counter(total), head=head)
-        inputs += per_pod(
-            "hydrajury_head_accepted_tokens_total", counter(kept * total / 60), head=head
-        )
-    return inputs
+    return per_head(
+        "hydrajury_head_draft_tokens_total",
+        "hydrajury_head_accepted_tokens_total",
+        kept_of_60,
+        drafted or {},
+    )
 
 
 def test_a_head_whose_drafts_the_jury_rejects_fires(promtool, rules):
@@ -176,13 +187,12 @@ def test_another_releases_poisoned_head_is_not_this_releases(promtool, rules):
 def votes(dissents_of_60: dict[str, float], per_minute: float = 60) -> list[dict]:
     """Each juror's votes per minute and pod, and of which `dissents_of_60[head]` per 60
     were for another token than the emitted one."""
-    inputs = []
-    for head, dissents in dissents_of_60.items():
-        inputs += per_pod("hydrajury_juror_votes_total", counter(per_minute), head=head)
-        inputs += per_pod(
-            "hydrajury_juror_dissents_total", counter(dissents * per_minute / 60), head=head
-        )
-    return inputs
+    return per_head(
+        "hydrajury_juror_votes_total",
+        "hydrajury_juror_dissents_total",
+        dissents_of_60,
+        dict.fromkeys(dissents_of_60, per_minute),
+    )
 
 
 def test_a_juror_that_dissents_far_more_than_the_rest_fires(promtool, rules):

@@ -22,7 +22,7 @@ from hydra_jury.orchestrator.__main__ import build_parser as orchestrator_parser
 from hydra_jury.orchestrator.limits import RequestLimits, limits_from
 from hydra_jury.serving.worker_service import build_parser as service_parser
 from hydra_jury.trunk_service.server import TRUNK_SERVICE
-from tests.deploy.conftest import CHART, RELEASE, manifests
+from tests.deploy.conftest import CHART, RELEASE, manifests, refusal
 
 DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
 CASES = {"defaults": None} | {
@@ -518,10 +518,7 @@ INVALID = {
 @pytest.mark.parametrize("problem", INVALID)
 def test_invalid_values_are_refused(render, tmp_path, problem):
     values, message = INVALID[problem]
-    path = tmp_path / "values.yaml"
-    path.write_text(yaml.safe_dump(values))
-    result = render(path)
-    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert message in refusal(render, tmp_path, values)
 
 
 def test_the_notes_render(render, tmp_path):
