@@ -80,7 +80,7 @@ class RequestLog:
             self.request_id = committed.summary.request_id or self.request_id
 
     def finished(self) -> None:
-        self._write(logging.INFO, grpc.StatusCode.OK, None)
+        self._write(grpc.StatusCode.OK, None)
 
     def failed(self, error: BaseException) -> None:
         """`error` ended the generation: a refusal or failure, or the caller going away
@@ -89,10 +89,9 @@ class RequestLog:
             code, detail = grpc.StatusCode.CANCELLED, "cancelled by the caller"
         else:
             code, detail = status_for(error), detail_for(error)
-        level = logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.WARNING
-        self._write(level, code, detail)
+        self._write(code, detail)
 
-    def _write(self, level: int, code: grpc.StatusCode, detail: str | None) -> None:
+    def _write(self, code: grpc.StatusCode, detail: str | None) -> None:
         _generation_logged.set(True)
         fields = {
             "rpc": self.call.rpc,
@@ -112,7 +111,7 @@ class RequestLog:
         annotate(**{k: v for k, v in fields.items() if k not in _NOT_ON_THE_SPAN})
         outcome = "finished OK" if detail is None else f"failed {code.name}: {detail}"
         log.log(
-            level,
+            _level(code),
             "%s %s (request %s, session %s, key %s, trace %s): %s prompt and %d generated "
             "tokens in %d rounds, %.3f s",
             fields["rpc"],
@@ -138,9 +137,8 @@ def log_failed_call(rpc: str, code: grpc.StatusCode, detail: str, trace: str | N
         "session_id": None,
         "trace_id": trace or current_trace_id(),
     }
-    level = logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.WARNING
     log.log(
-        level,
+        _level(code),
         "%s failed %s: %s (trace %s)",
         rpc,
         code.name,
@@ -148,3 +146,11 @@ def log_failed_call(rpc: str, code: grpc.StatusCode, detail: str, trace: str | N
         fields["trace_id"],
         extra=fields,
     )
+
+
+def _level(code: grpc.StatusCode) -> int:
+    """A line's level: INFO when the call finished, ERROR for a bug (INTERNAL), else
+    WARNING (a refusal, a failed service, the caller going away)."""
+    if code == grpc.StatusCode.OK:
+        return logging.INFO
+    return logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.WARNING
