@@ -15,7 +15,7 @@ import asyncio
 import contextvars
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
@@ -47,6 +47,14 @@ def set_compute_threads(count: int | None) -> None:
     torch.set_num_threads(count)
 
 
+def in_executor(executor: Executor, function: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """`function(*args)` on `executor`, in the caller's context (its trace span stays
+    current): `asyncio.to_thread` for an executor of one's own. Await the future for its
+    result."""
+    run = contextvars.copy_context().run
+    return asyncio.get_running_loop().run_in_executor(executor, partial(run, function, *args))
+
+
 class ModelThread:
     def __init__(self, name: str) -> None:
         self._executor = ThreadPoolExecutor(
@@ -60,9 +68,7 @@ class ModelThread:
     async def run(self, function: Callable[..., T], *args: Any) -> T:
         """`function(*args)` on the model thread, awaited from the event loop, in the
         caller's context (its trace span stays current)."""
-        loop = asyncio.get_running_loop()
-        run = contextvars.copy_context().run
-        return await loop.run_in_executor(self._executor, partial(run, function, *args))
+        return await in_executor(self._executor, function, *args)
 
     def call(self, function: Callable[..., T], *args: Any) -> T:
         """`function(*args)` on the model thread, waited for by a plain thread (or run

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import os
 import socket
@@ -74,6 +73,7 @@ from hydra_jury.serving.errors import (
     SessionConflict,
     SessionNotFound,
 )
+from hydra_jury.serving.model_thread import in_executor
 
 log = logging.getLogger("hydra_jury.sessions")
 T = TypeVar("T")
@@ -138,8 +138,7 @@ class SessionRunner:
 
     async def _in_thread(self, function: Callable[..., T], *args: Any) -> T:
         """`function(*args)` on a generation thread, in this task's context (its trace)."""
-        run = contextvars.copy_context().run
-        return await asyncio.get_running_loop().run_in_executor(self._pool, run, function, *args)
+        return await in_executor(self._pool, function, *args)
 
     async def close(self) -> None:
         await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
@@ -546,7 +545,7 @@ class SessionRunner:
                 generation.close()
                 put(("end", None, None))
 
-        loop.run_in_executor(self._pool, contextvars.copy_context().run, produce)
+        in_executor(self._pool, produce)
         kind = ""
         try:
             while True:
