@@ -95,10 +95,14 @@ class WorkerServicer:
         self._evictor: asyncio.Task | None = None
 
     def count_refusal(
-        self, method: str, error: Exception, code: grpc.StatusCode, _context=None
+        self,
+        method: str,
+        error: Exception,
+        code: grpc.StatusCode,
+        context: grpc.aio.ServicerContext,
     ) -> None:
         """Counts a call the worker refused for want of capacity, by its reason (the
-        admission queue counts its own refusals)."""
+        admission queue counts its own refusals); the server's `OnError`."""
         if isinstance(error, CapacityError) and error.reason is not None:
             self.metrics.refused.labels(method.rpartition("/")[2], error.reason).inc()
 
