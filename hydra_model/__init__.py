@@ -11,7 +11,7 @@
 
 from hydra_jury.hydra_model.checkpoint import CheckpointError
 from hydra_jury.hydra_model.draft_model import DraftCache, DraftModel
-from hydra_jury.hydra_model.heads import HeadStack
+from hydra_jury.hydra_model.heads import HeadRun, HeadStack
 from hydra_jury.hydra_model.kv_cache import CacheError, KVCache, KVCachePool
 from hydra_jury.hydra_model.layers import Segment
 from hydra_jury.hydra_model.model import HydraModel
@@ -22,6 +22,7 @@ __all__ = [
     "CheckpointError",
     "DraftCache",
     "DraftModel",
+    "HeadRun",
     "HeadStack",
     "HydraModel",
     "KVCache",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hydra_jury.hydra_model.kv_cache import KVCache
@@ -27,6 +29,26 @@ def shared_lm_head(rows: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
     return rows @ lm_head.T
 
 
+@dataclass(frozen=True)
+class HeadRun:
+    """Some heads of a stack over one ragged batch of their own: the members
+    `first..first + count - 1` read `hidden` [N, D], the trunk outputs of `segments` one
+    after the other (each segment's cache a view of those members, `KVCache.members`),
+    and give logits at `rows` (indices into N; None: the caches are filled, no logits).
+    Heads evaluated on demand each start from where their own cache ends, so the heads
+    of one call may need runs of their own (`workers.jury`)."""
+
+    first: int
+    count: int
+    hidden: torch.Tensor
+    segments: list[Segment]
+    rows: torch.Tensor | None
+
+    @property
+    def members(self) -> slice:
+        return slice(self.first, self.first + self.count)
+
+
 class HeadStack:
     """S heads over the same hidden states, one batched computation.
 
@@ -49,6 +71,7 @@ class HeadStack:
         self.norm = norm  # [S, D]
         self.lm_head = lm_head  # [V, D] shared, or [S, V, D]
         self.rope = rope
+        self._member_layers: dict[tuple[int, int], LayerStack] = {}  # views, made once
 
     @property
     def size(self) -> int:
@@ -99,6 +122,41 @@ class HeadStack:
             x = x[:, rows]
         logits = self._logits(x)
         return (logits, x) if return_hidden else logits
+
+    @torch.inference_mode()
+    def forward_runs(self, runs: list[HeadRun]) -> list[torch.Tensor | None]:
+        """Each run's heads over its batch -> its logits [count, len(rows), V] float32
+        (None for a run without rows). A shared LM head multiplies every run's rows in
+        one product: it is read once, whatever the runs."""
+        eps = self.layers.config.rms_norm_eps
+        normed: list[torch.Tensor | None] = []
+        for run in runs:
+            x = run.hidden[None].expand(run.count, -1, -1)  # [count, N, D], no copy
+            layers = self._layers_of(run.first, run.count)
+            x = layers.forward_ragged(x, run.segments, self.rope)
+            wanted = None if run.rows is None else x[:, run.rows]
+            normed.append(None if wanted is None else rms_norm(wanted, self.norm[run.members], eps))
+        present = [x for x in normed if x is not None]
+        if not present:
+            return [None] * len(runs)
+        if self.shares_lm_head:
+            flat = torch.cat([x.flatten(0, 1) for x in present])
+            pieces = iter(
+                shared_lm_head(flat, self.lm_head)
+                .float()
+                .split([x.shape[0] * x.shape[1] for x in present])
+            )
+            return [None if x is None else next(pieces).unflatten(0, x.shape[:2]) for x in normed]
+        return [
+            None if x is None else torch.bmm(x, self.lm_head[run.members].mT).float()
+            for run, x in zip(runs, normed, strict=True)
+        ]
+
+    def _layers_of(self, first: int, count: int) -> LayerStack:
+        key = (first, count)
+        if key not in self._member_layers:
+            self._member_layers[key] = self.layers.select(slice(first, first + count))
+        return self._member_layers[key]
 
     def forward_training(
         self, hidden: torch.Tensor, lengths: list[int], last_only: bool = False

@@ -68,6 +68,16 @@ class KVCache:
     def advance(self, count: int) -> None:
         self.length += count
 
+    def members(self, members: slice, length: int) -> KVCache:
+        """The cache of some members of this stack, holding `length` positions: a view,
+        so what a forward appends lands in this slot. Heads of one stack evaluated on
+        demand each hold their own number of positions (`workers.jury`)."""
+        view = KVCache(self.keys[members], self.values[members], self.slot)
+        if not 0 <= length <= self.capacity:
+            raise CacheError(f"a cache of capacity {self.capacity} cannot hold {length} positions")
+        view.length = length
+        return view
+
 
 class KVCachePool:
     """A fixed number of preallocated slots for one component."""

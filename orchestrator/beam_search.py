@@ -121,4 +121,4 @@ class BeamRun:
         shared = common_prefix(held[0], tail[:-1])
         if shared < len(tail) - 1:
             tokens = torch.tensor(tail[shared:-1])
-            self.backend.prefill(PrefillCall(self.cache, len(base) + shared, tokens))
+            self.backend.prefill(PrefillCall(self.cache, len(base) + shared, tokens, self.jury))

@@ -213,7 +213,8 @@ class Engine:
         progress = run.progress
         if start < run.start:
             tokens = torch.tensor(run.committed[start:-1])
-            self.backend.prefill(PrefillCall(run.session, start, tokens))
+            heads = run.prepared.scoring_heads
+            self.backend.prefill(PrefillCall(run.session, start, tokens, heads))
             progress.prefilled_tokens += len(tokens)
         progress.reused_tokens = min(progress.reused_tokens, start)
 

@@ -301,7 +301,9 @@ class GrpcBackend(DecodingBackend):
 
     def prefill(self, call: PrefillCall) -> None:
         hidden = self.trunk_forward(call)
-        request = wire.jury_prefill_call_to_pb(JuryPrefillCall(call.session, call.start, hidden))
+        request = wire.jury_prefill_call_to_pb(
+            JuryPrefillCall(call.session, call.start, hidden, call.heads)
+        )
         shards = self._targets(self.shards, call.session)
         self._call_all(shards, "Prefill", [request] * len(self.shards))
 

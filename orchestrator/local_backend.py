@@ -95,7 +95,7 @@ class LocalBackend(DecodingBackend):
 
     def _prefill(self, call: PrefillCall) -> None:
         hidden = self.trunk.prefill(call)
-        self.jury.prefill(JuryPrefillCall(call.session, call.start, hidden))
+        self.jury.prefill(JuryPrefillCall(call.session, call.start, hidden, call.heads))
 
     def trunk_forward(self, call: PrefillCall) -> HiddenStates:
         return self._run(self.trunk.prefill, call)

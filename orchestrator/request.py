@@ -107,6 +107,11 @@ class PreparedRequest:
     drafter: DrafterKind = DrafterKind.HEAD
     gamma: int = DEFAULT_GAMMA  # resolved: the draft length (auto: the most per round)
 
+    @property
+    def scoring_heads(self) -> tuple[str, ...]:
+        """The heads the jury evaluates for this request: the jurors and the amateur."""
+        return (*self.jury, *([self.amateur] if self.amateur else []))
+
 
 def prompt_tokens(request: GenerationRequest, tokenizer) -> list[int]:
     if (request.prompt is None) == (request.messages is None):

@@ -240,7 +240,7 @@ def draft_result_from_pb(
 
 def jury_prefill_call_to_pb(call: JuryPrefillCall) -> internal_pb2.JuryPrefillRequest:
     return internal_pb2.JuryPrefillRequest(
-        session=call.session, start=call.start, hidden=hidden_to_pb(call.hidden)
+        session=call.session, start=call.start, hidden=hidden_to_pb(call.hidden), heads=call.heads
     )
 
 
@@ -248,7 +248,7 @@ def jury_prefill_call_from_pb(
     request: internal_pb2.JuryPrefillRequest, dtype: str, hidden_size: int
 ) -> JuryPrefillCall:
     hidden = hidden_from_pb(request.hidden, dtype, hidden_size)
-    return JuryPrefillCall(request.session, request.start, hidden)
+    return JuryPrefillCall(request.session, request.start, hidden, tuple(request.heads))
 
 
 def score_call_to_pb(call: ScoreCall) -> internal_pb2.ScoreRequest:

@@ -78,11 +78,13 @@ class HiddenStates:
 
 @dataclass(frozen=True)
 class PrefillCall:
-    """Tokens [T] at positions start.. into the trunk (and, in a backend, the jury)."""
+    """Tokens [T] at positions start.. into the trunk (and, in a backend, the jury, which
+    fills the caches of `heads` now: the request's jurors and amateur)."""
 
     session: str
     start: int
     tokens: torch.Tensor  # [T] long
+    heads: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_session(self.session, self.start)
@@ -92,16 +94,20 @@ class PrefillCall:
 
 @dataclass(frozen=True)
 class JuryPrefillCall:
-    """Hidden states of positions start.. into every hosted head's cache."""
+    """Hidden states of positions start.., kept by the jury, and into the caches of the
+    hosted heads among `heads` (the others catch up from them when a call names them)."""
 
     session: str
     start: int
     hidden: HiddenStates
+    heads: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_session(self.session, self.start)
         if self.hidden.rows < 1:
             raise InvalidArgument("hidden: at least one position is required")
+        if len(set(self.heads)) != len(self.heads):
+            raise InvalidArgument(f"heads: a head is named twice in {list(self.heads)}")
 
 
 @dataclass(frozen=True)

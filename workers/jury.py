@@ -1,10 +1,24 @@
-"""The jury worker: a subset of the heads, evaluated as one stack, with per-session caches.
+"""The jury worker: a subset of the heads, evaluated on demand, with per-session caches.
 
-It runs the second half of a round (`ScoreCall`): the hosted heads read the trunk's
-hidden states of the draft positions in one batched call, and the worker returns this
-shard's partial log-product over the requested jurors it hosts (the caller adds the
-shards' partials, `poe.combine_partials`) and each such juror's argmax vote. No gRPC
-here.
+It runs the second half of a round (`ScoreCall`): the heads a call names read the trunk's
+hidden states of the draft positions, and the worker returns this shard's partial
+log-product over the requested jurors it hosts (the caller adds the shards' partials,
+`poe.combine_partials`) and each such juror's argmax vote. No gRPC here.
+
+Heads on demand
+- A call evaluates only the hosted heads it names (its jurors and its contrastive
+  amateur); the others are not touched, so a jury of one costs one head.
+- The worker keeps every session's trunk outputs (hidden size × positions, small beside
+  the heads' caches). Each head's cache holds its own number of positions: a head that
+  a later call names after it was left out catches up from the kept trunk outputs, in
+  the same forward as the call's own positions.
+- The position rule holds for the kept trunk outputs: a call truncates them and every
+  head's cache to its start, so a cache only ever holds positions computed from the
+  trunk outputs the worker holds now.
+- A prefill keeps the trunk outputs and fills the caches of the heads it names (the
+  request's jury), so its first round has nothing to catch up.
+- Heads with the same work in a batch (same calls, same catch-up) run as one stacked
+  forward; a shared LM head multiplies every head's rows in one product.
 """
 
 from __future__ import annotations
@@ -13,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hydra_jury.hydra_model import HydraModel, KVCache, Segment
+from hydra_jury.hydra_model import HeadRun, HydraModel, KVCache, Segment
 from hydra_jury.poe import draft_logprobs, partial_log_product
 from hydra_jury.workers.calls import HiddenStates, JuryPrefillCall, ScoreCall, ScoreResult
 from hydra_jury.workers.errors import InvalidArgument
@@ -28,9 +42,33 @@ from hydra_jury.workers.sessions import (
 
 @dataclass
 class JuryCounters:
-    """Work done, for tests and benchmarks: forward calls of the hosted stack."""
+    """Work done, for tests and benchmarks: forward calls, heads run (a head run over a
+    call's batch reads its layers once), positions × heads scored for calls, and
+    positions × heads run to catch a head up."""
 
     calls: int = 0
+    head_runs: int = 0
+    head_positions: int = 0
+    catch_up_positions: int = 0
+
+
+@dataclass
+class _Session:
+    cache: KVCache  # every hosted head's keys/values (one pool slot)
+    lengths: list[int]  # positions each hosted head's cache holds
+    hidden: torch.Tensor  # [capacity, D] trunk output per position
+    length: int = 0  # positions whose trunk outputs `hidden` holds
+
+
+@dataclass
+class _Work:
+    """One call of a batch, its session moved to the call's start and its trunk outputs
+    stored: `heads` (hosted indices) to run up to `end`, logits of the last `scored`."""
+
+    state: _Session
+    end: int
+    heads: list[int]
+    scored: int
 
 
 class JuryWorker:
@@ -42,10 +80,24 @@ class JuryWorker:
         capacity = min(limits.max_session_tokens, model.context_length)
         self.max_session_tokens = capacity
         self.pool = model.head_pool(model.heads.size, limits.max_sessions, capacity)
-        self.sessions: SessionTable[KVCache] = SessionTable(
-            limits, self.pool.acquire, self.pool.release
+        self._hidden = torch.zeros(
+            limits.max_sessions,
+            capacity,
+            model.config.hidden_size,
+            dtype=model.dtype,
+            device=model.device,
+        )
+        self.sessions: SessionTable[_Session] = SessionTable(
+            limits, self._new_session, self._free_session
         )
         self.counters = JuryCounters()
+
+    def _new_session(self) -> _Session:
+        cache = self.pool.acquire()
+        return _Session(cache, [0] * len(self.hosted), self._hidden[cache.slot])
+
+    def _free_session(self, state: _Session) -> None:
+        self.pool.release(state.cache)
 
     def release(self, session: str) -> bool:
         return self.sessions.release(session)
@@ -54,7 +106,12 @@ class JuryWorker:
         """The session's generation ended: its caches stay, reclaimable at once."""
         return self.sessions.finish(session)
 
-    def _hidden(self, hidden: HiddenStates) -> torch.Tensor:
+    def held_positions(self, session: str) -> dict[str, int]:
+        """Positions each hosted head's cache holds for `session` (empty: none held)."""
+        state = self.sessions.peek(session)
+        return {} if state is None else dict(zip(self.hosted, state.lengths, strict=True))
+
+    def _hidden_of(self, hidden: HiddenStates) -> torch.Tensor:
         """The hidden states [T, D] on the model's device, their shape checked."""
         tensor = hidden.tensor()
         expected = [hidden.rows, self.model.config.hidden_size]
@@ -62,61 +119,128 @@ class JuryWorker:
             raise InvalidArgument(f"hidden: shape {list(tensor.shape)} is not {expected}")
         return tensor.to(self.model.device, self.model.dtype)
 
-    def _forward(
-        self, calls: list[JuryPrefillCall | ScoreCall], logits: bool = True
-    ) -> list[torch.Tensor]:
-        """The hosted heads over each call's hidden states, all calls in one ragged
-        forward; each call's logits [H, T, V] (none without `logits`: a prefill only
-        fills the caches)."""
+    def _check_names(self, field: str, names: tuple[str, ...]) -> None:
+        unknown = [name for name in names if name not in self.all_heads]
+        if unknown:
+            raise InvalidArgument(
+                f"{field}: unknown heads {unknown}; the checkpoint has {self.all_heads}"
+            )
+
+    def _heads(self, names: tuple[str, ...]) -> list[int]:
+        """The hosted heads among `names`, as indices in checkpoint order."""
+        return [i for i, name in enumerate(self.hosted) if name in names]
+
+    def _run(
+        self, calls: list[JuryPrefillCall | ScoreCall], heads: list[list[int]], scored: bool
+    ) -> list[dict[int, torch.Tensor]]:
+        """Keeps each call's trunk outputs and runs its `heads` over its positions (after
+        catching each up); with `scored`, each call's logits [T, V] by head index."""
         check_distinct_sessions(calls)
-        states = [self._hidden(call.hidden) for call in calls]
+        states = [self._hidden_of(call.hidden) for call in calls]
         # Checks first: a refused call must not open a session.
         for call, rows in zip(calls, states, strict=True):
             check_capacity(call.start + len(rows), self.max_session_tokens)
-        caches = [self.sessions.get(call.session, start=call.start) for call in calls]
-        for call, cache in zip(calls, caches, strict=True):
-            check_start(call.start, cache.length, "the jury")
-        for call, cache in zip(calls, caches, strict=True):
-            cache.truncate(call.start)
-        segments = [
-            Segment(cache, call.start, len(rows))
-            for call, cache, rows in zip(calls, caches, states, strict=True)
-        ]
-        self.counters.calls += 1
-        if not logits:
-            self.model.heads.fill_ragged(torch.cat(states), segments)
-            return []
-        out = self.model.heads.forward_ragged(torch.cat(states), segments)  # [H, N, V]
-        return list(out.split([len(rows) for rows in states], dim=1))
+        sessions = [self.sessions.get(call.session, start=call.start) for call in calls]
+        for call, state in zip(calls, sessions, strict=True):
+            check_start(call.start, state.length, "the jury")
+        work = []
+        for call, state, rows, named in zip(calls, sessions, states, heads, strict=True):
+            end = call.start + len(rows)
+            state.lengths = [min(length, call.start) for length in state.lengths]
+            state.hidden[call.start : end] = rows
+            state.length = end
+            work.append(_Work(state, end, named, len(rows) if scored else 0))
+        runs, placed = self._plan(work)
+        self.counters.calls += bool(runs)
+        outputs = self.model.heads.forward_runs(runs)
+        logits: list[dict[int, torch.Tensor]] = [{} for _ in calls]
+        for (run, entries), output in zip(placed, outputs, strict=True):
+            for member, head in enumerate(range(run.first, run.first + run.count)):
+                for call_index, rows in entries:
+                    work[call_index].state.lengths[head] = work[call_index].end
+                    if output is not None:
+                        logits[call_index][head] = output[member, rows]
+        return logits
+
+    def _plan(self, work: list[_Work]) -> tuple[list[HeadRun], list[tuple[HeadRun, list]]]:
+        """The head runs of a batch: consecutive hosted heads with the same work (the same
+        calls, each from the same cache length) run as one stack. Returns the runs and,
+        per run, (call index, slice of the run's logit rows) of each of its calls."""
+        needs: list[tuple[tuple[int, int], ...]] = []
+        for head in range(len(self.hosted)):
+            needs.append(
+                tuple(
+                    (index, item.state.lengths[head])
+                    for index, item in enumerate(work)
+                    if head in item.heads
+                )
+            )
+        runs, placed = [], []
+        head = 0
+        while head < len(self.hosted):
+            count = 1
+            while head + count < len(self.hosted) and needs[head + count] == needs[head]:
+                count += 1
+            if needs[head]:
+                run, entries = self._head_run(work, head, count, needs[head])
+                runs.append(run)
+                placed.append((run, entries))
+            head += count
+        return runs, placed
+
+    def _head_run(
+        self, work: list[_Work], first: int, count: int, need: tuple[tuple[int, int], ...]
+    ) -> tuple[HeadRun, list[tuple[int, slice]]]:
+        members = slice(first, first + count)
+        pieces, segments, rows, entries = [], [], [], []
+        offset = scored = 0
+        for index, held in need:
+            item = work[index]
+            length = item.end - held
+            pieces.append(item.state.hidden[held : item.end])
+            segments.append(Segment(item.state.cache.members(members, held), held, length))
+            rows.append(torch.arange(offset + length - item.scored, offset + length))
+            entries.append((index, slice(scored, scored + item.scored)))
+            catch_up = length - item.scored
+            self.counters.head_positions += count * item.scored
+            self.counters.catch_up_positions += count * catch_up
+            offset += length
+            scored += item.scored
+        self.counters.head_runs += count
+        hidden = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        wanted = torch.cat(rows) if scored else None
+        return HeadRun(first, count, hidden, segments, wanted), entries
 
     def prefill(self, call: JuryPrefillCall) -> None:
-        """Hidden states of positions start.. into every hosted head's cache."""
-        self._forward([call], logits=False)
+        """Hidden states of positions start.. kept; the caches of the hosted heads among
+        `call.heads` filled with them."""
+        self.prefill_batch([call])
 
     def prefill_batch(self, calls: list[JuryPrefillCall]) -> list[None]:
         """Several sessions' prefills in one ragged forward."""
-        self._forward(calls, logits=False)
+        for call in calls:
+            self._check_names("heads", call.heads)
+        self._run(calls, [self._heads(call.heads) for call in calls], scored=False)
         return [None] * len(calls)
 
     def score(self, call: ScoreCall) -> ScoreResult:
         return self.score_batch([call])[0]
 
     def score_batch(self, calls: list[ScoreCall]) -> list[ScoreResult]:
-        """Several sessions' score calls in one ragged forward of the hosted heads."""
+        """Several sessions' score calls in one ragged forward of the heads they name."""
         for call in calls:
-            named = [*call.jury, *([call.amateur] if call.amateur else [])]
-            unknown = [name for name in named if name not in self.all_heads]
-            if unknown:
-                raise InvalidArgument(
-                    f"jury: unknown heads {unknown}; the checkpoint has {self.all_heads}"
-                )
-        logits = self._forward(calls)
+            self._check_names("jury", (*call.jury, *([call.amateur] if call.amateur else [])))
+        heads = [self._heads((*call.jury, call.amateur or "")) for call in calls]
+        logits = self._run(calls, heads, scored=True)
         return [self._result(call, rows) for call, rows in zip(calls, logits, strict=True)]
 
-    def _result(self, call: ScoreCall, logits: torch.Tensor) -> ScoreResult:
-        """The partial product, votes (and amateur) of one call's logits [H, T, V]."""
-        members = [i for i, name in enumerate(self.hosted) if name in call.jury]
-        juror_logits = logits[members]  # [J, γ, V]
+    def _result(self, call: ScoreCall, logits: dict[int, torch.Tensor]) -> ScoreResult:
+        """The partial product, votes (and amateur) of one call's logits by head."""
+        members = self._heads(call.jury)
+        rows, vocab = call.hidden.rows, self.model.config.vocab_size
+        juror_logits = (
+            torch.stack([logits[i] for i in members]) if members else torch.zeros(0, rows, vocab)
+        )  # [J, γ, V]
         log_product = partial_log_product(juror_logits, call.temperature, call.beta)
         decision = None
         if call.with_decision:
@@ -127,13 +251,12 @@ class JuryWorker:
             )
         amateur = None
         if call.amateur in self.hosted:
-            amateur_logits = logits[self.hosted.index(call.amateur)]  # [γ, V]
-            amateur = draft_logprobs(amateur_logits, call.temperature)
+            amateur = draft_logprobs(logits[self.hosted.index(call.amateur)], call.temperature)
         return ScoreResult(
             log_product,
             decision,
             juror_logits.argmax(-1).T,  # [γ, J]
             tuple(self.hosted[i] for i in members),
-            head_evaluations=len(logits[0]) * self.model.heads.size,
+            head_evaluations=rows * len(logits),
             amateur_logprobs=amateur,
         )

@@ -125,6 +125,11 @@ class SessionTable(Generic[State]):
         entry.running = True
         return entry.state
 
+    def peek(self, session: str) -> State | None:
+        """The session's state, if the table holds it, without using it (no call)."""
+        entry = self._entries.get(session)
+        return None if entry is None else entry.state
+
     def finish(self, session: str) -> bool:
         """The session's generation ended: its caches stay for a next turn, but its slot
         goes to the first newcomer that needs one. False if the table does not hold it."""

@@ -91,6 +91,32 @@ def test_a_second_turn_prefills_only_the_new_tokens(stack, tokenizer, options):
     assert second.text == fresh.text
 
 
+@pytest.mark.parametrize(
+    "options",
+    [GREEDY, SAMPLED, {"rule": "verifier_only", "temperature": 0.7}],
+    ids=["greedy", "sampled", "non-speculative"],
+)
+def test_each_turn_may_name_its_jury(stack, options):
+    """The jury evaluates only the heads a turn names; a head a turn left out catches up
+    when a later turn names it. Each turn gives the tokens of a fresh session given the
+    whole conversation with that turn's jury."""
+    generation = stack.generation()
+    conversation, session = [], ""
+    juries = [["head0", "head1", "head2", "head3"], ["head1"], ["head0", "head2", "head3"]]
+    for text, jury in zip(("hello there", "and now?", "one more"), juries, strict=True):
+        conversation.append(user(text))
+        turn = generation.Generate(
+            chat([user(text)], session_id=session, jury=jury, **options), timeout=30
+        )
+        fresh = generation.Generate(chat(conversation, jury=jury, **options), timeout=30)
+        assert session == "" or turn.stats.reused_tokens > 0
+        assert list(turn.token_ids) == list(fresh.token_ids) and turn.text == fresh.text
+        if options.get("rule") == "verifier_only":  # one position a round, each juror once
+            assert turn.stats.head_evaluations == len(turn.token_ids) * len(jury)
+        session = turn.session_id
+        conversation.append(("assistant", turn.text))
+
+
 def test_each_turn_may_pick_its_drafter(stack):
     """A session's draft head carries over to turns that draft with a head, never to one
     that drafts by prompt lookup or does not draft."""
