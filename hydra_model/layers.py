@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from hydra_jury.hydra_model.config import DecoderConfig
 from hydra_jury.hydra_model.kv_cache import KVCache
-from hydra_jury.hydra_model.rope import RotaryTable
+from hydra_jury.hydra_model.rope import RotaryTable, rotate
 
 
 def layer_tensor_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
@@ -71,8 +71,32 @@ class Segment:
     length: int
 
 
+@dataclass
+class _SegmentPlan:
+    """A segment's rows in the ragged batch and the rotation of its positions; the
+    attention mask of a continuation, made on first use (every layer shares them)."""
+
+    segment: Segment
+    rows: slice
+    rotation: tuple[torch.Tensor, torch.Tensor]
+    _mask: torch.Tensor | None = None
+
+    def mask(self) -> torch.Tensor:
+        """[T, start+T]: query i sits at position start + i and sees keys 0..start + i."""
+        if self._mask is None:
+            start, length = self.segment.start, self.segment.length
+            device = self.rotation[0].device
+            key_positions = torch.arange(start + length, device=device)
+            query_positions = torch.arange(start, start + length, device=device)
+            self._mask = key_positions[None, :] <= query_positions[:, None]
+        return self._mask
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [S, T, N], weight: [S, N]. Statistics in float32 whatever the compute dtype."""
+    if x.dtype == torch.float32 and weight.shape[0] == 1:
+        # One op instead of three on the decode path (the same float32 result).
+        return F.rms_norm(x, (x.shape[-1],), weight[0], eps)
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
     return normed * weight[:, None, :]
 
@@ -185,68 +209,65 @@ class LayerStack:
             raise ValueError("a segment without a cache must start at position 0")
         for segment in cached:
             segment.cache.check_append(segment.start, segment.length)
+        # What every layer's attention needs of each segment, taken once per forward.
+        plans, offset = [], 0
+        for segment in segments:
+            rows = slice(offset, offset + segment.length)
+            plans.append(_SegmentPlan(segment, rows, rope.rotation(segment.start, segment.length)))
+            offset += segment.length
         for index, layer in enumerate(self.layers):
-            x = self._layer_forward(layer, index, x, segments, rope)
+            x = self._layer_forward(layer, index, x, plans)
         for segment in cached:
             segment.cache.advance(segment.length)
         return x
 
     def _layer_forward(
-        self,
-        layer: _Layer,
-        index: int,
-        x: torch.Tensor,
-        segments: Sequence[Segment],
-        rope: RotaryTable,
+        self, layer: _Layer, index: int, x: torch.Tensor, plans: list[_SegmentPlan]
     ) -> torch.Tensor:
         config = self.config
         eps = config.rms_norm_eps
         if config.post_norms:
-            attended = self._attention(layer, index, x, segments, rope)
+            attended = self._attention(layer, index, x, plans)
             x = x + rms_norm(attended, layer.attn_norm, eps)
             return x + rms_norm(self._mlp(layer, x), layer.mlp_norm, eps)
-        x = x + self._attention(layer, index, rms_norm(x, layer.attn_norm, eps), segments, rope)
+        x = x + self._attention(layer, index, rms_norm(x, layer.attn_norm, eps), plans)
         return x + self._mlp(layer, rms_norm(x, layer.mlp_norm, eps))
 
     def _attention(
-        self,
-        layer: _Layer,
-        index: int,
-        x: torch.Tensor,
-        segments: Sequence[Segment],
-        rope: RotaryTable,
+        self, layer: _Layer, index: int, x: torch.Tensor, plans: list[_SegmentPlan]
     ) -> torch.Tensor:
         config = self.config
+        stack, tokens, _ = x.shape
         qkv = _linear(x, layer.qkv_weight, layer.qkv_bias)  # [S, N, q + 2kv]
         q, k, v = qkv.split([config.q_size, config.kv_size, config.kv_size], dim=-1)
-        if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, config.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, config.rms_norm_eps)
-        outputs, offset = [], 0
-        for segment in segments:
-            rows = slice(offset, offset + segment.length)
-            outputs.append(self._attend(index, q[:, rows], k[:, rows], v[:, rows], segment, rope))
-            offset += segment.length
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)  # [S, N, q]
+        if layer.q_norm is None:
+            qk = qkv[..., : config.q_size + config.kv_size]  # q and k side by side
+        else:
+            eps = config.rms_norm_eps
+            qk = torch.cat([rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)], -1)
+        # Rotated together: [S, N, heads + kv_heads, hd].
+        qk = qk.reshape(stack, tokens, -1, config.head_dim)
+        v = v.reshape(stack, tokens, config.num_key_value_heads, config.head_dim)
+        if len(plans) == 1:
+            out = self._attend(index, qk, v, plans[0])
+        else:
+            out = torch.cat(
+                [self._attend(index, qk[:, p.rows], v[:, p.rows], p) for p in plans], dim=1
+            )  # [S, N, q]
         return _linear(out, layer.o_weight, layer.o_bias)
 
     def _attend(
-        self,
-        index: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        segment: Segment,
-        rope: RotaryTable,
+        self, index: int, qk: torch.Tensor, v: torch.Tensor, plan: _SegmentPlan
     ) -> torch.Tensor:
-        """One segment's attention over its cache: q [S, T, q], k and v [S, T, kv] ->
-        [S, T, q]. Writes its keys and values into layer `index` of the cache."""
+        """One segment's attention over its cache: qk [S, T, heads + kv_heads, hd] (not
+        yet rotated), v [S, T, kv_heads, hd] -> [S, T, q]. Writes its keys and values
+        into layer `index` of the cache."""
         config = self.config
-        stack, length, _ = q.shape
-        hd, start = config.head_dim, segment.start
-        q = rope.apply(q.reshape(stack, length, -1, hd), start).transpose(1, 2)  # [S, nh, T, hd]
-        k = rope.apply(k.reshape(stack, length, -1, hd), start).transpose(1, 2)  # [S, nkv, T, hd]
-        v = v.reshape(stack, length, -1, hd).transpose(1, 2)
+        stack, length = qk.shape[:2]
+        segment, start = plan.segment, plan.segment.start
+        qk = rotate(qk, plan.rotation).transpose(1, 2)  # [S, heads + kv_heads, T, hd]
+        q, k = qk.split([config.num_attention_heads, config.num_key_value_heads], dim=1)
+        v = v.transpose(1, 2)
         if segment.cache is None:
             keys, values = k, v  # a whole sequence: it attends to itself alone
         else:
@@ -257,11 +278,9 @@ class LayerStack:
         elif start == 0:
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
         else:
-            # Query i sits at position start + i and sees keys 0..start + i.
-            key_positions = torch.arange(start + length, device=q.device)
-            query_positions = torch.arange(start, start + length, device=q.device)
-            mask = key_positions[None, :] <= query_positions[:, None]  # [T, start+T]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=plan.mask(), enable_gqa=gqa
+            )
         return out.transpose(1, 2).reshape(stack, length, config.q_size)
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:

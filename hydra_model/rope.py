@@ -51,11 +51,19 @@ class RotaryTable:
         self.cos = angles.cos().to(dtype)
         self.sin = angles.sin().to(dtype)
 
+    def rotation(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, hd] of positions start..start+T-1 (the same for every layer
+        of a forward: taken once)."""
+        return self.cos[start : start + length, None, :], self.sin[start : start + length, None, :]
+
     def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Rotates x: [S, T, n_heads, hd] whose tokens sit at positions start..start+T-1."""
-        length = x.shape[1]
-        cos = self.cos[start : start + length, None, :]  # [T, 1, hd]
-        sin = self.sin[start : start + length, None, :]
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        return rotate(x, self.rotation(start, x.shape[1]))
+
+
+def rotate(x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x: [S, T, n_heads, hd] rotated by `rotation` (`RotaryTable.rotation` of its T)."""
+    cos, sin = rotation
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
