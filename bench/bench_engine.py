@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from contextlib import contextmanager
 
 import torch
+from round_profile import PhaseProfiler
 
-from hydra_jury.hydra_model import HeadStack, HydraModel, Trunk
+from hydra_jury.hydra_model import HydraModel
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.request import GenerationRequest
@@ -34,38 +34,6 @@ MODES = [
     ("speculative PoE γ=4", {"rule": "exact", "gamma": 4, "drafter": "head"}),
     ("speculative PoE γ=6", {"rule": "exact", "gamma": 6, "drafter": "head"}),
 ]
-
-
-class ForwardTimer:
-    """Wall time inside model forward passes (patched onto the classes for the run)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    # Every model pass the workers make goes through one of these (`forward` included).
-    PASSES = ((Trunk, "forward_ragged"), (HeadStack, "forward_ragged"), (HeadStack, "fill_ragged"))
-
-    @contextmanager
-    def installed(self):
-        originals = {(cls, name): getattr(cls, name) for cls, name in self.PASSES}
-
-        def timed(original):
-            def forward(*args, **kwargs):
-                began = time.perf_counter()
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    self.seconds += time.perf_counter() - began
-
-            return forward
-
-        for (cls, name), original in originals.items():
-            setattr(cls, name, timed(original))
-        try:
-            yield self
-        finally:
-            for (cls, name), original in originals.items():
-                setattr(cls, name, original)
 
 
 def run_mode(
@@ -83,9 +51,9 @@ def run_mode(
     )
     engine.generate(GenerationRequest(**{**vars(request), "max_new_tokens": 8}))  # warm-up
     trunk_before = vars(backend.trunk.counters).copy()
-    jury_before = backend.jury.counters.calls
-    timer = ForwardTimer()
-    with timer.installed():
+    jury_before = backend.jury.counters.head_runs
+    profiler = PhaseProfiler()
+    with profiler.installed():
         began = time.perf_counter()
         output = engine.generate(request)
         wall = time.perf_counter() - began
@@ -93,16 +61,16 @@ def run_mode(
     head_layers = model.config.num_layers - trunk_layers
     trunk_calls = backend.trunk.counters.trunk_calls - trunk_before["trunk_calls"]
     draft_calls = backend.trunk.counters.draft_head_calls - trunk_before["draft_head_calls"]
-    jury_calls = backend.jury.counters.calls - jury_before
+    jury_heads = backend.jury.counters.head_runs - jury_before
     emitted = len(output.token_ids)
     stats = output.stats
     return {
         "tokens_per_s": emitted / wall,
         "trunk_passes": trunk_calls * trunk_layers / emitted,
-        "head_passes": (draft_calls + jury_calls * model.heads.size) * head_layers / emitted,
+        "head_passes": (draft_calls + jury_heads) * head_layers / emitted,
         "acceptance": stats["acceptance_rate"] if stats["drafted"] else None,
         "mean_length": stats["mean_accepted_length"],
-        "overhead": 1 - timer.seconds / wall,
+        "overhead": profiler.outside_forward(wall),
     }
 
 

@@ -1,0 +1,226 @@
+"""Where a decoding round's time goes, and how close decoding comes to the memory roofline,
+for juries of 1, 2, 3 and 4 heads: in-process and through `hydra-jury serve`.
+
+    python bench/bench_round.py --checkpoint var/models/smollm2-hydra
+
+Greedy non-speculative PoE (`verifier_only`: one trunk step and one jury call per token),
+the same request each way, `--new-tokens` tokens, median of `--runs` runs:
+
+- raw runtime: the trunk and the jury's heads as one stack in a bare greedy loop, no
+  engine: what the forward passes alone cost;
+- in-process: the engine over the in-process backend, with timers on each phase of a
+  round (`round_profile`): the table of where a round's time goes;
+- serve: the same request through gRPC to `hydra-jury serve` (a process started for the
+  benchmark once the in-process runs are done, so nothing else runs beside it).
+
+The bytes roofline: a token must read the trunk's layers, its jury's head layers and the
+output matrix once (the checkpoint's dtype), at most as fast as the machine copies memory
+(a 256 MiB tensor copy, bytes read and written per second, best of 5). Each row's
+fraction is its tokens/s over the roofline's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import torch
+from round_profile import PHASES, REST, PhaseProfiler
+
+from hydra_jury.hydra_model import HeadStack, HydraModel
+from hydra_jury.orchestrator.convert import request_to_pb
+from hydra_jury.orchestrator.engine import Engine
+from hydra_jury.orchestrator.launcher import start_child
+from hydra_jury.orchestrator.local_backend import LocalBackend
+from hydra_jury.orchestrator.request import GenerationRequest
+from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
+from hydra_jury.workers.sessions import SessionLimits
+
+PROMPT = "Write a short story about a robot who learns to paint."
+COPY_BYTES = 256 * 2**20
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def copy_bandwidth() -> float:
+    """Bytes read and written per second by a 256 MiB tensor copy (best of 5)."""
+    source = torch.ones(COPY_BYTES // 4)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(6):
+        began = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - began)
+    return 2 * COPY_BYTES / best
+
+
+def bytes_per_token(model: HydraModel, jury_size: int) -> int:
+    """Weights one non-speculative token reads: trunk layers, the jury's head layers and
+    the output matrix once (an embedding row is negligible)."""
+    trunk = sum(t.nbytes for t in model.trunk.layers.tensors())
+    heads = model.heads
+    head = sum(t.nbytes for t in heads.layers.tensors()) // heads.size
+    if heads.shares_lm_head:  # one matrix, read once for every juror's row
+        return trunk + jury_size * head + heads.lm_head.nbytes
+    return trunk + jury_size * (head + heads.lm_head.nbytes // heads.size)
+
+
+def jury_stack(model: HydraModel, size: int) -> HeadStack:
+    """The first `size` heads as one stack (views of the loaded weights)."""
+    heads = model.heads
+    members = slice(0, size)
+    lm_head = heads.lm_head if heads.shares_lm_head else heads.lm_head[members]
+    return HeadStack(
+        heads.names[:size], heads.layers.select(members), heads.norm[members], lm_head, heads.rope
+    )
+
+
+def raw_rate(model: HydraModel, prompt: list[int], size: int, new_tokens: int) -> float:
+    """Tokens/s of a bare greedy loop over the trunk and `size` heads (head 0's argmax)."""
+    stack = jury_stack(model, size)
+    capacity = len(prompt) + new_tokens
+    trunk_cache, head_cache = model.trunk_cache(capacity), model.head_cache(size, capacity)
+    tokens, start = torch.tensor(prompt), 0
+    began = time.perf_counter()
+    for _ in range(new_tokens):
+        hidden = model.trunk.forward(tokens, trunk_cache, start)
+        logits = stack.forward(hidden, head_cache, start)
+        start += len(tokens)
+        tokens = logits[0, -1:].argmax(-1)
+    return new_tokens / (time.perf_counter() - began)
+
+
+def request(jury: list[str], new_tokens: int) -> GenerationRequest:
+    return GenerationRequest(
+        messages=[{"role": "user", "content": PROMPT}],
+        max_new_tokens=new_tokens,
+        ignore_eos=True,
+        temperature=0.0,
+        rule="verifier_only",
+        jury=jury,
+    )
+
+
+def in_process(engine: Engine, jury: list[str], new_tokens: int) -> tuple[float, dict, list]:
+    """Tokens/s of one request, each phase's seconds per token, and the tokens."""
+    engine.generate(request(jury, 8))  # warm-up
+    profiler = PhaseProfiler()
+    with profiler.installed():
+        began = time.perf_counter()
+        output = engine.generate(request(jury, new_tokens))
+        wall = time.perf_counter() - began
+    emitted = len(output.token_ids)
+    per_token = {phase: seconds / emitted for phase, seconds in profiler.shares(wall).items()}
+    return emitted / wall, per_token, list(output.token_ids)
+
+
+def through_serve(stub, jury: list[str], new_tokens: int) -> tuple[float, list[int]]:
+    message = request_to_pb(request(jury, new_tokens))
+    began = time.perf_counter()
+    response = stub.Generate(message, timeout=600)
+    return len(response.token_ids) / (time.perf_counter() - began), list(response.token_ids)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", default="var/models/smollm2-hydra")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    model = HydraModel.load(args.checkpoint)
+    tokenizer = model.load_tokenizer()
+    prompt = tokenizer.encode(PROMPT)
+    juries = [model.head_names[:size] for size in range(1, len(model.head_names) + 1)]
+    bandwidth = copy_bandwidth()
+    print(
+        f"{cpu_model()}, {torch.get_num_threads()} threads, copy bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s; {Path(args.checkpoint).name} ({model.dtype}), greedy "
+        f"verifier_only, {args.new_tokens} new tokens, median of {args.runs} runs\n"
+    )
+    engine = Engine(LocalBackend(model, limits=SessionLimits(1, 1024)), tokenizer)
+    rows = {}
+    for jury in juries:
+        runs = [in_process(engine, jury, args.new_tokens) for _ in range(args.runs)]
+        median = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
+        raw = statistics.median(
+            raw_rate(model, prompt, len(jury), args.new_tokens) for _ in range(args.runs)
+        )
+        rows[len(jury)] = {"raw": raw, "in-process": median[0], "phases": median[1]}
+        rows[len(jury)]["tokens"] = median[2]
+    del engine
+    serve_rates(args, juries, rows)
+    report(model, bandwidth, rows)
+
+
+def serve_rates(args: argparse.Namespace, juries: list[list[str]], rows: dict) -> None:
+    server = start_child(
+        "server",
+        [
+            sys.executable,
+            "-m",
+            "hydra_jury.cli",
+            "serve",
+            "--checkpoint",
+            args.checkpoint,
+            "--listen",
+            "127.0.0.1:0",
+            "--max-sessions",
+            "2",
+        ],
+        300,
+    )
+    try:
+        if not server.address:
+            raise RuntimeError(server.failure)
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(server.address))
+        for jury in juries:
+            through_serve(stub, jury, 8)  # warm-up
+            runs = [through_serve(stub, jury, args.new_tokens) for _ in range(args.runs)]
+            for _, tokens in runs:
+                if tokens != rows[len(jury)]["tokens"]:
+                    raise AssertionError(f"serve gave other tokens than in-process ({jury})")
+            rows[len(jury)]["serve"] = statistics.median(rate for rate, _ in runs)
+    finally:
+        server.process.terminate()
+        server.process.wait(timeout=30)
+
+
+def report(model: HydraModel, bandwidth: float, rows: dict) -> None:
+    print("Tokens/s and the fraction of the bytes roofline:\n")
+    header = ["jury", "MB/token", "roofline tok/s", "raw runtime", "in-process", "serve"]
+    print("| " + " | ".join([*header, "serve/in-process"]) + " |")
+    print("| --- " * (len(header) + 1) + "|")
+    for size, row in rows.items():
+        need = bytes_per_token(model, size)
+        roof = bandwidth / need
+        cells = [
+            f"{row[key]:.1f} ({row[key] / roof:.0%})" for key in ("raw", "in-process", "serve")
+        ]
+        print(
+            f"| {size} head{'s' if size > 1 else ''} | {need / 1e6:.0f} | {roof:.1f} | "
+            f"{' | '.join(cells)} | {row['serve'] / row['in-process']:.2f} |"
+        )
+    print("\nIn-process, where a round's time goes (ms per token, share of the round):\n")
+    phases = [*PHASES, REST]
+    print("| jury | " + " | ".join(phases) + " | outside forward |")
+    print("| --- " * (len(phases) + 2) + "|")
+    for size, row in rows.items():
+        spent = row["phases"]
+        total = sum(spent.values())
+        outside = 1 - (spent["trunk forward"] + spent["heads forward"]) / total
+        cells = [f"{spent[p] * 1e3:.2f} ({spent[p] / total:.0%})" for p in phases]
+        print(f"| {size} head{'s' if size > 1 else ''} | {' | '.join(cells)} | {outside:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
