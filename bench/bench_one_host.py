@@ -140,6 +140,12 @@ class InProcess:
         return answer["seconds"], answer["tokens"]
 
 
+def start_server(checkpoint: str):
+    """`hydra-jury serve` on a free loopback port, as a child process (`start_child`)."""
+    command = [sys.executable, "-m", "hydra_jury.cli", "serve", "--checkpoint", checkpoint]
+    return start_child("server", [*command, "--listen", "127.0.0.1:0", *SESSIONS], 300)
+
+
 class ThroughGrpc:
     def __init__(self, name: str, address: str) -> None:
         self.name = name
@@ -178,21 +184,7 @@ def main() -> None:
         return worker(args.checkpoint, args.mode, args.new_tokens, args.breakdown, args.services)
     checkpoint = str(Path(args.checkpoint))
     configs: list = [InProcess(checkpoint, "ACTIVE"), InProcess(checkpoint, "PASSIVE")]
-    server = start_child(
-        "server",
-        [
-            sys.executable,
-            "-m",
-            "hydra_jury.cli",
-            "serve",
-            "--checkpoint",
-            checkpoint,
-            "--listen",
-            "127.0.0.1:0",
-            *SESSIONS,
-        ],
-        300,
-    )
+    server = start_server(checkpoint)
     stacks = [
         LocalStack(checkpoint, shards=shards, port=0, extra_service_args=SESSIONS)
         for shards in (2, 1)

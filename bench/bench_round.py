@@ -24,18 +24,17 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import grpc
 import torch
+from bench_one_host import start_server  # this folder is on the path
 from round_profile import PHASES, REST, PhaseProfiler
 
 from hydra_jury.hydra_model import HeadStack, HydraModel
 from hydra_jury.orchestrator.convert import request_to_pb
 from hydra_jury.orchestrator.engine import Engine
-from hydra_jury.orchestrator.launcher import start_child
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
@@ -163,22 +162,7 @@ def main() -> None:
 
 
 def serve_rates(args: argparse.Namespace, juries: list[list[str]], rows: dict) -> None:
-    server = start_child(
-        "server",
-        [
-            sys.executable,
-            "-m",
-            "hydra_jury.cli",
-            "serve",
-            "--checkpoint",
-            args.checkpoint,
-            "--listen",
-            "127.0.0.1:0",
-            "--max-sessions",
-            "2",
-        ],
-        300,
-    )
+    server = start_server(args.checkpoint)
     try:
         if not server.address:
             raise RuntimeError(server.failure)

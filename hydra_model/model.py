@@ -126,6 +126,12 @@ class HydraModel:
             stack, self.config.num_layers - self.manifest.trunk_layers, num_slots, capacity
         )
 
+    def hidden_store(self, num_slots: int, capacity: int) -> torch.Tensor:
+        """[num_slots, capacity, D]: a trunk output per position of each session slot (the
+        trunk worker's drafters and the jury's heads catch up from them)."""
+        shape = (num_slots, capacity, self.config.hidden_size)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
     def trunk_cache(self, capacity: int) -> KVCache:
         """A cache for one session (its own one-slot pool)."""
         return self.trunk_pool(1, capacity).acquire()

@@ -80,13 +80,7 @@ class JuryWorker:
         capacity = min(limits.max_session_tokens, model.context_length)
         self.max_session_tokens = capacity
         self.pool = model.head_pool(model.heads.size, limits.max_sessions, capacity)
-        self._hidden = torch.zeros(
-            limits.max_sessions,
-            capacity,
-            model.config.hidden_size,
-            dtype=model.dtype,
-            device=model.device,
-        )
+        self._hidden = model.hidden_store(limits.max_sessions, capacity)
         self.sessions: SessionTable[_Session] = SessionTable(
             limits, self._new_session, self._free_session
         )

@@ -139,13 +139,7 @@ class TrunkWorker:
         self._draft_pool = model.head_pool(1, limits.max_sessions, capacity)
         # Per slot: the tokens of the trunk, the draft head and the draft model.
         self._tokens = torch.zeros(limits.max_sessions, 3, capacity, dtype=torch.long)
-        self._hidden = torch.zeros(
-            limits.max_sessions,
-            capacity,
-            model.config.hidden_size,
-            dtype=model.dtype,
-            device=model.device,
-        )
+        self._hidden = model.hidden_store(limits.max_sessions, capacity)
         self.uncertainty_head = load_uncertainty_head(model)
         self.sessions: SessionTable[_Session] = SessionTable(
             limits, self._new_session, self._free_session
