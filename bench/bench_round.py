@@ -32,7 +32,7 @@ import torch
 from bench_one_host import start_server  # this folder is on the path
 from round_profile import PHASES, REST, PhaseProfiler
 
-from hydra_jury.hydra_model import HeadStack, HydraModel
+from hydra_jury.hydra_model import HydraModel
 from hydra_jury.orchestrator.convert import request_to_pb
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.local_backend import LocalBackend
@@ -74,19 +74,9 @@ def bytes_per_token(model: HydraModel, jury_size: int) -> int:
     return trunk + jury_size * (head + heads.lm_head.nbytes // heads.size)
 
 
-def jury_stack(model: HydraModel, size: int) -> HeadStack:
-    """The first `size` heads as one stack (views of the loaded weights)."""
-    heads = model.heads
-    members = slice(0, size)
-    lm_head = heads.lm_head if heads.shares_lm_head else heads.lm_head[members]
-    return HeadStack(
-        heads.names[:size], heads.layers.select(members), heads.norm[members], lm_head, heads.rope
-    )
-
-
 def raw_rate(model: HydraModel, prompt: list[int], size: int, new_tokens: int) -> float:
     """Tokens/s of a bare greedy loop over the trunk and `size` heads (head 0's argmax)."""
-    stack = jury_stack(model, size)
+    stack = model.heads.select(0, size)  # the jury of the first `size` heads
     capacity = len(prompt) + new_tokens
     trunk_cache, head_cache = model.trunk_cache(capacity), model.head_cache(size, capacity)
     tokens, start = torch.tensor(prompt), 0

@@ -84,14 +84,15 @@ class HeadStack:
     def tensors(self) -> list[torch.Tensor]:
         return [*self.layers.tensors(), self.norm, self.lm_head]
 
-    def select(self, index: int) -> HeadStack:
-        """A stack of the one head at `index`, sharing this stack's weights (no copy)."""
-        if not 0 <= index < self.size:
-            raise IndexError(f"head index {index} out of range for {self.size} heads")
-        members = slice(index, index + 1)
+    def select(self, index: int, count: int = 1) -> HeadStack:
+        """A stack of the `count` heads from `index` on, sharing this stack's weights (no
+        copy)."""
+        if not (index >= 0 and count >= 1 and index + count <= self.size):
+            raise IndexError(f"heads {index}..{index + count - 1} out of range for {self.size}")
+        members = slice(index, index + count)
         lm_head = self.lm_head if self.shares_lm_head else self.lm_head[members]
         return HeadStack(
-            [self.names[index]], self.layers.select(members), self.norm[members], lm_head, self.rope
+            self.names[members], self.layers.select(members), self.norm[members], lm_head, self.rope
         )
 
     @torch.inference_mode()
@@ -128,34 +129,32 @@ class HeadStack:
         """Each run's heads over its batch -> its logits [count, len(rows), V] float32
         (None for a run without rows). A shared LM head multiplies every run's rows in
         one product: it is read once, whatever the runs."""
-        eps = self.layers.config.rms_norm_eps
-        normed: list[torch.Tensor | None] = []
+        wanted: list[torch.Tensor | None] = []
         for run in runs:
             x = run.hidden[None].expand(run.count, -1, -1)  # [count, N, D], no copy
-            layers = self._layers_of(run.first, run.count)
-            x = layers.forward_ragged(x, run.segments, self.rope)
-            wanted = None if run.rows is None else x[:, run.rows]
-            normed.append(None if wanted is None else rms_norm(wanted, self.norm[run.members], eps))
+            x = self._layers_of(run.first, run.count).forward_ragged(x, run.segments, self.rope)
+            wanted.append(None if run.rows is None else x[:, run.rows])
+        if not self.shares_lm_head:
+            return [
+                None if x is None else self._logits(x, run.members)
+                for run, x in zip(runs, wanted, strict=True)
+            ]
+        eps = self.layers.config.rms_norm_eps
+        normed = [
+            None if x is None else rms_norm(x, self.norm[run.members], eps)
+            for run, x in zip(runs, wanted, strict=True)
+        ]
         present = [x for x in normed if x is not None]
         if not present:
-            return [None] * len(runs)
-        if self.shares_lm_head:
-            flat = torch.cat([x.flatten(0, 1) for x in present])
-            pieces = iter(
-                shared_lm_head(flat, self.lm_head)
-                .float()
-                .split([x.shape[0] * x.shape[1] for x in present])
-            )
-            return [None if x is None else next(pieces).unflatten(0, x.shape[:2]) for x in normed]
-        return [
-            None if x is None else torch.bmm(x, self.lm_head[run.members].mT).float()
-            for run, x in zip(runs, normed, strict=True)
-        ]
+            return normed
+        products = shared_lm_head(torch.cat([x.flatten(0, 1) for x in present]), self.lm_head)
+        pieces = iter(products.float().split([x.shape[0] * x.shape[1] for x in present]))
+        return [None if x is None else next(pieces).unflatten(0, x.shape[:2]) for x in normed]
 
     def _layers_of(self, first: int, count: int) -> LayerStack:
         key = (first, count)
         if key not in self._member_layers:
-            self._member_layers[key] = self.layers.select(slice(first, first + count))
+            self._member_layers[key] = self.select(first, count).layers
         return self._member_layers[key]
 
     def forward_training(
@@ -171,14 +170,15 @@ class HeadStack:
             x = x[:, torch.tensor(lengths).cumsum(0) - 1]
         return self._logits(x)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: last hidden states [S, N, D] -> [S, N, V] float32."""
-        normed = rms_norm(x, self.norm, self.layers.config.rms_norm_eps)
+    def _logits(self, x: torch.Tensor, members: slice = slice(None)) -> torch.Tensor:
+        """Final norm and LM head of the heads `members` (default: all): last hidden
+        states [S, N, D] -> [S, N, V] float32."""
+        normed = rms_norm(x, self.norm[members], self.layers.config.rms_norm_eps)
         if self.shares_lm_head:
             logits = shared_lm_head(normed.flatten(0, 1), self.lm_head)  # [S * N, V]
             logits = logits.unflatten(0, normed.shape[:2])  # [S, N, V]
         else:
-            logits = torch.bmm(normed, self.lm_head.mT)
+            logits = torch.bmm(normed, self.lm_head[members].mT)
         return logits.float()
 
     @torch.inference_mode()

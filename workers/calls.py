@@ -170,6 +170,11 @@ class ScoreCall:
         if self.amateur is not None and self.amateur in self.jury:
             raise InvalidArgument(f"amateur: {self.amateur!r} is also a juror")
 
+    @property
+    def heads(self) -> tuple[str, ...]:
+        """The heads the call evaluates: the jurors and the amateur."""
+        return (*self.jury, *([self.amateur] if self.amateur else []))
+
 
 @dataclass(frozen=True)
 class UncertaintyCall:

@@ -144,9 +144,9 @@ class JuryWorker:
             state.hidden[call.start : end] = rows
             state.length = end
             work.append(_Work(state, end, named, len(rows) if scored else 0))
-        runs, placed = self._plan(work)
-        self.counters.calls += bool(runs)
-        outputs = self.model.heads.forward_runs(runs)
+        placed = self._plan(work)
+        self.counters.calls += bool(placed)
+        outputs = self.model.heads.forward_runs([run for run, _ in placed])
         logits: list[dict[int, torch.Tensor]] = [{} for _ in calls]
         for (run, entries), output in zip(placed, outputs, strict=True):
             for member, head in enumerate(range(run.first, run.first + run.count)):
@@ -156,10 +156,10 @@ class JuryWorker:
                         logits[call_index][head] = output[member, rows]
         return logits
 
-    def _plan(self, work: list[_Work]) -> tuple[list[HeadRun], list[tuple[HeadRun, list]]]:
+    def _plan(self, work: list[_Work]) -> list[tuple[HeadRun, list[tuple[int, slice]]]]:
         """The head runs of a batch: consecutive hosted heads with the same work (the same
-        calls, each from the same cache length) run as one stack. Returns the runs and,
-        per run, (call index, slice of the run's logit rows) of each of its calls."""
+        calls, each from the same cache length) run as one stack. Each run with, per call
+        it serves, (call index, slice of the run's logit rows)."""
         needs: list[tuple[tuple[int, int], ...]] = []
         for head in range(len(self.hosted)):
             needs.append(
@@ -169,18 +169,16 @@ class JuryWorker:
                     if head in item.heads
                 )
             )
-        runs, placed = [], []
+        placed = []
         head = 0
         while head < len(self.hosted):
             count = 1
             while head + count < len(self.hosted) and needs[head + count] == needs[head]:
                 count += 1
             if needs[head]:
-                run, entries = self._head_run(work, head, count, needs[head])
-                runs.append(run)
-                placed.append((run, entries))
+                placed.append(self._head_run(work, head, count, needs[head]))
             head += count
-        return runs, placed
+        return placed
 
     def _head_run(
         self, work: list[_Work], first: int, count: int, need: tuple[tuple[int, int], ...]
@@ -223,9 +221,8 @@ class JuryWorker:
     def score_batch(self, calls: list[ScoreCall]) -> list[ScoreResult]:
         """Several sessions' score calls in one ragged forward of the heads they name."""
         for call in calls:
-            self._check_names("jury", (*call.jury, *([call.amateur] if call.amateur else [])))
-        heads = [self._heads((*call.jury, call.amateur or "")) for call in calls]
-        logits = self._run(calls, heads, scored=True)
+            self._check_names("jury", call.heads)
+        logits = self._run(calls, [self._heads(call.heads) for call in calls], scored=True)
         return [self._result(call, rows) for call, rows in zip(calls, logits, strict=True)]
 
     def _result(self, call: ScoreCall, logits: dict[int, torch.Tensor]) -> ScoreResult:
