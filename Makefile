@@ -21,7 +21,10 @@ LATEST_VENV := var/latest-venv
 
 .PHONY: setup protos test test-fast fuzz chaos overload test-numerics test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching bench-tracing bench-round clean
 
+# The native kernels are built (or found in their cache) on every `make setup`: a second
+# run costs the import of torch.
 setup: $(STAMP)
+	$(PY) -m hydra_jury.hydra_model.kernels
 
 # Reinstalls only when pyproject.toml or the lock changes, so a second `make setup` is
 # instant. The build tools come first, from the lock, and the project builds without

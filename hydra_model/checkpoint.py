@@ -27,6 +27,7 @@ from safetensors import safe_open
 
 from hydra_jury.hydra_model.config import ConfigError, DecoderConfig
 from hydra_jury.hydra_model.layers import layer_tensor_shapes
+from hydra_jury.hydra_model.quantization import QuantizationError, QuantizationScheme
 
 FORMAT_VERSION = 1
 MANIFEST = "hydra.json"
@@ -63,6 +64,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    quantization: QuantizationScheme | None = None  # None: float weights
 
     @property
     def llm_heads(self) -> tuple[HeadSpec, ...]:
@@ -76,6 +78,7 @@ class Manifest:
             "trunk_layers": self.trunk_layers,
             "decoder": self.decoder.to_dict(),
             "heads": [vars(h) for h in self.heads],
+            **({} if self.quantization is None else {"quantization": self.quantization.to_dict()}),
             **self.extra,
         }
 
@@ -149,7 +152,15 @@ def parse_manifest(data: dict[str, Any], where: str = MANIFEST) -> Manifest:
         raise CheckpointError(f"{where}: duplicate head names in {names}")
     if not any(h.role == "llm" for h in heads):
         raise CheckpointError(f"{where}: the checkpoint has no head of role 'llm'")
+    quantization = None
+    if "quantization" in data:
+        try:
+            quantization = QuantizationScheme.from_dict(data["quantization"])
+            quantization.stored_shapes(layer_tensor_shapes(decoder))  # the group size fits
+        except QuantizationError as error:
+            raise CheckpointError(f"{where}: {error}") from None
     known = {"format_version", "source", "dtype", "trunk_layers", "decoder", "heads"}
+    known.add("quantization")
     return Manifest(
         decoder=decoder,
         trunk_layers=trunk_layers,
@@ -157,6 +168,7 @@ def parse_manifest(data: dict[str, Any], where: str = MANIFEST) -> Manifest:
         dtype=dtype,
         source=data.get("source", ""),
         extra={k: v for k, v in data.items() if k not in known},
+        quantization=quantization,
     )
 
 
@@ -193,8 +205,11 @@ def read_tensors(
     device: str = "cpu",
     dtype: torch.dtype | None = None,
     note: str = "",
+    exact: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
-    """Loads a safetensors file, checking that it holds exactly the expected names/shapes."""
+    """Loads a safetensors file, checking that it holds exactly the expected names/shapes.
+    Tensors are converted to `dtype`, except those named in `exact` (quantized values and
+    their scales)."""
     try:
         handle = safe_open(str(path), framework="pt", device=device)
     except Exception as error:  # safetensors raises its own error types for corrupt files
@@ -221,7 +236,7 @@ def read_tensors(
                     f"decoder config{note}"
                 )
             tensor = tensors_file.get_tensor(name)
-            tensors[name] = tensor if dtype is None else tensor.to(dtype)
+            tensors[name] = tensor if dtype is None or name in exact else tensor.to(dtype)
     return tensors
 
 

@@ -8,25 +8,14 @@ import torch
 
 from hydra_jury.hydra_model.kv_cache import KVCache
 from hydra_jury.hydra_model.layers import LayerStack, Segment, rms_norm
+from hydra_jury.hydra_model.products import Weight, product
+from hydra_jury.hydra_model.quantization import tensors_of
 from hydra_jury.hydra_model.rope import RotaryTable
 
-# Products of 4 to 15 rows with the shared LM head are padded to 16 rows. MKL (PyTorch's
-# CPU BLAS) multiplies a few rows by a large matrix with small-row kernels that are
-# slowest from 4 to 15 rows: with SmolLM2's 49,152 x 576 LM head out of cache on the 2-core
-# development machine, 8 rows took 13.6 ms and 16 rows 9.7 ms (1 row: 4.5 ms), and a jury
-# shard of 2 heads scoring 4 positions multiplies 8 (docs/benchmarks.md, "One host"). From
-# 16 rows on, each row comes out the same whatever the rows beside it, so a shard's rows
-# also equal, bit for bit, the same rows of the whole jury's 16-row product.
-PADDED_ROW_COUNTS = range(4, 16)  # products of these many rows run as 16 rows
 
-
-def shared_lm_head(rows: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+def shared_lm_head(rows: torch.Tensor, lm_head: Weight) -> torch.Tensor:
     """Logits of `rows` [M, D] under a shared LM head [V, D] -> [M, V]."""
-    count = rows.shape[0]
-    if count in PADDED_ROW_COUNTS:
-        padding = rows.new_zeros(PADDED_ROW_COUNTS.stop - count, rows.shape[1])
-        return (torch.cat([rows, padding]) @ lm_head.T)[:count]
-    return rows @ lm_head.T
+    return product(rows[None], lm_head[None])[0]
 
 
 @dataclass(frozen=True)
@@ -61,7 +50,7 @@ class HeadStack:
         names: list[str],
         layers: LayerStack,
         norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: Weight,
         rope: RotaryTable,
     ) -> None:
         if len(names) != layers.size or norm.shape[0] != layers.size:
@@ -79,10 +68,10 @@ class HeadStack:
 
     @property
     def shares_lm_head(self) -> bool:
-        return self.lm_head.dim() == 2
+        return len(self.lm_head.shape) == 2
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.layers.tensors(), self.norm, self.lm_head]
+        return [*self.layers.tensors(), self.norm, *tensors_of(self.lm_head)]
 
     def select(self, index: int, count: int = 1) -> HeadStack:
         """A stack of the `count` heads from `index` on, sharing this stack's weights (no
@@ -178,7 +167,7 @@ class HeadStack:
             logits = shared_lm_head(normed.flatten(0, 1), self.lm_head)  # [S * N, V]
             logits = logits.unflatten(0, normed.shape[:2])  # [S, N, V]
         else:
-            logits = torch.bmm(normed, self.lm_head[members].mT)
+            logits = product(normed, self.lm_head[members])
         return logits.float()
 
     @torch.inference_mode()

@@ -25,6 +25,9 @@ import torch.nn.functional as F
 
 from hydra_jury.hydra_model.config import DecoderConfig
 from hydra_jury.hydra_model.kv_cache import KVCache
+from hydra_jury.hydra_model.products import Weight, product
+from hydra_jury.hydra_model.quantization import QuantizedWeight, cat_outputs, tensors_of
+from hydra_jury.hydra_model.quantization import stack as stack_weights
 from hydra_jury.hydra_model.rope import RotaryTable, rotate
 
 
@@ -101,26 +104,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return normed * weight[:, None, :]
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """x: [S, T, in], weight: [S, out, in], bias: [S, out] -> [S, T, out]."""
-    if bias is None:
-        return torch.bmm(x, weight.mT)
-    return torch.baddbmm(bias[:, None, :], x, weight.mT)
+    y = product(x, weight)
+    return y if bias is None else y + bias[:, None, :]
 
 
 class _Layer:
-    """One decoder layer's stacked weights, fused where that saves a matmul."""
+    """One decoder layer's stacked weights, fused where that saves a matmul. The
+    projections may be quantized (`quantization`); norms and biases are float."""
 
-    def __init__(self, config: DecoderConfig, members: Sequence[dict[str, torch.Tensor]]) -> None:
-        def stack(name: str) -> torch.Tensor:
-            return torch.stack([member[name] for member in members])
+    def __init__(self, config: DecoderConfig, members: Sequence[dict[str, Weight]]) -> None:
+        def stack(name: str) -> Weight:
+            return stack_weights([member[name] for member in members])
 
         def maybe(name: str) -> torch.Tensor | None:
-            return stack(name) if name in members[0] else None
+            return torch.stack([member[name] for member in members]) if name in members[0] else None
 
         # q, k and v in one matmul; gate and up in another.
-        self.qkv_weight = torch.cat(
-            [stack("q_proj.weight"), stack("k_proj.weight"), stack("v_proj.weight")], dim=1
+        self.qkv_weight = cat_outputs(
+            [stack("q_proj.weight"), stack("k_proj.weight"), stack("v_proj.weight")]
         )
         self.qkv_bias = (
             torch.cat([stack("q_proj.bias"), stack("k_proj.bias"), stack("v_proj.bias")], dim=1)
@@ -128,7 +131,7 @@ class _Layer:
             else None
         )
         self.o_weight, self.o_bias = stack("o_proj.weight"), maybe("o_proj.bias")
-        self.gate_up_weight = torch.cat([stack("gate_proj.weight"), stack("up_proj.weight")], dim=1)
+        self.gate_up_weight = cat_outputs([stack("gate_proj.weight"), stack("up_proj.weight")])
         self.gate_up_bias = (
             torch.cat([stack("gate_proj.bias"), stack("up_proj.bias")], dim=1)
             if config.mlp_bias
@@ -144,7 +147,8 @@ class _Layer:
         self.q_norm, self.k_norm = maybe("q_norm.weight"), maybe("k_norm.weight")
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
+        values = [v for v in vars(self).values() if isinstance(v, torch.Tensor | QuantizedWeight)]
+        return [t for value in values for t in tensors_of(value)]
 
     def select(self, members: slice) -> _Layer:
         """A view of some members of the stack (no copy)."""

@@ -22,6 +22,9 @@ from hydra_jury.hydra_model.checkpoint import (
 from hydra_jury.hydra_model.heads import HeadStack
 from hydra_jury.hydra_model.kv_cache import KVCache, KVCachePool
 from hydra_jury.hydra_model.layers import LayerStack
+from hydra_jury.hydra_model.products import Weight
+from hydra_jury.hydra_model.quantization import QuantizationError
+from hydra_jury.hydra_model.quantization import stack as stack_weights
 from hydra_jury.hydra_model.rope import RotaryTable
 from hydra_jury.hydra_model.trunk import Trunk
 
@@ -91,10 +94,24 @@ class HydraModel:
             raise CheckpointError(f"{directory}: no heads to load")
         rope = RotaryTable(config, config.max_position_embeddings, torch_dtype, torch_device)
 
-        def read(path: Path, expected, note: str = "") -> dict[str, torch.Tensor]:
-            return read_tensors(
-                path, expected, device=str(torch_device), dtype=torch_dtype, note=note
+        def read(path: Path, expected, note: str = "") -> dict[str, Weight]:
+            scheme = manifest.quantization
+            if scheme is None:
+                return read_tensors(
+                    path, expected, device=str(torch_device), dtype=torch_dtype, note=note
+                )
+            stored = read_tensors(
+                path,
+                scheme.stored_shapes(expected),
+                device=str(torch_device),
+                dtype=torch_dtype,
+                note=note,
+                exact=scheme.exact_names(expected),
             )
+            try:
+                return scheme.assemble(stored, str(path))
+            except QuantizationError as error:
+                raise CheckpointError(str(error)) from None
 
         needs_embedding = load_trunk or any(h.lm_head == "embedding" for h in chosen)
         needs_shared = any(h.lm_head == "shared" for h in chosen)
@@ -183,5 +200,5 @@ def _load_heads(
     layers = LayerStack.from_tensors(config, manifest.trunk_layers, members)
     places = {h.lm_head for h in chosen}
     # One shared matrix when every head reads the same one; a stack otherwise.
-    lm_head = lm_heads[0] if len(places) == 1 and "own" not in places else torch.stack(lm_heads)
+    lm_head = lm_heads[0] if len(places) == 1 and "own" not in places else stack_weights(lm_heads)
     return HeadStack([h.name for h in chosen], layers, torch.stack(norms), lm_head, rope)

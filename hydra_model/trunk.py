@@ -6,11 +6,13 @@ import torch
 
 from hydra_jury.hydra_model.kv_cache import KVCache
 from hydra_jury.hydra_model.layers import LayerStack, Segment
+from hydra_jury.hydra_model.products import Weight, embed
+from hydra_jury.hydra_model.quantization import tensors_of
 from hydra_jury.hydra_model.rope import RotaryTable
 
 
 class Trunk:
-    def __init__(self, embedding: torch.Tensor, layers: LayerStack, rope: RotaryTable) -> None:
+    def __init__(self, embedding: Weight, layers: LayerStack, rope: RotaryTable) -> None:
         self.embedding = embedding  # [V, D]
         self.layers = layers  # a stack of one
         self.rope = rope
@@ -20,7 +22,7 @@ class Trunk:
         return len(self.layers.layers)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.embedding, *self.layers.tensors()]
+        return [*tensors_of(self.embedding), *self.layers.tensors()]
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
@@ -31,5 +33,5 @@ class Trunk:
     @torch.inference_mode()
     def forward_ragged(self, tokens: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """tokens: [N], the segments' tokens one after the other -> hidden states [N, D]."""
-        x = self.embedding[tokens][None]  # [1, N, D]
+        x = embed(self.embedding, tokens, self.rope.cos.dtype)[None]  # [1, N, D]
         return self.layers.forward_ragged(x, segments, self.rope)[0]
