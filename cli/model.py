@@ -12,8 +12,33 @@ from hydra_jury.hydra_model.checkpoint import DTYPES
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
     _add_build(commands)
+    _add_quantize(commands)
     _add_train_heads(commands)
     _add_inspect(commands)
+
+
+def _add_quantization_flags(parser: argparse.ArgumentParser, required: bool) -> None:
+    from hydra_jury.hydra_model.quantization import DEFAULT_GROUP_SIZE, METHODS
+
+    parser.add_argument(
+        "--quantize",
+        choices=METHODS,
+        required=required,
+        help="weight-only quantization: int8 with a scale per output channel, int4 with a "
+        "scale and minimum per group of inputs" + ("" if required else " (default: none)"),
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=DEFAULT_GROUP_SIZE,
+        metavar="N",
+        help="int4: inputs per scale and minimum, a multiple of 32 (%(default)s)",
+    )
+    parser.add_argument(
+        "--keep-output-matrix",
+        action="store_true",
+        help="keep the embedding and LM heads float (default: quantize them too)",
+    )
 
 
 def _add_build(commands: argparse._SubParsersAction) -> None:
@@ -71,6 +96,7 @@ def _add_build(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dtype", default=BuildOptions.dtype, choices=list(DTYPES), help="(%(default)s)"
     )
+    _add_quantization_flags(parser, required=False)
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
     parser.set_defaults(handler=_run_build)
 
@@ -79,6 +105,31 @@ def _run_build(args: argparse.Namespace) -> int:
     from hydra_jury.hydra_model.build.builder import BuildOptions, build_checkpoint
 
     build_checkpoint(from_flags(BuildOptions, args), log=log)
+    return 0
+
+
+def _add_quantize(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "quantize",
+        help="write a weight-only quantized copy of a Hydra checkpoint",
+        description="Quantize every projection of the trunk and the heads (and, unless "
+        "--keep-output-matrix, the embedding and LM heads) of a float checkpoint. "
+        "Every service, serve and generate --local load the result unchanged; decoding "
+        "is exact with respect to the quantized model's own distributions.",
+    )
+    parser.add_argument("--checkpoint", required=True, metavar="DIR", help="float checkpoint")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the quantized checkpoint")
+    _add_quantization_flags(parser, required=True)
+    parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    parser.set_defaults(handler=_run_quantize)
+
+
+def _run_quantize(args: argparse.Namespace) -> int:
+    from hydra_jury.hydra_model.build.quantize import quantize_checkpoint
+    from hydra_jury.hydra_model.quantization import QuantizationScheme
+
+    scheme = QuantizationScheme.from_flags(args.quantize, args.group_size, args.keep_output_matrix)
+    quantize_checkpoint(args.checkpoint, args.out, scheme, force=args.force, log=log)
     return 0
 
 

@@ -188,6 +188,19 @@ class QuantizationScheme:
             check_group_size(scheme.group_size, scheme.group_size or 1)
         return scheme
 
+    @classmethod
+    def from_flags(
+        cls, method: str, group_size: int, keep_output_matrix: bool
+    ) -> QuantizationScheme:
+        """The scheme `--quantize`, `--group-size` and `--keep-output-matrix` ask for."""
+        return cls.from_dict(
+            {
+                "method": method,
+                "group_size": group_size if method == "int4" else 0,
+                "output_matrix": not keep_output_matrix,
+            }
+        )
+
     def covers(self, name: str) -> bool:
         """Whether the checkpoint tensor `name` is stored quantized."""
         if name.endswith("_proj.weight"):

@@ -33,6 +33,11 @@ from hydra_jury.hydra_model.checkpoint import (
 )
 from hydra_jury.hydra_model.config import DecoderConfig
 from hydra_jury.hydra_model.layers import layer_tensor_shapes
+from hydra_jury.hydra_model.quantization import (
+    DEFAULT_GROUP_SIZE,
+    QuantizationError,
+    QuantizationScheme,
+)
 
 
 class BuildError(ValueError):
@@ -51,6 +56,18 @@ class BuildOptions:
     dtype: str = "float32"
     force: bool = False
     layers: int | None = None  # keep only the source's first N layers
+    quantize: str | None = None  # "int8" or "int4": weight-only (hydra_model.quantization)
+    group_size: int = DEFAULT_GROUP_SIZE  # int4's inputs per scale and minimum
+    keep_output_matrix: bool = False  # embedding and LM heads stay float
+
+    def quantization(self) -> QuantizationScheme | None:
+        """The scheme the options ask for (None: float weights); QuantizationError if it
+        cannot be made."""
+        if self.quantize is None:
+            return None
+        return QuantizationScheme.from_flags(
+            self.quantize, self.group_size, self.keep_output_matrix
+        )
 
 
 def _same_architecture(base: SourceModel, other: SourceModel) -> bool:
@@ -96,6 +113,12 @@ def build_checkpoint(
         raise BuildError(f"{options.source}: no tokenizer files next to the model")
     shapes = layer_tensor_shapes(config)
     head_layers = range(k, config.num_layers)
+    try:
+        scheme = options.quantization()
+        if scheme is not None:
+            scheme.stored_shapes(shapes)  # the group size divides every layer's inputs
+    except QuantizationError as error:
+        raise BuildError(str(error)) from None
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -140,14 +163,14 @@ def build_checkpoint(
             else:
                 place = "own"
                 tensors["lm_head.weight"] = lm_head
-            save_tensors(tensors, staging / HEADS_DIR / f"{name}.safetensors", dtype)
+            save_tensors(tensors, staging / HEADS_DIR / f"{name}.safetensors", dtype, scheme)
             specs.append(
                 HeadSpec(name=name, role=role, lm_head=place, source=f"{kind} {origin}".strip())
             )
         if shared_lm_head:
             trunk["lm_head.weight"] = base_lm_head
         log(f"writing trunk ({k} layers)")
-        save_tensors(trunk, staging / TRUNK_FILE, dtype)
+        save_tensors(trunk, staging / TRUNK_FILE, dtype, scheme)
         log("writing tokenizer")
         base.save_tokenizer(staging)
         manifest = Manifest(
@@ -157,6 +180,7 @@ def build_checkpoint(
             dtype=options.dtype,
             format_version=FORMAT_VERSION,
             source=_source_description(options.source, base.config, config),
+            quantization=scheme,
         )
         (staging / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
         if out.exists():
@@ -222,8 +246,19 @@ def _head_plan(options: BuildOptions) -> list[tuple[str, str, str, str]]:
     return plan
 
 
-def save_tensors(tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> None:
-    save_file({name: t.to(dtype).contiguous() for name, t in tensors.items()}, str(path))
+def save_tensors(
+    tensors: dict[str, torch.Tensor],
+    path: Path,
+    dtype: torch.dtype,
+    scheme: QuantizationScheme | None = None,
+) -> None:
+    """Writes float tensors in `dtype`, quantizing those `scheme` covers (from the
+    tensors as given, not from their `dtype` rounding)."""
+    stored = {name: t.to(dtype) for name, t in tensors.items()}
+    if scheme is not None:
+        covered = {name: t for name, t in tensors.items() if scheme.covers(name)}
+        stored.update(scheme.quantize_tensors(covered))
+    save_file({name: t.contiguous() for name, t in stored.items()}, str(path))
 
 
 def _directory_bytes(path: Path) -> int:

@@ -180,6 +180,11 @@ def train_heads(
 def check_options(options: TrainOptions, manifest: Manifest) -> None:
     if Path(options.out).resolve() == Path(options.checkpoint).resolve():
         raise TrainError("--out must be a new directory, not the --checkpoint itself")
+    if manifest.quantization is not None:
+        raise TrainError(
+            f"{options.checkpoint} is quantized ({manifest.quantization.method}); train the "
+            f"heads of its float checkpoint, then quantize the result (`hydra-jury quantize`)"
+        )
     minimums = {
         "--steps": (options.steps, 1),
         "--batch-size": (options.batch_size, 1),

@@ -29,6 +29,8 @@ import pytest
 import torch
 
 from hydra_jury.hydra_model import DraftModel, HydraModel
+from hydra_jury.hydra_model.build.quantize import quantize_checkpoint
+from hydra_jury.hydra_model.quantization import QuantizationScheme
 from tests.engine_sampling import RunSampler, worker_count
 from tests.grpc_stack import Stack
 from tests.models import (
@@ -41,7 +43,7 @@ from tests.orchestrator.test_concurrent_sessions import SESSION_ROOM
 from tests.orchestrator.test_grpc_stack import to_pb
 from tests.statistics import assert_fits
 
-pytestmark = pytest.mark.slow  # 31,000 generations: about two minutes on 2 cores
+pytestmark = pytest.mark.slow  # 36,000 generations: about two minutes on 2 cores
 
 RUNS = 5000
 PROMPT = "hi"
@@ -186,6 +188,42 @@ def test_exact_rule_samples_the_poe_target(
     if drafter == "model":
         options["drafter"] = "model"
     counts = empirical(sampler, small_model.config.vocab_size, options)
+    assert_fits(counts, joint, draft_joint)
+
+
+@pytest.fixture(scope="module")
+def quantized_small(tmp_path_factory, draft_checkpoint) -> HydraModel:
+    """The small jury with MLP width 64, quantized to int4 in groups of 32: every
+    projection and the LM head run on the int4 kernels."""
+    root = tmp_path_factory.mktemp("small-int4")
+    float_checkpoint = build_jury_checkpoint(
+        root, trunk_layers=1, num_hidden_layers=2, hidden_size=32, intermediate_size=64, head_dim=8
+    )
+    scheme = QuantizationScheme.from_flags("int4", 32, keep_output_matrix=False)
+    quantize_checkpoint(float_checkpoint, root / "int4", scheme, log=lambda line: None)
+    return HydraModel.load(root / "int4")
+
+
+def test_a_quantized_model_samples_its_own_poe_target(quantized_small, draft_checkpoint):
+    """Exactness is with respect to the quantized model's distributions: the target is
+    computed from its own forward passes."""
+    tokenizer = quantized_small.load_tokenizer()
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
+    names = quantized_small.head_names
+    joint, _ = joint_distribution(
+        quantized_small, prompt, lambda logits: (exact_target(logits, names, 1.0), False)
+    )
+    draft_joint, _ = joint_distribution(
+        quantized_small,
+        prompt,
+        lambda logits: (torch.softmax(logits[names.index(DRAFT_HEAD)], -1), False),
+    )
+    runs = RunSampler(quantized_small.directory, draft_checkpoint, worker_count())
+    try:
+        options = {"rule": "exact", "gamma": 3, "max_new_tokens": 4}
+        counts = empirical(runs, quantized_small.config.vocab_size, options)
+    finally:
+        runs.close()
     assert_fits(counts, joint, draft_joint)
 
 

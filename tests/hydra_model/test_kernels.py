@@ -1,0 +1,154 @@
+"""The native kernels (hydra_model/kernels) against a float64 reference: every format,
+every instruction set this CPU has, bit for bit the same across sets, a row's output the
+same whatever rows come with it; and the quantization they read."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from hydra_jury.hydra_model.kernels.native import INSTRUCTION_SETS, instruction_set, native
+from hydra_jury.hydra_model.products import KERNEL_MAX_ROWS, product
+from hydra_jury.hydra_model.quantization import (
+    QuantizationError,
+    QuantizedWeight,
+    pack_int4,
+    quantize,
+    unpack_int4,
+)
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def test_the_kernels_are_built_here():
+    """On x86-64 the kernels must load: a silent fallback would leave them untested."""
+    if not X86:
+        pytest.skip("the kernels are for x86-64")
+    assert native() is not None
+    assert instruction_set() in INSTRUCTION_SETS
+
+
+@pytest.fixture
+def kernels():
+    if native() is None:
+        pytest.skip("no native kernels on this machine")
+    chosen = instruction_set()
+    yield [name for name in INSTRUCTION_SETS if _supported(name)]
+    instruction_set(chosen)
+
+
+def _supported(name: str) -> bool:
+    try:
+        instruction_set(name)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _weights(stack: int, outputs: int, inputs: int) -> dict[str, torch.Tensor | QuantizedWeight]:
+    generator = torch.Generator().manual_seed(outputs + inputs)
+    w = torch.randn(stack, outputs, inputs, generator=generator)
+    return {
+        "float32": w,
+        "int8": quantize(w, "int8"),
+        "int4/32": quantize(w, "int4", 32),
+        "int4/64": quantize(w, "int4", 64),
+    }
+
+
+def _reference(x: torch.Tensor, weight) -> torch.Tensor:
+    if isinstance(weight, QuantizedWeight):
+        weight = weight.dequantize()
+    return torch.matmul(x.double(), weight.double().mT)
+
+
+@pytest.mark.parametrize("stack", [1, 3])
+@pytest.mark.parametrize("rows", [1, 2, 5, 17, KERNEL_MAX_ROWS])
+def test_products_match_the_reference_on_every_instruction_set(kernels, stack, rows):
+    x = torch.randn(stack, rows, 128, generator=torch.Generator().manual_seed(rows))
+    for name, weight in _weights(stack, 96, 128).items():
+        results = {}
+        for isa in kernels:
+            instruction_set(isa)
+            results[isa] = product(x, weight)
+        first = results[kernels[0]]
+        assert first.shape == (stack, rows, 96) and first.dtype == torch.float32
+        torch.testing.assert_close(first.double(), _reference(x, weight), rtol=0, atol=2e-4)
+        for isa, result in results.items():  # one summation order everywhere
+            assert torch.equal(result, first), (name, isa)
+
+
+def test_a_row_comes_out_the_same_whatever_rows_come_with_it(kernels):
+    x = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(1))
+    for name, weight in _weights(2, 160, 64).items():
+        whole = product(x, weight)
+        for first, last in [(0, 1), (3, 7), (5, 21), (39, 40)]:
+            part = product(x[:, first:last].contiguous(), weight)
+            assert torch.equal(part, whole[:, first:last]), (name, first, last)
+
+
+def test_every_stack_member_may_read_the_same_rows(kernels):
+    """Heads read the trunk's outputs as an expanded view (stride 0), not a copy."""
+    rows = torch.randn(1, 3, 64)
+    for weight in _weights(4, 64, 64).values():
+        expanded = product(rows.expand(4, -1, -1), weight)
+        assert torch.equal(expanded, product(rows.expand(4, -1, -1).contiguous(), weight))
+
+
+def test_without_the_kernels_products_agree(kernels, monkeypatch):
+    """PyTorch's products (a prefill's, or a machine without the kernels) give the same
+    values to float32 rounding."""
+    import hydra_jury.hydra_model.products as products
+
+    x = torch.randn(1, 6, 64)
+    for weight in _weights(1, 64, 64).values():
+        native_result = product(x, weight)
+        monkeypatch.setattr(products, "native", lambda: None)
+        torch.testing.assert_close(product(x, weight), native_result, rtol=1e-5, atol=1e-5)
+        monkeypatch.undo()
+
+
+def test_the_kernels_refuse_what_they_cannot_compute(kernels):
+    ops = native()
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.rows_times_float32(torch.randn(1, 1, 48), torch.randn(1, 8, 48))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.rows_times_float32(torch.randn(1, 1, 32).double(), torch.randn(1, 8, 32))
+    with pytest.raises(RuntimeError, match="unknown instruction set"):
+        ops.kernel_isa("sse9")
+
+
+def test_int8_rounds_each_weight_to_its_channel_step():
+    w = torch.randn(2, 16, 64) * torch.linspace(0.01, 3, 16)[:, None]
+    q = quantize(w, "int8")
+    assert q.data.dtype == torch.int8 and q.scale.shape == (2, 16)
+    assert (q.dequantize() - w).abs().le(q.scale[..., None] / 2 + 1e-7).all()
+    assert q.data.abs().amax(-1).eq(127).all()  # the scale is the row's largest magnitude
+
+
+def test_int4_rounds_each_weight_within_its_group():
+    w = torch.randn(3, 8, 128)
+    q = quantize(w, "int4", 64)
+    assert q.data.shape == (3, 8, 64) and q.scale.shape == q.minimum.shape == (3, 8, 2)
+    step = q.scale.repeat_interleave(64, -1)
+    assert (q.dequantize() - w).abs().le(step / 2 + 1e-6).all()
+    values = torch.randint(0, 16, (5, 96), dtype=torch.uint8)
+    assert torch.equal(unpack_int4(pack_int4(values)), values)
+
+
+def test_a_constant_group_or_row_quantizes_exactly():
+    w = torch.zeros(2, 64)
+    w[1] = 0.25
+    assert torch.equal(quantize(w, "int8").dequantize(), w)
+    assert torch.equal(quantize(w, "int4").dequantize(), w)
+
+
+def test_bad_quantizations_are_refused():
+    with pytest.raises(QuantizationError, match="multiple of 32"):
+        quantize(torch.randn(4, 64), "int4", 48)
+    with pytest.raises(QuantizationError, match="does not divide"):
+        quantize(torch.randn(4, 96), "int4", 64)
+    with pytest.raises(QuantizationError, match="unknown quantization"):
+        quantize(torch.randn(4, 64), "int3")
