@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from hydra_jury.hydra_model.config import DecoderConfig
 from hydra_jury.hydra_model.kv_cache import KVCache
-from hydra_jury.hydra_model.products import Weight, product
+from hydra_jury.hydra_model.products import Weight, cached_attention, product
 from hydra_jury.hydra_model.quantization import QuantizedWeight, cat_outputs, tensors_of
 from hydra_jury.hydra_model.quantization import stack as stack_weights
 from hydra_jury.hydra_model.rope import RotaryTable, rotate
@@ -104,10 +104,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return normed * weight[:, None, :]
 
 
-def _linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x: [S, T, in], weight: [S, out, in], bias: [S, out] -> [S, T, out]."""
-    y = product(x, weight)
-    return y if bias is None else y + bias[:, None, :]
+def _linear(
+    x: torch.Tensor,
+    weight: Weight,
+    bias: torch.Tensor | None,
+    *,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    glu: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x: [S, T, in], weight: [S, out, in], bias: [S, out] -> [S, T, out], with what
+    `products.product` fuses around it (norm, gate, residual)."""
+    if bias is None:
+        return product(x, weight, norm=norm, eps=eps, glu=glu, residual=residual)
+    y = product(x, weight, norm=norm, eps=eps, glu=glu) + bias[:, None, :]
+    return y if residual is None else y + residual
 
 
 class _Layer:
@@ -234,20 +246,31 @@ class LayerStack:
             attended = self._attention(layer, index, x, plans)
             x = x + rms_norm(attended, layer.attn_norm, eps)
             return x + rms_norm(self._mlp(layer, x), layer.mlp_norm, eps)
-        x = x + self._attention(layer, index, rms_norm(x, layer.attn_norm, eps), plans)
-        return x + self._mlp(layer, rms_norm(x, layer.mlp_norm, eps))
+        # Pre-norms: each norm and residual add travels with its product.
+        x = self._attention(layer, index, x, plans, norm=layer.attn_norm, residual=x)
+        return self._mlp(layer, x, norm=layer.mlp_norm, residual=x)
 
     def _attention(
-        self, layer: _Layer, index: int, x: torch.Tensor, plans: list[_SegmentPlan]
+        self,
+        layer: _Layer,
+        index: int,
+        x: torch.Tensor,
+        plans: list[_SegmentPlan],
+        norm: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         config = self.config
         stack, tokens, _ = x.shape
-        qkv = _linear(x, layer.qkv_weight, layer.qkv_bias)  # [S, N, q + 2kv]
+        eps = config.rms_norm_eps
+        qkv = _linear(x, layer.qkv_weight, layer.qkv_bias, norm=norm, eps=eps)  # [S, N, q+2kv]
+        if layer.q_norm is None:
+            out = self._attend_natively(index, qkv, plans)
+            if out is not None:
+                return _linear(out, layer.o_weight, layer.o_bias, residual=residual)
         q, k, v = qkv.split([config.q_size, config.kv_size, config.kv_size], dim=-1)
         if layer.q_norm is None:
             qk = qkv[..., : config.q_size + config.kv_size]  # q and k side by side
         else:
-            eps = config.rms_norm_eps
             qk = torch.cat([rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)], -1)
         # Rotated together: [S, N, heads + kv_heads, hd].
         qk = qk.reshape(stack, tokens, -1, config.head_dim)
@@ -258,7 +281,30 @@ class LayerStack:
             out = torch.cat(
                 [self._attend(index, qk[:, p.rows], v[:, p.rows], p) for p in plans], dim=1
             )  # [S, N, q]
-        return _linear(out, layer.o_weight, layer.o_bias)
+        return _linear(out, layer.o_weight, layer.o_bias, residual=residual)
+
+    def _attend_natively(
+        self, index: int, qkv: torch.Tensor, plans: list[_SegmentPlan]
+    ) -> torch.Tensor | None:
+        """Every segment's attention by the native kernel, or None if one cannot be."""
+        if any(plan.segment.cache is None for plan in plans):
+            return None
+        config = self.config
+        outs = []
+        for plan in plans:
+            out = cached_attention(
+                qkv[:, plan.rows],
+                plan.segment.cache,
+                index,
+                plan.segment.start,
+                plan.rotation,
+                config.num_attention_heads,
+                config.num_key_value_heads,
+            )
+            if out is None:
+                return None
+            outs.append(out)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def _attend(
         self, index: int, qk: torch.Tensor, v: torch.Tensor, plan: _SegmentPlan
@@ -287,6 +333,13 @@ class LayerStack:
             )
         return out.transpose(1, 2).reshape(stack, length, config.q_size)
 
-    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = _linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-        return _linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+    def _mlp(
+        self,
+        layer: _Layer,
+        x: torch.Tensor,
+        norm: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        gate_up = _linear(x, layer.gate_up_weight, layer.gate_up_bias, norm=norm, eps=eps)
+        return _linear(gate_up, layer.down_weight, layer.down_bias, glu=True, residual=residual)

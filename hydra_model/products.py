@@ -1,5 +1,5 @@
-"""Every product of activations with a weight, and every embedding lookup: one place that
-chooses between the native kernels and PyTorch's own.
+"""Every product of activations with a weight, the attention of a decode step, and every
+embedding lookup: one place that chooses between the native kernels and PyTorch's own.
 
 The kernels (`kernels/native.py`) take a few rows — a decode step, a speculative round,
 a jury's positions of several sessions — at the memory bandwidth, and give each row the
@@ -11,8 +11,10 @@ machines without the kernels.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hydra_jury.hydra_model.kernels.native import native
+from hydra_jury.hydra_model.kv_cache import KVCache
 from hydra_jury.hydra_model.quantization import QuantizedWeight
 
 Weight = torch.Tensor | QuantizedWeight
@@ -27,25 +29,82 @@ KERNEL_MAX_ROWS = 64
 PADDED_ROW_COUNTS = range(4, 16)
 
 
-def product(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+def product(
+    x: torch.Tensor,
+    weight: Weight,
+    *,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    glu: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [S, R, inputs] (S may be an expanded dimension of one) times weight
-    [S, outputs, inputs] transposed -> [S, R, outputs] in x's dtype."""
-    ops = native() if _kernel_fits(x, weight) else None
+    [S, outputs, inputs] transposed -> [S, R, outputs] in x's dtype.
+
+    What a decoder layer does around its products comes with them, so that a decode step
+    is a few native calls per layer: with `glu`, x is [gate, up] and the input is
+    silu(gate) * up; with `norm` [S, inputs], the input is RMS-normalised (statistics in
+    float32) and scaled by it; `residual` [S, R, outputs] is added to the result."""
+    width = x.shape[2] // 2 if glu else x.shape[2]
+    ops = native() if _kernel_fits(x, weight, width) else None
     if ops is not None:
+        scale = minimum = None
+        group = 0
         if isinstance(weight, QuantizedWeight):
-            if weight.minimum is None:
-                return ops.rows_times_int8(x, weight.data, weight.scale)
-            return ops.rows_times_int4(
-                x, weight.data, weight.scale, weight.minimum, weight.group_size
+            data, scale, minimum, group = (
+                weight.data,
+                weight.scale,
+                weight.minimum,
+                weight.group_size,
             )
-        return ops.rows_times_float32(x, weight)
+        else:
+            data = weight
+        return ops.rows_times(x, data, scale, minimum, group, norm, eps, glu, residual)
+    if glu:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    if norm is not None:
+        x = F.rms_norm(x.float(), (width,), eps=eps).to(x.dtype) * norm[:, None, :]
     if isinstance(weight, QuantizedWeight):
         weight = weight.dequantize(x.dtype)
     rows = x.shape[1]
     if rows in PADDED_ROW_COUNTS and x.shape[0] == 1:
         padding = x.new_zeros(1, PADDED_ROW_COUNTS.stop - rows, x.shape[2])
-        return torch.bmm(torch.cat([x, padding], dim=1), weight.mT)[:, :rows]
-    return torch.bmm(x, weight.mT)
+        y = torch.bmm(torch.cat([x, padding], dim=1), weight.mT)[:, :rows]
+    else:
+        y = torch.bmm(x, weight.mT)
+    return y if residual is None else y + residual
+
+
+def cached_attention(
+    qkv: torch.Tensor,
+    cache: KVCache,
+    layer: int,
+    start: int,
+    rotation: tuple[torch.Tensor, torch.Tensor],
+    heads: int,
+    kv_heads: int,
+) -> torch.Tensor | None:
+    """One session's attention by the native kernel: qkv [S, T, (heads + 2 kv_heads) *
+    head_dim] not yet rotated, `rotation` the cos and sin of its positions
+    (`RotaryTable.rotation`) -> [S, T, heads * head_dim], the new keys and values
+    written into `layer` of the cache at start... None when the kernel cannot take it
+    (then the caller uses PyTorch's attention)."""
+    head_dim = cache.keys.shape[-1]
+    fits = (
+        qkv.dtype == torch.float32
+        and cache.keys.dtype == torch.float32
+        and qkv.device.type == "cpu"
+        and qkv.shape[1] <= KERNEL_MAX_ROWS
+        and head_dim % 32 == 0
+        and head_dim <= 256
+        and not torch.is_grad_enabled()
+    )
+    ops = native() if fits else None
+    if ops is None:
+        return None
+    cos, sin = rotation
+    return ops.attend(qkv, cache.keys, cache.values, layer, start, cos, sin, heads, kv_heads)
 
 
 def embed(weight: Weight, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -55,12 +114,12 @@ def embed(weight: Weight, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return weight[tokens]
 
 
-def _kernel_fits(x: torch.Tensor, weight: Weight) -> bool:
+def _kernel_fits(x: torch.Tensor, weight: Weight, width: int) -> bool:
     return (
         x.dtype == torch.float32
         and x.device.type == "cpu"
         and x.shape[1] <= KERNEL_MAX_ROWS
-        and x.shape[2] % 32 == 0
+        and width % 32 == 0
         and x.stride(2) == 1
         and (x.shape[0] == weight.shape[0] or x.stride(0) == 0)
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))

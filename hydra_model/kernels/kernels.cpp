@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -31,6 +32,20 @@ struct Problem {
   const float* x;
   int64_t members, rows, inputs, outputs, x_member, x_row;
   float* y;
+};
+
+// One layer's attention for one session (attention.h): qkv [S, T, (heads + 2 kv_heads) *
+// dim] with member and row strides; that layer's cache, keys/values [S, kv_heads,
+// capacity, dim] with member and head strides; cos/sin [T, dim] of positions start..;
+// out [S, T, heads * dim].
+struct AttentionProblem {
+  const float* qkv;
+  int64_t members, rows, qkv_member, qkv_row;
+  float *keys, *values;
+  int64_t cache_member, cache_head;
+  const float *cos, *sin;
+  int64_t start, heads, kv_heads, dim;
+  float* out;
 };
 
 // Splits every member's outputs over the threads; fn(member, first, last).
@@ -50,6 +65,7 @@ void for_each_range(const Problem& p, const Fn& fn) {
 namespace scalar {
 #include "lanes_scalar.h"
 #include "rows_times_weight.h"
+#include "attention.h"
 }  // namespace scalar
 
 #pragma GCC push_options
@@ -57,6 +73,7 @@ namespace scalar {
 namespace avx2 {
 #include "lanes_avx2.h"
 #include "rows_times_weight.h"
+#include "attention.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -65,6 +82,7 @@ namespace avx2 {
 namespace avx512 {
 #include "lanes_avx512.h"
 #include "rows_times_weight.h"
+#include "attention.h"
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -107,83 +125,156 @@ std::string kernel_isa(std::string requested) {
   return kIsaNames[current_isa.load()];
 }
 
-Problem problem_of(const at::Tensor& x, const at::Tensor& weight, int64_t inputs, at::Tensor& y) {
-  TORCH_CHECK(x.dim() == 3 && weight.dim() == 3, "x must be [S, rows, inputs] and the weight "
-              "[S, outputs, inputs]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32, not ", x.scalar_type());
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "CPU tensors only");
+// x as the product reads it: [S or 1, rows, inputs] float32 with unit input stride. With
+// `glu`, x holds [gate, up] and the input is silu(gate) * up; with `norm` [S, inputs], the
+// input is x's RMS-normalised rows times norm (one set per stack member).
+at::Tensor prepared_input(const at::Tensor& x, const c10::optional<at::Tensor>& norm, double eps,
+                          bool glu, int64_t members) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "x must be a float32 CPU tensor [S, rows, inputs]");
+  TORCH_CHECK(x.stride(2) == 1, "x's inputs must be contiguous");
+  if (!glu && !norm.has_value()) return x;
+  int64_t rows = x.size(1), inputs = glu ? x.size(2) / 2 : x.size(2);
+  TORCH_CHECK(!glu || x.size(2) % 2 == 0, "a gated input has an even width");
+  int64_t sources = x.size(0), outs = norm.has_value() ? members : sources;
+  const float* scale = nullptr;
+  if (norm.has_value()) {
+    TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->dim() == 2 &&
+                    norm->size(0) == members && norm->size(1) == inputs,
+                "the norm weight must be float32 [S, inputs]");
+    scale = norm->data_ptr<float>();
+  }
+  at::Tensor ready = at::empty({outs, rows, inputs}, x.options());
+  const float* in = x.data_ptr<float>();
+  float* out = ready.data_ptr<float>();
+  for (int64_t s = 0; s < outs; ++s)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = in + (sources == 1 ? 0 : s * x.stride(0)) + r * x.stride(1);
+      float* target = out + (s * rows + r) * inputs;
+      if (glu) {
+        for (int64_t k = 0; k < inputs; ++k) {
+          float gate = row[k];
+          target[k] = gate / (1.0f + std::exp(-gate)) * row[inputs + k];
+        }
+        row = target;
+      }
+      if (scale != nullptr) {
+        float squares = 0.0f;
+        for (int64_t k = 0; k < inputs; ++k) squares += row[k] * row[k];
+        float inverse = 1.0f / std::sqrt(squares / inputs + static_cast<float>(eps));
+        for (int64_t k = 0; k < inputs; ++k) target[k] = row[k] * inverse * scale[s * inputs + k];
+      }
+    }
+  return ready;
+}
+
+// y = x' W^T (+ residual), x' the prepared input; the weight's format from its dtype:
+// float32 [S, outputs, inputs]; int8 [S, outputs, inputs] with scale [S, outputs]; int4
+// packed uint8 [S, outputs, inputs / 2] with scale and minimum [S, outputs, groups].
+at::Tensor rows_times(const at::Tensor& x_given, const at::Tensor& weight,
+                      const c10::optional<at::Tensor>& scale,
+                      const c10::optional<at::Tensor>& minimum, int64_t group,
+                      const c10::optional<at::Tensor>& norm, double eps, bool glu,
+                      const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous() && weight.device().is_cpu(),
+              "the weight must be a contiguous CPU tensor [S, outputs, inputs]");
+  int64_t members = weight.size(0), outputs = weight.size(1);
+  bool int4 = weight.scalar_type() == at::kByte;
+  int64_t inputs = int4 ? weight.size(2) * 2 : weight.size(2);
+  at::Tensor x = prepared_input(x_given, norm, eps, glu, members);
   TORCH_CHECK(x.size(2) == inputs, "x has ", x.size(2), " inputs, the weight ", inputs);
   TORCH_CHECK(inputs % 32 == 0, "the number of inputs must be a multiple of 32, not ", inputs);
-  TORCH_CHECK(x.size(0) == weight.size(0) || x.stride(0) == 0,
+  TORCH_CHECK(x.size(0) == members || x.size(0) == 1 || x.stride(0) == 0,
               "x and the weight have different stack sizes");
-  TORCH_CHECK(x.stride(2) == 1 && weight.is_contiguous(), "inputs must be contiguous");
-  int64_t members = weight.size(0), rows = x.size(1), outputs = weight.size(1);
-  y = at::empty({members, rows, outputs}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  return Problem{x.data_ptr<float>(), members, rows, inputs, outputs,
-                 members == 1 ? 0 : x.stride(0), x.stride(1), y.data_ptr<float>()};
-}
-
-at::Tensor rows_times_float32(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(weight.scalar_type() == at::kFloat, "the weight must be float32");
-  at::Tensor y;
-  Problem p = problem_of(x, weight, weight.size(2), y);
-  const float* w = weight.data_ptr<float>();
-  switch (current_isa.load()) {
-    case kAvx512: avx512::float32(p, w); break;
-    case kAvx2: avx2::float32(p, w); break;
-    default: scalar::float32(p, w);
+  int64_t rows = x.size(1);
+  at::Tensor y = at::empty({members, rows, outputs}, x.options());
+  Problem p{x.data_ptr<float>(), members, rows, inputs, outputs,
+            x.size(0) == 1 ? 0 : x.stride(0), x.stride(1), y.data_ptr<float>()};
+  int isa = current_isa.load();
+  if (weight.scalar_type() == at::kFloat) {
+    const float* w = weight.data_ptr<float>();
+    if (isa == kAvx512) avx512::float32(p, w);
+    else if (isa == kAvx2) avx2::float32(p, w);
+    else scalar::float32(p, w);
+  } else if (weight.scalar_type() == at::kChar) {
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat &&
+                    scale->is_contiguous() && scale->dim() == 2 && scale->size(0) == members &&
+                    scale->size(1) == outputs,
+                "an int8 weight's scale must be float32 [S, outputs]");
+    const int8_t* w = weight.data_ptr<int8_t>();
+    const float* s = scale->data_ptr<float>();
+    if (isa == kAvx512) avx512::int8(p, w, s);
+    else if (isa == kAvx2) avx2::int8(p, w, s);
+    else scalar::int8(p, w, s);
+  } else {
+    TORCH_CHECK(int4, "the weight must be float32, int8 or packed int4 (uint8)");
+    TORCH_CHECK(group > 0 && group % 32 == 0 && inputs % group == 0,
+                "the group size must be a multiple of 32 that divides the inputs");
+    for (const c10::optional<at::Tensor>* t : {&scale, &minimum})
+      TORCH_CHECK(t->has_value() && (*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() &&
+                      (*t)->dim() == 3 && (*t)->size(0) == members &&
+                      (*t)->size(1) == outputs && (*t)->size(2) == inputs / group,
+                  "an int4 weight's scale and minimum must be float32 [S, outputs, groups]");
+    const uint8_t* w = weight.data_ptr<uint8_t>();
+    const float *s = scale->data_ptr<float>(), *m = minimum->data_ptr<float>();
+    if (isa == kAvx512) avx512::int4(p, w, s, m, group);
+    else if (isa == kAvx2) avx2::int4(p, w, s, m, group);
+    else scalar::int4(p, w, s, m, group);
+  }
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == y.sizes() && residual->scalar_type() == at::kFloat,
+                "the residual must be float32 [S, rows, outputs]");
+    y.add_(*residual);
   }
   return y;
 }
 
-at::Tensor rows_times_int8(const at::Tensor& x, const at::Tensor& weight,
-                           const at::Tensor& scale) {
-  TORCH_CHECK(weight.scalar_type() == at::kChar, "an int8 weight must be int8");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
-                  scale.dim() == 2 && scale.size(0) == weight.size(0) &&
-                  scale.size(1) == weight.size(1),
-              "an int8 weight's scale must be float32 [S, outputs]");
-  at::Tensor y;
-  Problem p = problem_of(x, weight, weight.size(2), y);
-  const int8_t* w = weight.data_ptr<int8_t>();
-  const float* s = scale.data_ptr<float>();
-  switch (current_isa.load()) {
-    case kAvx512: avx512::int8(p, w, s); break;
-    case kAvx2: avx2::int8(p, w, s); break;
-    default: scalar::int8(p, w, s);
-  }
-  return y;
-}
-
-at::Tensor rows_times_int4(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                           const at::Tensor& minimum, int64_t group) {
-  TORCH_CHECK(weight.scalar_type() == at::kByte, "an int4 weight must be packed in uint8");
-  int64_t inputs = weight.size(2) * 2;
-  TORCH_CHECK(group > 0 && group % 32 == 0 && inputs % group == 0,
-              "the group size must be a multiple of 32 that divides the inputs");
-  for (const at::Tensor* t : {&scale, &minimum})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
-                    t->size(0) == weight.size(0) && t->size(1) == weight.size(1) &&
-                    t->size(2) == inputs / group,
-                "an int4 weight's scale and minimum must be float32 [S, outputs, groups]");
-  at::Tensor y;
-  Problem p = problem_of(x, weight, inputs, y);
-  const uint8_t* w = weight.data_ptr<uint8_t>();
-  const float *s = scale.data_ptr<float>(), *m = minimum.data_ptr<float>();
-  switch (current_isa.load()) {
-    case kAvx512: avx512::int4(p, w, s, m, group); break;
-    case kAvx2: avx2::int4(p, w, s, m, group); break;
-    default: scalar::int4(p, w, s, m, group);
-  }
-  return y;
+// One layer's attention for one session's T new positions (attention.h): qkv [S, T,
+// (heads + 2 kv_heads) * dim] not yet rotated; keys/values the session's cache [S, layers,
+// kv_heads, capacity, dim]. Writes the new
+// keys and values at start.. of `layer` and returns [S, T, heads * dim]. cos and sin are
+// [T, dim]: the rotation of positions start.. (RotaryTable.rotation).
+at::Tensor attend(const at::Tensor& qkv, const at::Tensor& keys_all, const at::Tensor& values_all,
+                  int64_t layer, int64_t start, const at::Tensor& cos, const at::Tensor& sin,
+                  int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.scalar_type() == at::kFloat && qkv.stride(2) == 1,
+              "qkv must be float32 [S, T, width] with contiguous rows");
+  at::Tensor keys = keys_all.select(1, layer), values = values_all.select(1, layer);
+  int64_t dim = keys.size(3), members = qkv.size(0), rows = qkv.size(1);
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
+              "the cache must be float32");
+  TORCH_CHECK(keys.strides() == values.strides() && keys.stride(3) == 1 &&
+                  keys.stride(2) == dim && keys.size(0) == members,
+              "keys and values must share a layout with contiguous positions");
+  TORCH_CHECK(dim % 32 == 0 && dim <= 256, "head_dim must be a multiple of 32 up to 256");
+  TORCH_CHECK(heads % kv_heads == 0 && keys.size(1) == kv_heads,
+              "query heads must be a multiple of the cache's key/value heads");
+  TORCH_CHECK(qkv.size(2) == (heads + 2 * kv_heads) * dim, "qkv has the wrong width");
+  TORCH_CHECK(start >= 0 && start + rows <= keys.size(2), "positions beyond the cache");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && cos.numel() == rows * dim &&
+                  sin.numel() == rows * dim,
+              "cos and sin must be float32 [T, head_dim]");
+  at::Tensor out = at::empty({members, rows, heads * dim}, qkv.options());
+  AttentionProblem p{qkv.data_ptr<float>(), members, rows, qkv.stride(0), qkv.stride(1),
+                     keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0),
+                     keys.stride(1), cos.data_ptr<float>(), sin.data_ptr<float>(), start, heads, kv_heads, dim,
+                     out.data_ptr<float>()};
+  int isa = current_isa.load();
+  if (isa == kAvx512) avx512::attention(p);
+  else if (isa == kAvx2) avx2::attention(p);
+  else scalar::attention(p);
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(hydra_jury, m) {
-  m.def("rows_times_float32(Tensor x, Tensor weight) -> Tensor", rows_times_float32);
-  m.def("rows_times_int8(Tensor x, Tensor weight, Tensor scale) -> Tensor", rows_times_int8);
-  m.def("rows_times_int4(Tensor x, Tensor weight, Tensor scale, Tensor minimum, int group) -> Tensor",
-        rows_times_int4);
+  m.def("rows_times(Tensor x, Tensor weight, Tensor? scale, Tensor? minimum, int group, "
+        "Tensor? norm, float eps, bool glu, Tensor? residual) -> Tensor",
+        rows_times);
+  m.def("attend(Tensor qkv, Tensor keys, Tensor values, int layer, int start, Tensor cos, "
+        "Tensor sin, int heads, int kv_heads) -> Tensor",
+        attend);
   m.def("kernel_isa(str requested) -> str", kernel_isa);
 }

@@ -8,6 +8,18 @@ static inline Lanes zero() {
   return {z, z, z, z};
 }
 
+static inline Lanes splat(float value) {
+  __m256 v = _mm256_set1_ps(value);
+  return {v, v, v, v};
+}
+
+static inline void store(float* p, Lanes v) {
+  _mm256_storeu_ps(p, v.lo0);
+  _mm256_storeu_ps(p + 8, v.lo1);
+  _mm256_storeu_ps(p + 16, v.hi0);
+  _mm256_storeu_ps(p + 24, v.hi1);
+}
+
 static inline Lanes load(const float* p) {
   return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16),
           _mm256_loadu_ps(p + 24)};

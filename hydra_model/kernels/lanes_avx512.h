@@ -5,6 +5,16 @@ struct Lanes {
 
 static inline Lanes zero() { return {_mm512_setzero_ps(), _mm512_setzero_ps()}; }
 
+static inline Lanes splat(float value) {
+  __m512 v = _mm512_set1_ps(value);
+  return {v, v};
+}
+
+static inline void store(float* p, Lanes v) {
+  _mm512_storeu_ps(p, v.lo);
+  _mm512_storeu_ps(p + 16, v.hi);
+}
+
 static inline Lanes load(const float* p) { return {_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)}; }
 
 static inline __m512 widen16(const int8_t* p) {

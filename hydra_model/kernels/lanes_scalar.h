@@ -10,6 +10,16 @@ static inline Lanes zero() {
   return v;
 }
 
+static inline Lanes splat(float value) {
+  Lanes v;
+  for (int i = 0; i < 32; ++i) v.f[i] = value;
+  return v;
+}
+
+static inline void store(float* p, Lanes v) {
+  for (int i = 0; i < 32; ++i) p[i] = v.f[i];
+}
+
 static inline Lanes load(const float* p) {
   Lanes v;
   for (int i = 0; i < 32; ++i) v.f[i] = p[i];

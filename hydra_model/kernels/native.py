@@ -37,6 +37,7 @@ SOURCES = (
     "lanes_avx2.h",
     "lanes_avx512.h",
     "rows_times_weight.h",
+    "attention.h",
 )
 INSTRUCTION_SETS = ("scalar", "avx2", "avx512")
 
@@ -56,12 +57,35 @@ def _compiler() -> str:
     return os.environ.get("CXX", "g++")
 
 
+def _compile_flags() -> list[str]:
+    from torch.utils.cpp_extension import include_paths
+
+    torch_lib = Path(torch.__file__).resolve().parent / "lib"
+    return [
+        "-O3",
+        "-std=c++20",
+        "-shared",
+        "-fPIC",
+        # at::parallel_for is OpenMP in PyTorch's headers: without it, one thread. The rpath
+        # makes libgomp PyTorch's own (the same soname), not a second runtime.
+        "-fopenmp",
+        # Multiply-adds are fused only where the code says so (fma, std::fmaf): the same
+        # results on every instruction set, whatever the compiler would contract.
+        "-ffp-contract=off",
+        "-w",  # PyTorch's headers warn under -std=c++20
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        *(f"-I{p}" for p in include_paths()),
+        f"-L{torch_lib}",
+        f"-Wl,-rpath,{torch_lib}",
+    ]
+
+
 def library_path() -> Path:
-    """Where the library for these sources, this PyTorch and this compiler lives."""
+    """Where the library for these sources, flags, PyTorch and compiler lives."""
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update((SOURCE_DIR / name).read_bytes())
-    digest.update(f"{torch.__version__} {sys.version_info[:2]} {_compiler()}".encode())
+    digest.update(" ".join([_compiler(), *_compile_flags(), torch.__version__]).encode())
     return cache_dir() / f"hydra_jury_kernels-{digest.hexdigest()[:16]}.so"
 
 
@@ -73,29 +97,11 @@ def build(path: Path) -> Path:
     compiler = _compiler()
     if shutil.which(compiler) is None:
         raise KernelBuildError(f"no C++ compiler: {compiler!r} is not on PATH (set CXX)")
-    from torch.utils.cpp_extension import include_paths
-
-    torch_lib = Path(torch.__file__).resolve().parent / "lib"
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as staging:
         target = Path(staging) / path.name
-        command = [
-            compiler,
-            "-O3",
-            "-std=c++20",
-            "-shared",
-            "-fPIC",
-            "-w",  # PyTorch's headers warn under -std=c++20; our code is checked by review
-            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            *(f"-I{p}" for p in include_paths()),
-            str(SOURCE_DIR / "kernels.cpp"),
-            "-o",
-            str(target),
-            f"-L{torch_lib}",
-            f"-Wl,-rpath,{torch_lib}",
-            "-lc10",
-            "-ltorch_cpu",
-        ]
+        source = str(SOURCE_DIR / "kernels.cpp")
+        command = [compiler, *_compile_flags(), source, "-o", str(target), "-lc10", "-ltorch_cpu"]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise KernelBuildError(

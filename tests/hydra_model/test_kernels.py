@@ -112,10 +112,26 @@ def test_without_the_kernels_products_agree(kernels, monkeypatch):
 
 def test_the_kernels_refuse_what_they_cannot_compute(kernels):
     ops = native()
+
+    def float32(x, weight):
+        return ops.rows_times(x, weight, None, None, 0, None, 0.0, False, None)
+
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        ops.rows_times_float32(torch.randn(1, 1, 48), torch.randn(1, 8, 48))
+        float32(torch.randn(1, 1, 48), torch.randn(1, 8, 48))
     with pytest.raises(RuntimeError, match="float32"):
-        ops.rows_times_float32(torch.randn(1, 1, 32).double(), torch.randn(1, 8, 32))
+        float32(torch.randn(1, 1, 32).double(), torch.randn(1, 8, 32))
+    with pytest.raises(RuntimeError, match="scale must be"):
+        ops.rows_times(
+            torch.randn(1, 1, 32),
+            torch.zeros(1, 8, 32, dtype=torch.int8),
+            None,
+            None,
+            0,
+            None,
+            0.0,
+            False,
+            None,
+        )
     with pytest.raises(RuntimeError, match="unknown instruction set"):
         ops.kernel_isa("sse9")
 
@@ -152,3 +168,94 @@ def test_bad_quantizations_are_refused():
         quantize(torch.randn(4, 96), "int4", 64)
     with pytest.raises(QuantizationError, match="unknown quantization"):
         quantize(torch.randn(4, 64), "int3")
+
+
+def _attention_reference(qkv, keys, values, layer, start, rope, heads, kv_heads):
+    """PyTorch's attention of the new positions over the cache (the fallback's maths)."""
+    from hydra_jury.hydra_model.rope import rotate
+
+    stack, length, _ = qkv.shape
+    dim = keys.shape[-1]
+    qk = qkv[..., : (heads + kv_heads) * dim].reshape(stack, length, heads + kv_heads, dim)
+    qk = rotate(qk, rope.rotation(start, length)).transpose(1, 2)
+    q, k = qk.split([heads, kv_heads], dim=1)
+    v = qkv[..., (heads + kv_heads) * dim :].reshape(stack, length, kv_heads, dim).transpose(1, 2)
+    keys, values = keys.clone(), values.clone()
+    keys[:, layer, :, start : start + length] = k
+    values[:, layer, :, start : start + length] = v
+    seen_k, seen_v = keys[:, layer, :, : start + length], values[:, layer, :, : start + length]
+    positions = torch.arange(start + length)
+    mask = positions[None, :] <= torch.arange(start, start + length)[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, seen_k, seen_v, attn_mask=mask, enable_gqa=heads != kv_heads
+    )
+    return out.transpose(1, 2).reshape(stack, length, heads * dim), keys, values
+
+
+@pytest.mark.parametrize(("stack", "start", "length"), [(1, 0, 1), (1, 7, 1), (2, 5, 4), (3, 0, 9)])
+def test_attention_matches_pytorch_on_every_instruction_set(kernels, stack, start, length):
+    from hydra_jury.hydra_model.config import DecoderConfig
+    from hydra_jury.hydra_model.rope import RotaryTable
+
+    heads, kv_heads, dim, layers, capacity = 4, 2, 32, 3, 16
+    config = DecoderConfig.from_dict(
+        {
+            "family": "llama",
+            "model_type": "llama",
+            "vocab_size": 32,
+            "hidden_size": heads * dim,
+            "intermediate_size": 64,
+            "num_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": dim,
+            "max_position_embeddings": capacity,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+        }
+    )
+    rope = RotaryTable(config, capacity, torch.float32, "cpu")
+    generator = torch.Generator().manual_seed(start * 10 + length)
+    qkv = torch.randn(stack, length, (heads + 2 * kv_heads) * dim, generator=generator)
+    keys = torch.randn(stack, layers, kv_heads, capacity, dim, generator=generator)
+    values = torch.randn(stack, layers, kv_heads, capacity, dim, generator=generator)
+    expected, expected_keys, expected_values = _attention_reference(
+        qkv, keys, values, 1, start, rope, heads, kv_heads
+    )
+    results = []
+    for isa in kernels:
+        instruction_set(isa)
+        cache_keys, cache_values = keys.clone(), values.clone()
+        cos, sin = rope.rotation(start, length)
+        out = native().attend(qkv, cache_keys, cache_values, 1, start, cos, sin, heads, kv_heads)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(cache_keys, expected_keys, rtol=0, atol=1e-6)
+        assert torch.equal(cache_values, expected_values)
+        results.append((out, cache_keys))
+    for out, cache_keys in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(cache_keys, results[0][1])
+
+
+def test_norm_gate_and_residual_travel_with_the_product(kernels, monkeypatch):
+    """What `product` fuses (RMS norm, silu gate, residual) equals PyTorch's separate ops."""
+    import hydra_jury.hydra_model.products as products
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 5, 128, generator=generator)
+    norm = torch.rand(2, 64, generator=generator) + 0.5
+    residual = torch.randn(2, 5, 96, generator=generator)
+    for weight in _weights(2, 96, 64).values():
+        fused = {
+            "glu": product(x.expand(2, -1, -1), weight, glu=True, residual=residual),
+            "norm": product(x[..., :64].expand(2, -1, -1), weight, norm=norm, eps=1e-5),
+        }
+        monkeypatch.setattr(products, "native", lambda: None)
+        separate = {
+            "glu": product(x.expand(2, -1, -1).contiguous(), weight, glu=True, residual=residual),
+            "norm": product(
+                x[..., :64].expand(2, -1, -1).contiguous(), weight, norm=norm, eps=1e-5
+            ),
+        }
+        monkeypatch.undo()
+        for name, value in fused.items():
+            torch.testing.assert_close(value, separate[name], rtol=1e-5, atol=1e-5)

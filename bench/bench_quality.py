@@ -1,0 +1,132 @@
+"""What weight-only quantization costs in quality: perplexity on held-out text and greedy
+agreement with float32, for float32, bfloat16, int8 (with the output matrix quantized and
+kept float) and int4, on the demo split (SmolLM2-135M-Instruct, trunk and head0).
+
+    python bench/bench_quality.py --checkpoint var/models/smollm2-base
+
+Held-out text: every fourth text of the demo corpus (`make model` writes it; SmolLM2's own
+answers to the demo prompts). The untrained split's heads are SmolLM2's own top layers, so
+no text of the corpus was ever trained on by this checkpoint. Greedy agreement: 8 chat
+prompts x 128 new tokens, decoded by each variant; "same tokens" counts the positions
+where a variant's token equals float32's, "same prefix" the tokens before the first
+difference (after it, the contexts differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+from bench_model import ours
+
+from hydra_jury.hydra_model import HydraModel
+from hydra_jury.hydra_model.build.corpus import read_corpus
+from hydra_jury.hydra_model.build.demo import CORPUS_FILE
+from hydra_jury.hydra_model.build.quantize import quantize_checkpoint
+from hydra_jury.hydra_model.quantization import QuantizationScheme
+
+# name -> (quantization flags, or None for float; the compute dtype)
+VARIANTS = {
+    "float32": (None, "float32"),
+    "bfloat16": (None, "bfloat16"),
+    "int8": (("int8", 0, False), "float32"),
+    "int8, output float": (("int8", 0, True), "float32"),
+    "int4 (groups of 32)": (("int4", 32, False), "float32"),
+}
+PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give three tips for learning a new language.",
+    "What is the difference between a virus and a bacterium?",
+    "Describe the water cycle in a few sentences.",
+    "Write a haiku about autumn leaves.",
+    "How does a refrigerator keep food cold?",
+    "Summarize the plot of Romeo and Juliet.",
+]
+
+
+def quantized_variants(base: Path, root: Path) -> dict[str, Path]:
+    """Quantized copies of `base` under `root` (made once, then reused): name -> path."""
+    paths = {}
+    for name, (flags, _) in VARIANTS.items():
+        if flags is None:
+            paths[name] = base
+            continue
+        method, group_size, keep_output = flags
+        path = root / f"{method}{'-g' + str(group_size) if group_size else ''}"
+        path = path.with_name(path.name + ("-output-float" if keep_output else ""))
+        if not (path / "hydra.json").is_file():
+            scheme = QuantizationScheme.from_flags(method, group_size, keep_output)
+            quantize_checkpoint(base, path, scheme, force=True, log=lambda line: None)
+        paths[name] = path
+    return paths
+
+
+@torch.inference_mode()
+def perplexity(model: HydraModel, texts: list[list[int]]) -> float:
+    """exp of the mean next-token loss of head0 over every token of `texts`."""
+    head = model.heads.select(0)
+    total, count = 0.0, 0
+    for tokens in texts:
+        ids = torch.tensor(tokens)
+        capacity = len(tokens)
+        hidden = model.trunk.forward(ids, model.trunk_cache(capacity), 0)
+        logits = head.forward(hidden, model.head_cache(1, capacity), 0)[0, :-1].float()
+        total += torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum").item()
+        count += len(tokens) - 1
+    return math.exp(total / count)
+
+
+def agreement(reference: list[list[int]], tokens: list[list[int]]) -> tuple[int, int, int]:
+    """(same tokens, same prefix, all tokens) summed over the prompts."""
+    same = prefix = total = 0
+    for ref, got in zip(reference, tokens, strict=True):
+        same += sum(a == b for a, b in zip(ref, got, strict=True))
+        pairs = enumerate(zip(ref, got, strict=True))
+        prefix += next((i for i, (a, b) in pairs if a != b), len(ref))
+        total += len(ref)
+    return same, prefix, total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=Path, default=Path("var/models/smollm2-base"))
+    parser.add_argument("--variants-dir", type=Path, default=Path("var/models/quantized"))
+    parser.add_argument("--corpus", type=Path, default=CORPUS_FILE)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    paths = quantized_variants(args.checkpoint, args.variants_dir)
+    tokenizer = HydraModel.load(args.checkpoint, heads=["head0"]).load_tokenizer()
+    held_out = [tokenizer.encode(text) for text in read_corpus(args.corpus)[3::4]]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+        )
+        for p in PROMPTS
+    ]
+    print(
+        f"SmolLM2-135M-Instruct (trunk + head0), perplexity over {len(held_out)} held-out "
+        f"texts ({sum(len(t) for t in held_out)} tokens); greedy agreement with float32 over "
+        f"{len(prompts)} prompts x {args.new_tokens} tokens"
+    )
+    print(
+        f"{'weights':<22}{'perplexity':>11}{'vs float32':>12}{'same tokens':>13}{'same prefix':>13}"
+    )
+    reference_ppl, reference_tokens = None, None
+    for name, (_, dtype) in VARIANTS.items():
+        model = HydraModel.load(paths[name], dtype=dtype, heads=["head0"])
+        ppl = perplexity(model, held_out)
+        tokens = [ours(model, prompt, args.new_tokens)[0] for prompt in prompts]
+        if reference_ppl is None:
+            reference_ppl, reference_tokens = ppl, tokens
+        same, prefix, total = agreement(reference_tokens, tokens)
+        print(
+            f"{name:<22}{ppl:>11.3f}{(ppl / reference_ppl - 1) * 100:>+11.2f}%"
+            f"{same / total:>13.1%}{prefix / total:>13.1%}"
+        )
+
+
+if __name__ == "__main__":
+    main()
