@@ -6,21 +6,26 @@
 // it, on which thread computes it, or on the instruction set.
 
 struct Float32Rows {
+  static constexpr int kBlockBytes = 128;  // the bytes of weight one block of 32 reads
   const float* w;
   int64_t k;
   Lanes block(int64_t o, int64_t b) const { return load(w + o * k + b * 32); }
+  const void* address(int64_t o, int64_t b) const { return w + o * k + b * 32; }
   float finish(int64_t, float total) const { return total; }
 };
 
 struct Int8Rows {  // per-output-channel scale, applied to the finished sum
+  static constexpr int kBlockBytes = 32;
   const int8_t* w;
   const float* scale;
   int64_t k;
   Lanes block(int64_t o, int64_t b) const { return load_int8(w + o * k + b * 32); }
+  const void* address(int64_t o, int64_t b) const { return w + o * k + b * 32; }
   float finish(int64_t o, float total) const { return total * scale[o]; }
 };
 
 struct Int4Rows {  // a scale and a minimum per group of `group` inputs: w = q * scale + min
+  static constexpr int kBlockBytes = 16;
   const uint8_t* w;
   const float* scale;
   const float* minimum;
@@ -29,8 +34,16 @@ struct Int4Rows {  // a scale and a minimum per group of `group` inputs: w = q *
     int64_t g = o * (k / group) + (b * 32) / group;
     return scale_shift(load_int4(w + o * (k / 2) + b * 16), scale[g], minimum[g]);
   }
+  const void* address(int64_t o, int64_t b) const { return w + o * (k / 2) + b * 16; }
   float finish(int64_t, float total) const { return total; }
 };
+
+// How far ahead of the block being read the weights are fetched: streams of small
+// matrices leave the hardware prefetcher too little time to ramp up.
+#ifndef HJ_PREFETCH
+#define HJ_PREFETCH 8192
+#endif
+constexpr int64_t kPrefetchBytes = HJ_PREFETCH;
 
 template <int kRows, class Weight>
 static inline void output_rows(const Weight& weight, int64_t o, const float* x, int64_t x_row,
@@ -38,6 +51,8 @@ static inline void output_rows(const Weight& weight, int64_t o, const float* x, 
   Lanes acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = zero();
   for (int64_t b = 0; b < blocks; ++b) {
+    const char* ahead = static_cast<const char*>(weight.address(o, b)) + kPrefetchBytes;
+    for (int line = 0; line < Weight::kBlockBytes; line += 64) __builtin_prefetch(ahead + line);
     Lanes w = weight.block(o, b);
     for (int r = 0; r < kRows; ++r) acc[r] = fma(load(x + r * x_row + b * 32), w, acc[r]);
   }
