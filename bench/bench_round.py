@@ -33,6 +33,7 @@ from bench_one_host import start_server  # this folder is on the path
 from round_profile import PHASES, REST, PhaseProfiler
 
 from hydra_jury.hydra_model import HydraModel
+from hydra_jury.hydra_model.quantization import tensors_of
 from hydra_jury.orchestrator.convert import request_to_pb
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.local_backend import LocalBackend
@@ -69,9 +70,10 @@ def bytes_per_token(model: HydraModel, jury_size: int) -> int:
     trunk = sum(t.nbytes for t in model.trunk.layers.tensors())
     heads = model.heads
     head = sum(t.nbytes for t in heads.layers.tensors()) // heads.size
+    output = sum(t.nbytes for t in tensors_of(heads.lm_head))  # quantized: with its scales
     if heads.shares_lm_head:  # one matrix, read once for every juror's row
-        return trunk + jury_size * head + heads.lm_head.nbytes
-    return trunk + jury_size * (head + heads.lm_head.nbytes // heads.size)
+        return trunk + jury_size * head + output
+    return trunk + jury_size * (head + output // heads.size)
 
 
 def raw_rate(model: HydraModel, prompt: list[int], size: int, new_tokens: int) -> float:

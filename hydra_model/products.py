@@ -19,12 +19,13 @@ from hydra_jury.hydra_model.quantization import QuantizedWeight
 
 Weight = torch.Tensor | QuantizedWeight
 # Up to this many rows go to the kernels: a decode step, the verify of a speculative
-# round, a batch of sessions' rounds. Beyond, a product is a prefill, where BLAS is at its
-# best. Float32 weights leave the kernels sooner: from 16 rows on, PyTorch's BLAS is
-# faster on them (2-core Xeon, SmolLM2's layers: 16 rows 40 ms against 47, 64 rows 83
-# against 117), while a quantized weight would first have to be dequantized whole.
+# round, a batch of sessions' rounds — each row then comes out the same whatever rows are
+# batched with it, so a session's tokens are the same alone and batched, and a jury
+# shard's rows are those of the whole jury. Beyond, a product is a prefill, where BLAS is
+# at its best. (From 16 rows on, PyTorch's BLAS is faster on float32 weights — 2-core
+# Xeon, SmolLM2's layers: 16 rows 40 ms against 47, 64 rows 83 against 117 — but its rows
+# depend on their neighbours below 16.)
 KERNEL_MAX_ROWS = 64
-FLOAT32_KERNEL_MAX_ROWS = 16
 # PyTorch's CPU BLAS multiplies 4 to 15 rows by a large matrix with small-row kernels
 # that are slowest there (SmolLM2's 49,152 x 576 LM head: 8 rows 13.6 ms, 16 rows 9.7 ms
 # on the 2-core development machine), and from 16 rows on each row comes out the same
@@ -121,8 +122,7 @@ def _kernel_fits(x: torch.Tensor, weight: Weight, width: int) -> bool:
     return (
         x.dtype == torch.float32
         and x.device.type == "cpu"
-        and x.shape[1]
-        <= (KERNEL_MAX_ROWS if isinstance(weight, QuantizedWeight) else FLOAT32_KERNEL_MAX_ROWS)
+        and x.shape[1] <= KERNEL_MAX_ROWS
         and width % 32 == 0
         and x.stride(2) == 1
         and (x.shape[0] == weight.shape[0] or x.stride(0) == 0)

