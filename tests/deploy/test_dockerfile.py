@@ -1,7 +1,8 @@
 """The image's Dockerfile (Docker cannot build here): hadolint finds nothing, at every
 level, and the structure holds what the deployment relies on — a builder stage, a
-final stage on the slim Python base by default that runs as a fixed non-root UID with no
-compilers installed, and `hydra-jury` as the entrypoint."""
+kernels stage that compiles the native kernels, a final stage on the slim Python base by
+default that runs as a fixed non-root UID with no compilers installed and takes the
+kernels' library alone, and `hydra-jury` as the entrypoint."""
 
 from __future__ import annotations
 
@@ -64,7 +65,9 @@ def test_hadolint_flags_a_bad_dockerfile(tmp_path):
 
 def test_a_builder_stage_and_a_slim_non_root_final_stage():
     text = DOCKERFILE.read_text()
-    builder, final = stages(text)
+    builder, kernels, final = stages(text)
+    assert kernels[0] == ("FROM", "python:3.11 AS kernels")
+    assert any(name == "RUN" and "-m hydra_jury.hydra_model.kernels" in a for name, a in kernels)
     assert builder[0] == ("FROM", "python:3.11-slim AS builder")
     assert any(name == "RUN" and "pip wheel" in args for name, args in builder)
     assert final[0] == ("FROM", "${BASE_IMAGE}")
@@ -81,4 +84,6 @@ def test_a_builder_stage_and_a_slim_non_root_final_stage():
         assert forbidden not in run, f"the final stage installs with {forbidden!r}"
     # The final stage installs the builder's wheel, never the source tree.
     assert "from=builder" in run and "/dist/*.whl" in run
+    assert "from=kernels" in run  # the compiled library, not the compiler
+    assert "HYDRA_JURY_KERNEL_CACHE=/opt/hydra-jury/kernels" in final_args["ENV"]
     assert not any(name in {"COPY", "ADD"} for name, _ in final)
