@@ -95,8 +95,11 @@ def main() -> None:
         rows.append(("llama.cpp", kind, result.file_size_bytes, result.tokens_per_s, note))
     tokenizer = HydraModel.load(args.checkpoint, heads=["head0"]).load_tokenizer()
     prompt = tokenizer.apply_chat_template(  # bench_round.PROMPT, as the engine rows use
-        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True
-    )
+        [{"role": "user", "content": PROMPT}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )["input_ids"]
     for label, variant in OURS:
         model = HydraModel.load(paths[variant], heads=["head0"])
         rate = median_of(args.runs, lambda m=model: decode_rate(m, prompt, args.new_tokens))

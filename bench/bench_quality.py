@@ -102,8 +102,11 @@ def main() -> None:
     held_out = [tokenizer.encode(text) for text in read_corpus(args.corpus)[3::4]]
     prompts = [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
-        )
+            [{"role": "user", "content": p}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
         for p in PROMPTS
     ]
     print(

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from hydra_jury.hydra_model.config import DecoderConfig
 from hydra_jury.hydra_model.kv_cache import KVCache
-from hydra_jury.hydra_model.products import Weight, cached_attention, product
+from hydra_jury.hydra_model.products import Weight, cached_attention, decoded_layers, product
 from hydra_jury.hydra_model.quantization import QuantizedWeight, cat_outputs, tensors_of
 from hydra_jury.hydra_model.quantization import stack as stack_weights
 from hydra_jury.hydra_model.rope import RotaryTable, rotate
@@ -158,6 +158,17 @@ class _Layer:
             self.mlp_norm = stack("post_attention_layernorm.weight")
         self.q_norm, self.k_norm = maybe("q_norm.weight"), maybe("k_norm.weight")
 
+    def native_entries(self) -> list[torch.Tensor | None]:
+        """The 14 tensors of this layer that `products.decoded_layers` takes: each
+        projection as (values, scale, minimum), then the two norms."""
+        entries: list[torch.Tensor | None] = []
+        for weight in (self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight):
+            if isinstance(weight, QuantizedWeight):
+                entries += [weight.data, weight.scale, weight.minimum]
+            else:
+                entries += [weight, None, None]
+        return [*entries, self.attn_norm, self.mlp_norm]
+
     def tensors(self) -> list[torch.Tensor]:
         values = [v for v in vars(self).values() if isinstance(v, torch.Tensor | QuantizedWeight)]
         return [t for value in values for t in tensors_of(value)]
@@ -177,6 +188,7 @@ class LayerStack:
         self.config = config
         self.first_layer = first_layer
         self.layers = layers
+        self._native: tuple[list[torch.Tensor | None], int] | None = None  # made on first use
 
     @classmethod
     def from_tensors(
@@ -231,11 +243,46 @@ class LayerStack:
             rows = slice(offset, offset + segment.length)
             plans.append(_SegmentPlan(segment, rows, rope.rotation(segment.start, segment.length)))
             offset += segment.length
-        for index, layer in enumerate(self.layers):
-            x = self._layer_forward(layer, index, x, plans)
+        decoded = self._decode_natively(x, plans) if len(plans) == 1 else None
+        if decoded is not None:
+            x = decoded
+        else:
+            for index, layer in enumerate(self.layers):
+                x = self._layer_forward(layer, index, x, plans)
         for segment in cached:
             segment.cache.advance(segment.length)
         return x
+
+    def _decode_natively(self, x: torch.Tensor, plans: list[_SegmentPlan]) -> torch.Tensor | None:
+        """One session's new positions through every layer in one native call, when the
+        layers are plain pre-norm ones (no biases, no q/k norms); else None."""
+        config, plan = self.config, plans[0]
+        plain = not (
+            config.post_norms
+            or config.qk_norm
+            or config.attention_bias
+            or config.o_proj_bias
+            or config.mlp_bias
+        )
+        if not plain or plan.segment.cache is None or not self.layers:
+            return None
+        if self._native is None:
+            weights = [layer.qkv_weight for layer in self.layers]
+            groups = {w.group_size if isinstance(w, QuantizedWeight) else 0 for w in weights}
+            entries = [entry for layer in self.layers for entry in layer.native_entries()]
+            self._native = (entries, max(groups))
+        entries, group = self._native
+        return decoded_layers(
+            x,
+            entries,
+            group,
+            config.rms_norm_eps,
+            plan.segment.cache,
+            plan.segment.start,
+            plan.rotation,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+        )
 
     def _layer_forward(
         self, layer: _Layer, index: int, x: torch.Tensor, plans: list[_SegmentPlan]

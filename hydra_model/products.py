@@ -111,6 +111,40 @@ def cached_attention(
     return ops.attend(qkv, cache.keys, cache.values, layer, start, cos, sin, heads, kv_heads)
 
 
+def decoded_layers(
+    x: torch.Tensor,
+    entries: list[torch.Tensor | None],
+    group: int,
+    eps: float,
+    cache: KVCache,
+    start: int,
+    rotation: tuple[torch.Tensor, torch.Tensor],
+    heads: int,
+    kv_heads: int,
+) -> torch.Tensor | None:
+    """Every layer of a pre-norm stack without biases over one session's new positions,
+    in one native call (`LayerStack`; `entries`: 14 per layer, `_Layer.native_entries`).
+    None when the kernels cannot take it."""
+    head_dim = cache.keys.shape[-1]
+    fits = (
+        x.dtype == torch.float32
+        and cache.keys.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.shape[1] <= KERNEL_MAX_ROWS
+        and x.stride(2) == 1
+        and head_dim % 32 == 0
+        and head_dim <= 256
+        and not torch.is_grad_enabled()
+    )
+    ops = native() if fits else None
+    if ops is None:
+        return None
+    cos, sin = rotation
+    return ops.decode_layers(
+        x, entries, group, eps, cache.keys, cache.values, start, cos, sin, heads, kv_heads
+    )
+
+
 def embed(weight: Weight, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `tokens` of an embedding [V, D] -> [len(tokens), D]."""
     if isinstance(weight, QuantizedWeight):

@@ -69,6 +69,18 @@ def jury_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def wide_jury_checkpoint(tmp_path_factory) -> Path:
+    """The jury checkpoint with attention heads 32 wide (2 query heads, 1 key/value head):
+    the shapes the native attention and the one-call decode of every layer take
+    (`hydra_model/kernels`), which the 16-wide heads of `jury_checkpoint` leave to
+    PyTorch's attention."""
+    root = tmp_path_factory.mktemp("wide-jury")
+    return build_jury_checkpoint(
+        root, trunk_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32
+    )
+
+
+@pytest.fixture(scope="session")
 def jury_model(jury_checkpoint):
     """The whole jury checkpoint loaded once, for calling the runtime and workers directly."""
     from hydra_jury.hydra_model import HydraModel

@@ -267,6 +267,43 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& keys_all, const at::T
   return out;
 }
 
+// Every layer of a pre-norm decoder stack (Llama, Qwen2 without biases) over one session's
+// new positions, in one call: what a Python loop of five calls per layer would do, without
+// the interpreter and the dispatcher between them. `weights` holds, per layer, 14 entries:
+// the q/k/v, o, gate/up and down weights, each as (values, scale, minimum), then the
+// attention and MLP norms.
+constexpr int64_t kLayerEntries = 14;
+
+at::Tensor decode_layers(const at::Tensor& x_given, const c10::List<std::optional<at::Tensor>>& weights,
+                         int64_t group, double eps, const at::Tensor& keys,
+                         const at::Tensor& values, int64_t start, const at::Tensor& cos,
+                         const at::Tensor& sin, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(weights.size() % kLayerEntries == 0, "weights: ", kLayerEntries, " per layer");
+  int64_t layers = weights.size() / kLayerEntries;
+  TORCH_CHECK(keys.dim() == 5 && keys.size(1) == layers, "the cache holds ", keys.size(1),
+              " layers, the weights ", layers);
+  auto entry = [&](int64_t layer, int64_t index) -> std::optional<at::Tensor> {
+    return weights.get(layer * kLayerEntries + index);
+  };
+  auto product = [&](const at::Tensor& input, int64_t layer, int64_t first,
+                     const std::optional<at::Tensor>& norm, bool glu,
+                     const std::optional<at::Tensor>& residual) {
+    std::optional<at::Tensor> weight = entry(layer, first);
+    TORCH_CHECK(weight.has_value(), "a layer's weight is missing");
+    return rows_times(input, *weight, entry(layer, first + 1), entry(layer, first + 2), group,
+                      norm, eps, glu, residual);
+  };
+  at::Tensor x = x_given;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    at::Tensor qkv = product(x, layer, 0, entry(layer, 12), false, std::nullopt);
+    at::Tensor attended = attend(qkv, keys, values, layer, start, cos, sin, heads, kv_heads);
+    x = product(attended, layer, 3, std::nullopt, false, x);
+    at::Tensor gate_up = product(x, layer, 6, entry(layer, 13), false, std::nullopt);
+    x = product(gate_up, layer, 9, std::nullopt, true, x);
+  }
+  return x;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hydra_jury, m) {
@@ -276,5 +313,8 @@ TORCH_LIBRARY(hydra_jury, m) {
   m.def("attend(Tensor qkv, Tensor keys, Tensor values, int layer, int start, Tensor cos, "
         "Tensor sin, int heads, int kv_heads) -> Tensor",
         attend);
+  m.def("decode_layers(Tensor x, Tensor?[] weights, int group, float eps, Tensor keys, "
+        "Tensor values, int start, Tensor cos, Tensor sin, int heads, int kv_heads) -> Tensor",
+        decode_layers);
   m.def("kernel_isa(str requested) -> str", kernel_isa);
 }

@@ -24,14 +24,15 @@ struct Int8Rows {  // per-output-channel scale, applied to the finished sum
   float finish(int64_t o, float total) const { return total * scale[o]; }
 };
 
-struct Int4Rows {  // a scale and a minimum per group of `group` inputs: w = q * scale + min
+struct Int4Rows {  // a scale and a minimum per group of inputs: w = q * scale + min
   static constexpr int kBlockBytes = 16;
   const uint8_t* w;
   const float* scale;
   const float* minimum;
-  int64_t k, group;
+  int64_t k, groups, group_blocks;  // groups per row, blocks of 32 per group
   Lanes block(int64_t o, int64_t b) const {
-    int64_t g = o * (k / group) + (b * 32) / group;
+    // No division for the default group of 32 (one block per group).
+    int64_t g = o * groups + (group_blocks == 1 ? b : b / group_blocks);
     return scale_shift(load_int4(w + o * (k / 2) + b * 16), scale[g], minimum[g]);
   }
   const void* address(int64_t o, int64_t b) const { return w + o * (k / 2) + b * 16; }
@@ -97,7 +98,7 @@ static void int4(const Problem& p, const uint8_t* w, const float* scale, const f
   int64_t groups = p.outputs * (p.inputs / group);
   for_each_range(p, [&](int64_t s, int64_t first, int64_t last) {
     Int4Rows weight{w + s * p.outputs * (p.inputs / 2), scale + s * groups,
-                    minimum + s * groups, p.inputs, group};
+                    minimum + s * groups, p.inputs, p.inputs / group, group / 32};
     outputs(weight, first, last, p.x + s * p.x_member, p.rows, p.x_row, p.inputs / 32,
             p.y + s * p.rows * p.outputs, p.outputs);
   });

@@ -261,3 +261,37 @@ def test_norm_gate_and_residual_travel_with_the_product(kernels, monkeypatch):
         monkeypatch.undo()
         for name, value in fused.items():
             torch.testing.assert_close(value, separate[name], rtol=1e-5, atol=1e-5)
+
+
+def test_one_call_for_every_layer_gives_the_bits_of_a_call_per_step(kernels, wide_jury_checkpoint):
+    """`LayerStack`'s single native call over all layers (a session's decode step) runs
+    the same kernels in the same order as the per-operation path: the same bits."""
+    import hydra_jury.hydra_model.layers as layers
+    from hydra_jury.hydra_model import HydraModel
+
+    jury_model = HydraModel.load(wide_jury_checkpoint)
+
+    def decode(model) -> list[torch.Tensor]:
+        cache = model.trunk_cache(16)
+        hidden = [model.trunk.forward(torch.tensor([3, 1, 4, 1, 5]), cache, 0)]
+        for position, token in enumerate([9, 2, 6], start=5):
+            hidden.append(model.trunk.forward(torch.tensor([token]), cache, position))
+        return hidden
+
+    calls = []
+    original = layers.decoded_layers
+
+    def counted(*args, **kwargs):
+        result = original(*args, **kwargs)
+        calls.append(result is not None)
+        return result
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layers, "decoded_layers", counted)
+        fused = decode(jury_model)
+    assert calls and all(calls)  # the single call really ran
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layers, "decoded_layers", lambda *args, **kwargs: None)
+        stepwise = decode(jury_model)
+    for one, other in zip(fused, stepwise, strict=True):
+        assert torch.equal(one, other)

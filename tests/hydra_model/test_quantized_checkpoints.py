@@ -28,7 +28,9 @@ def quantize_cli(source, out, *flags: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def quantized(jury_checkpoint, tmp_path_factory) -> dict[str, HydraModel]:
+def quantized(wide_jury_checkpoint, tmp_path_factory) -> dict[str, HydraModel]:
+    """The wide jury (32-wide attention heads: every layer of a decode step in one native
+    call) quantized three ways."""
     root = tmp_path_factory.mktemp("quantized")
     variants = {
         "int8": ["--quantize", "int8"],
@@ -36,7 +38,7 @@ def quantized(jury_checkpoint, tmp_path_factory) -> dict[str, HydraModel]:
         "int8-float-output": ["--quantize", "int8", "--keep-output-matrix"],
     }
     for name, flags in variants.items():
-        assert quantize_cli(jury_checkpoint, root / name, *flags) == 0
+        assert quantize_cli(wide_jury_checkpoint, root / name, *flags) == 0
     return {name: HydraModel.load(root / name) for name in variants}
 
 
@@ -55,11 +57,11 @@ def test_the_manifest_records_the_scheme_and_the_weights_load_quantized(quantize
 
 
 @pytest.mark.parametrize(("name", "share"), [("int8", 0.03), ("int4", 0.4)])
-def test_quantized_logits_stay_near_the_float_model(jury_model, quantized, name, share):
+def test_quantized_logits_stay_near_the_float_model(wide_jury_checkpoint, quantized, name, share):
     """Largest change of a logit, as a share of the largest logit: 1.5% for int8 and 19%
     for int4 on this tiny model (its 64-wide rows have few weights to average rounding
     over); the bounds leave twice that."""
-    reference = next_token_logits(jury_model, CONTEXT)
+    reference = next_token_logits(HydraModel.load(wide_jury_checkpoint), CONTEXT)
     moved = (next_token_logits(quantized[name], CONTEXT) - reference).abs().max()
     assert 0 < moved < share * reference.abs().max()
 
@@ -77,9 +79,13 @@ def test_every_family_builds_quantized(source_models, tmp_path, family):
     assert 0 < moved.abs().max() < 0.1 * reference.abs().max()
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
-def test_greedy_speculative_equals_non_speculative_on_a_quantized_model(quantized, name):
-    model = quantized[name]
+@pytest.mark.parametrize("name", ["float32", "int8", "int4"])
+def test_greedy_speculative_equals_non_speculative_on_a_quantized_model(
+    wide_jury_checkpoint, quantized, name
+):
+    """On the wide jury every decode step of one session is a single native call, and a
+    speculative verify the same call over several positions (float32 too)."""
+    model = HydraModel.load(wide_jury_checkpoint) if name == "float32" else quantized[name]
     engine = Engine(LocalBackend(model, limits=SessionLimits(2, 128)), model.load_tokenizer())
     values = {"prompt": "the cat sat", "max_new_tokens": 48, "temperature": 0.0}
     values.update(ignore_eos=True, seed=0)

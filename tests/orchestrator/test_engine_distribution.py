@@ -193,11 +193,19 @@ def test_exact_rule_samples_the_poe_target(
 
 @pytest.fixture(scope="module")
 def quantized_small(tmp_path_factory, draft_checkpoint) -> HydraModel:
-    """The small jury with MLP width 64, quantized to int4 in groups of 32: every
-    projection and the LM head run on the int4 kernels."""
+    """The small jury with MLP width 64 and one 32-wide attention head, quantized to int4
+    in groups of 32: every layer of a decode step runs in one native call (int4 products,
+    native attention), and the LM head on the int4 kernel."""
     root = tmp_path_factory.mktemp("small-int4")
     float_checkpoint = build_jury_checkpoint(
-        root, trunk_layers=1, num_hidden_layers=2, hidden_size=32, intermediate_size=64, head_dim=8
+        root,
+        trunk_layers=1,
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=32,
     )
     scheme = QuantizationScheme.from_flags("int4", 32, keep_output_matrix=False)
     quantize_checkpoint(float_checkpoint, root / "int4", scheme, log=lambda line: None)
