@@ -13,6 +13,8 @@ single-head greedy decoding, and the engine path, each as a fraction of the byte
 - engine: `generate --local --rule verifier_only --jury head0` in-process (the engine, the
   round, metrics and detokenizer), prompt included, beside the bare loop with its prompt
   included too (`bench_round.raw_rate`): the ratio is the engine's own cost.
+- Each hydra_model row's note splits a decode step: the products alone (every weight
+  times one row, nothing else: how fast the kernels stream) against the whole step.
 - The roofline: bytes per token over the machine's copy bandwidth (a 256 MiB copy,
   bytes read and written per second); each row's fraction is its tokens/s over that.
 
@@ -40,6 +42,7 @@ from bench_round import (
 
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.kernels.native import instruction_set, native
+from hydra_jury.hydra_model.products import product
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.workers.sessions import SessionLimits
@@ -67,6 +70,32 @@ def decode_rate(model: HydraModel, prompt: list[int], new_tokens: int) -> float:
         logits = head.forward(model.trunk.forward(token, trunk_cache, start), head_cache, start)
         token, start = logits[0, -1:].argmax(-1), start + 1
     return new_tokens / (time.perf_counter() - began)
+
+
+@torch.inference_mode()
+def products_alone(model: HydraModel, repeats: int = 20) -> float:
+    """Seconds per decode step spent in the products alone: every projection of the trunk
+    and head0 and the output matrix, for one row, nothing else (the kernels' streaming)."""
+    layers = [*model.trunk.layers.layers, *model.heads.select(0).layers.layers]
+    hidden = torch.randn(1, 1, model.config.hidden_size)
+    wide = torch.randn(1, 1, model.config.intermediate_size)
+    narrow = torch.randn(1, 1, model.config.q_size)
+    output = model.heads.lm_head
+    lm_head = output[None] if len(output.shape) == 2 else output[:1]
+
+    def step() -> None:
+        for layer in layers:
+            product(hidden, layer.qkv_weight)
+            product(narrow, layer.o_weight)
+            product(hidden, layer.gate_up_weight)
+            product(wide, layer.down_weight)
+        product(hidden, lm_head)
+
+    step()
+    began = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    return (time.perf_counter() - began) / repeats
 
 
 def median_of(runs: int, measure) -> float:
@@ -103,7 +132,13 @@ def main() -> None:
     for label, variant in OURS:
         model = HydraModel.load(paths[variant], heads=["head0"])
         rate = median_of(args.runs, lambda m=model: decode_rate(m, prompt, args.new_tokens))
-        rows.append(("hydra_model", label, bytes_per_token(model, 1), rate, "decode steps"))
+        size = bytes_per_token(model, 1)
+        streamed = products_alone(model)
+        note = (
+            f"products {streamed * 1e3:.1f} of {1e3 / rate:.1f} ms a step "
+            f"({size / streamed / 1e9:.1f} GB/s)"
+        )
+        rows.append(("hydra_model", label, size, rate, note))
         if variant in ENGINE_ROWS:
             engine = Engine(LocalBackend(model, limits=SessionLimits(1, 4096)), tokenizer)
             engine_rate = median_of(

@@ -6,10 +6,12 @@ kept float) and int4, on the demo split (SmolLM2-135M-Instruct, trunk and head0)
 
 Held-out text: every fourth text of the demo corpus (`make model` writes it; SmolLM2's own
 answers to the demo prompts). The untrained split's heads are SmolLM2's own top layers, so
-no text of the corpus was ever trained on by this checkpoint. Greedy agreement: 8 chat
-prompts x 128 new tokens, decoded by each variant; "same tokens" counts the positions
-where a variant's token equals float32's, "same prefix" the tokens before the first
-difference (after it, the contexts differ).
+no text of the corpus was ever trained on by this checkpoint. "Same argmax": on the
+held-out text (teacher-forced, every position sees the true context), how often a
+variant's most likely next token is float32's. Greedy agreement: 8 chat prompts x 128 new
+tokens, decoded by each variant; "same tokens" counts the positions where a variant's
+token equals float32's, "same prefix" the tokens before the first difference (after it,
+the contexts differ, so later positions agree only by chance).
 """
 
 from __future__ import annotations
@@ -65,10 +67,11 @@ def quantized_variants(base: Path, root: Path) -> dict[str, Path]:
 
 
 @torch.inference_mode()
-def perplexity(model: HydraModel, texts: list[list[int]]) -> float:
-    """exp of the mean next-token loss of head0 over every token of `texts`."""
+def held_out_scores(model: HydraModel, texts: list[list[int]]) -> tuple[float, list[torch.Tensor]]:
+    """Perplexity of head0 over every token of `texts` (exp of the mean next-token loss),
+    and its argmax at every position of each text."""
     head = model.heads.select(0)
-    total, count = 0.0, 0
+    total, count, choices = 0.0, 0, []
     for tokens in texts:
         ids = torch.tensor(tokens)
         capacity = len(tokens)
@@ -76,7 +79,8 @@ def perplexity(model: HydraModel, texts: list[list[int]]) -> float:
         logits = head.forward(hidden, model.head_cache(1, capacity), 0)[0, :-1].float()
         total += torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum").item()
         count += len(tokens) - 1
-    return math.exp(total / count)
+        choices.append(logits.argmax(-1))
+    return math.exp(total / count), choices
 
 
 def agreement(reference: list[list[int]], tokens: list[list[int]]) -> tuple[int, int, int]:
@@ -114,20 +118,20 @@ def main() -> None:
         f"texts ({sum(len(t) for t in held_out)} tokens); greedy agreement with float32 over "
         f"{len(prompts)} prompts x {args.new_tokens} tokens"
     )
-    print(
-        f"{'weights':<22}{'perplexity':>11}{'vs float32':>12}{'same tokens':>13}{'same prefix':>13}"
-    )
-    reference_ppl, reference_tokens = None, None
+    columns = ("perplexity", "vs float32", "same argmax", "same tokens", "same prefix")
+    print(f"{'weights':<22}{columns[0]:>11}" + "".join(f"{c:>13}" for c in columns[1:]))
+    reference = None
     for name, (_, dtype) in VARIANTS.items():
         model = HydraModel.load(paths[name], dtype=dtype, heads=["head0"])
-        ppl = perplexity(model, held_out)
+        ppl, choices = held_out_scores(model, held_out)
         tokens = [ours(model, prompt, args.new_tokens)[0] for prompt in prompts]
-        if reference_ppl is None:
-            reference_ppl, reference_tokens = ppl, tokens
-        same, prefix, total = agreement(reference_tokens, tokens)
+        if reference is None:
+            reference = ppl, torch.cat(choices), tokens
+        same_argmax = (torch.cat(choices) == reference[1]).float().mean().item()
+        same, prefix, total = agreement(reference[2], tokens)
         print(
-            f"{name:<22}{ppl:>11.3f}{(ppl / reference_ppl - 1) * 100:>+11.2f}%"
-            f"{same / total:>13.1%}{prefix / total:>13.1%}"
+            f"{name:<22}{ppl:>11.3f}{(ppl / reference[0] - 1) * 100:>+12.2f}%"
+            f"{same_argmax:>13.1%}{same / total:>13.1%}{prefix / total:>13.1%}"
         )
 
 
