@@ -15,6 +15,8 @@ single-head greedy decoding, and the engine path, each as a fraction of the byte
   included too (`bench_round.raw_rate`): the ratio is the engine's own cost.
 - Each hydra_model row's note splits a decode step: the products alone (every weight
   times one row, nothing else: how fast the kernels stream) against the whole step.
+- A second table: every projection of a step times 1 to 16 rows (what a speculative
+  verify or a batch multiplies), on the kernels and, for float32, on PyTorch's BLAS.
 - The roofline: bytes per token over the machine's copy bandwidth (a 256 MiB copy,
   bytes read and written per second); each row's fraction is its tokens/s over that.
 
@@ -98,6 +100,48 @@ def products_alone(model: HydraModel, repeats: int = 20) -> float:
     return (time.perf_counter() - began) / repeats
 
 
+@torch.inference_mode()
+def rows_table(paths: dict[str, Path], repeats: int = 5) -> list[str]:
+    """Milliseconds for every projection of the trunk and head0 times 1 to 16 rows (a
+    speculative verify, a batch), float32, int8 and int4 on the kernels beside float32 on
+    PyTorch's BLAS: markdown rows."""
+    counts = (1, 2, 4, 8, 16)
+    lines = [
+        "| weights | " + " | ".join(f"{n} row{'s' if n > 1 else ''}" for n in counts) + " |",
+        "| --- |" + " --- |" * len(counts),
+    ]
+    variants = [
+        ("float32, PyTorch's bmm", paths["float32"], True),
+        ("float32", paths["float32"], False),
+        ("int8", paths["int8"], False),
+        ("int4, groups of 32", paths["int4 (groups of 32)"], False),
+    ]
+    for label, path, blas in variants:
+        model = HydraModel.load(path, heads=["head0"])
+        layers = [*model.trunk.layers.layers, *model.heads.select(0).layers.layers]
+        weights = [w for layer in layers for w in (layer.qkv_weight, layer.gate_up_weight)]
+        weights += [w for layer in layers for w in (layer.o_weight, layer.down_weight)]
+        cells = []
+        for count in counts:
+            inputs = {
+                width: torch.randn(1, count, width)
+                for width in (model.config.hidden_size, model.config.intermediate_size)
+            }
+
+            def step(weights=weights, inputs=inputs, blas=blas) -> None:
+                for weight in weights:
+                    x = inputs[weight.shape[-1]]
+                    torch.bmm(x, weight.mT) if blas else product(x, weight)
+
+            step()
+            began = time.perf_counter()
+            for _ in range(repeats):
+                step()
+            cells.append(f"{(time.perf_counter() - began) / repeats * 1e3:.1f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def median_of(runs: int, measure) -> float:
     measure()  # warm-up
     return statistics.median(measure() for _ in range(runs))
@@ -161,6 +205,8 @@ def main() -> None:
             f"| {runtime} | {weights} | {size / 1e6:.0f} | {rate:.1f} | "
             f"{rate / roofline:.0%} | {note} |"
         )
+    print("\nEvery projection of the trunk and head0 (no output matrix) times 1 to 16 rows, ms:")
+    print("\n".join(rows_table(paths)))
 
 
 if __name__ == "__main__":
