@@ -94,17 +94,7 @@ def cached_attention(
     (`RotaryTable.rotation`) -> [S, T, heads * head_dim], the new keys and values
     written into `layer` of the cache at start... None when the kernel cannot take it
     (then the caller uses PyTorch's attention)."""
-    head_dim = cache.keys.shape[-1]
-    fits = (
-        qkv.dtype == torch.float32
-        and cache.keys.dtype == torch.float32
-        and qkv.device.type == "cpu"
-        and qkv.shape[1] <= KERNEL_MAX_ROWS
-        and head_dim % 32 == 0
-        and head_dim <= 256
-        and not torch.is_grad_enabled()
-    )
-    ops = native() if fits else None
+    ops = native() if _attention_fits(qkv, cache) else None
     if ops is None:
         return None
     cos, sin = rotation
@@ -125,18 +115,7 @@ def decoded_layers(
     """Every layer of a pre-norm stack without biases over one session's new positions,
     in one native call (`LayerStack`; `entries`: 14 per layer, `_Layer.native_entries`).
     None when the kernels cannot take it."""
-    head_dim = cache.keys.shape[-1]
-    fits = (
-        x.dtype == torch.float32
-        and cache.keys.dtype == torch.float32
-        and x.device.type == "cpu"
-        and x.shape[1] <= KERNEL_MAX_ROWS
-        and x.stride(2) == 1
-        and head_dim % 32 == 0
-        and head_dim <= 256
-        and not torch.is_grad_enabled()
-    )
-    ops = native() if fits else None
+    ops = native() if _attention_fits(x, cache) else None
     if ops is None:
         return None
     cos, sin = rotation
@@ -162,4 +141,19 @@ def _kernel_fits(x: torch.Tensor, weight: Weight, width: int) -> bool:
         and (x.shape[0] == weight.shape[0] or x.stride(0) == 0)
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and (isinstance(weight, QuantizedWeight) or weight.is_contiguous())
+    )
+
+
+def _attention_fits(x: torch.Tensor, cache: KVCache) -> bool:
+    """Whether the native attention takes these rows and this cache."""
+    head_dim = cache.keys.shape[-1]
+    return (
+        x.dtype == torch.float32
+        and cache.keys.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.shape[1] <= KERNEL_MAX_ROWS
+        and x.stride(2) == 1
+        and head_dim % 32 == 0
+        and head_dim <= 256
+        and not torch.is_grad_enabled()
     )

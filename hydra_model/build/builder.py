@@ -182,15 +182,21 @@ def build_checkpoint(
             source=_source_description(options.source, base.config, config),
             quantization=scheme,
         )
-        (staging / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
+        publish(staging, manifest, out)
     finally:
         if staging.exists():
             shutil.rmtree(staging)
-    log(f"done: {out} ({_directory_bytes(out) / 2**20:.1f} MiB)")
+    log(f"done: {out} ({directory_bytes(out) / 2**20:.1f} MiB)")
     return manifest
+
+
+def publish(staging: Path, manifest: Manifest, out: Path) -> None:
+    """Writes the manifest into a checkpoint written whole in `staging` and moves it to
+    `out` (replacing what was there): a reader never sees half a checkpoint."""
+    (staging / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
 
 
 def read_source(source: str | Path) -> SourceModel:
@@ -261,5 +267,5 @@ def save_tensors(
     save_file({name: t.contiguous() for name, t in stored.items()}, str(path))
 
 
-def _directory_bytes(path: Path) -> int:
+def directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

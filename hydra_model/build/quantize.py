@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -12,7 +11,12 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from hydra_jury.hydra_model.build.builder import BuildError, save_tensors
+from hydra_jury.hydra_model.build.builder import (
+    BuildError,
+    directory_bytes,
+    publish,
+    save_tensors,
+)
 from hydra_jury.hydra_model.checkpoint import (
     DTYPES,
     HEADS_DIR,
@@ -64,13 +68,9 @@ def quantize_checkpoint(
             if path.is_file() and path.name not in (MANIFEST, *weights):
                 shutil.copyfile(path, staging / path.name)
         quantized = dataclasses.replace(manifest, quantization=scheme)
-        (staging / MANIFEST).write_text(json.dumps(quantized.to_dict(), indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
+        publish(staging, quantized, out)
     finally:
         if staging.exists():
             shutil.rmtree(staging)
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    log(f"done: {out} ({size / 2**20:.1f} MiB)")
+    log(f"done: {out} ({directory_bytes(out) / 2**20:.1f} MiB)")
     return quantized
