@@ -61,6 +61,15 @@ def test_the_wheel_carries_protos_and_generated_code(wheel):
     )
 
 
+def test_the_wheel_carries_the_kernels_sources(wheel):
+    """The native kernels are compiled where they run: the wheel carries their sources."""
+    from hydra_jury.hydra_model.kernels.native import SOURCES
+
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {f"{NAMESPACE}/hydra_model/kernels/{source}" for source in SOURCES}
+    assert expected <= names, sorted(expected - names)
+
+
 def test_the_wheel_claims_one_top_level_name(wheel):
     """Every module installs under `hydra_jury`: no generic `protos` or `workers` in
     site-packages."""
