@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from hydra_jury.hydra_model import HydraModel, Segment
-from hydra_jury.hydra_model.layers import LayerStack, _linear, rms_norm
+from hydra_jury.hydra_model.layers import LayerStack, _linear
+from hydra_jury.hydra_model.products import rms_norm
 
 CONTEXTS = (96, 160, 224, 288, 352, 416, 480, 544)  # cycled over the sessions
 

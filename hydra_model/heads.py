@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from hydra_jury.hydra_model.kv_cache import KVCache
-from hydra_jury.hydra_model.layers import LayerStack, Segment, rms_norm
-from hydra_jury.hydra_model.products import Weight, product
+from hydra_jury.hydra_model.layers import LayerStack, Segment
+from hydra_jury.hydra_model.products import Weight, product, rms_norm
 from hydra_jury.hydra_model.quantization import tensors_of
 from hydra_jury.hydra_model.rope import RotaryTable
 

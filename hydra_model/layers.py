@@ -25,7 +25,13 @@ import torch.nn.functional as F
 
 from hydra_jury.hydra_model.config import DecoderConfig
 from hydra_jury.hydra_model.kv_cache import KVCache
-from hydra_jury.hydra_model.products import Weight, cached_attention, decoded_layers, product
+from hydra_jury.hydra_model.products import (
+    Weight,
+    cached_attention,
+    decoded_layers,
+    product,
+    rms_norm,
+)
 from hydra_jury.hydra_model.quantization import QuantizedWeight, cat_outputs, tensors_of
 from hydra_jury.hydra_model.quantization import stack as stack_weights
 from hydra_jury.hydra_model.rope import RotaryTable, rotate
@@ -95,15 +101,6 @@ class _SegmentPlan:
         return self._mask
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [S, T, N], weight: [S, N]. Statistics in float32 whatever the compute dtype."""
-    if x.dtype == torch.float32 and weight.shape[0] == 1:
-        # One op instead of three on the decode path (the same float32 result).
-        return F.rms_norm(x, (x.shape[-1],), weight[0], eps)
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-    return normed * weight[:, None, :]
-
-
 def _linear(
     x: torch.Tensor,
     weight: Weight,
@@ -131,7 +128,7 @@ class _Layer:
             return stack_weights([member[name] for member in members])
 
         def maybe(name: str) -> torch.Tensor | None:
-            return torch.stack([member[name] for member in members]) if name in members[0] else None
+            return stack(name) if name in members[0] else None
 
         # q, k and v in one matmul; gate and up in another.
         self.qkv_weight = cat_outputs(

@@ -22,15 +22,24 @@ Weight = torch.Tensor | QuantizedWeight
 # round, a batch of sessions' rounds — each row then comes out the same whatever rows are
 # batched with it, so a session's tokens are the same alone and batched, and a jury
 # shard's rows are those of the whole jury. Beyond, a product is a prefill, where BLAS is
-# at its best. (From 16 rows on, PyTorch's BLAS is faster on float32 weights — 2-core
-# Xeon, SmolLM2's layers: 16 rows 40 ms against 47, 64 rows 83 against 117 — but its rows
-# depend on their neighbours below 16.)
+# at its best (2-core Xeon, SmolLM2's layers in float32: 16 rows 33 ms on the kernels
+# against 40 on BLAS, 64 rows 117 against 83; docs/benchmarks.md).
 KERNEL_MAX_ROWS = 64
 # PyTorch's CPU BLAS multiplies 4 to 15 rows by a large matrix with small-row kernels
 # that are slowest there (SmolLM2's 49,152 x 576 LM head: 8 rows 13.6 ms, 16 rows 9.7 ms
 # on the 2-core development machine), and from 16 rows on each row comes out the same
 # whatever its neighbours; without the kernels such products are padded to 16 rows.
 PADDED_ROW_COUNTS = range(4, 16)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [S, T, N], weight: [S, N]. Statistics in float32 whatever the compute dtype. (Here
+    beside `product`, whose PyTorch path normalises its input with it.)"""
+    if x.dtype == torch.float32 and weight.shape[0] == 1:
+        # One op instead of three on the decode path (the same float32 result).
+        return F.rms_norm(x, (x.shape[-1],), weight[0], eps)
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return normed * weight[:, None, :]
 
 
 def product(
@@ -68,7 +77,7 @@ def product(
         gate, up = x.chunk(2, dim=-1)
         x = F.silu(gate) * up
     if norm is not None:
-        x = F.rms_norm(x.float(), (width,), eps=eps).to(x.dtype) * norm[:, None, :]
+        x = rms_norm(x, norm, eps)
     if isinstance(weight, QuantizedWeight):
         weight = weight.dequantize(x.dtype)
     rows = x.shape[1]

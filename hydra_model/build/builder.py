@@ -260,9 +260,9 @@ def save_tensors(
 ) -> None:
     """Writes float tensors in `dtype`, quantizing those `scheme` covers (from the
     tensors as given, not from their `dtype` rounding)."""
-    stored = {name: t.to(dtype) for name, t in tensors.items()}
-    if scheme is not None:
-        covered = {name: t for name, t in tensors.items() if scheme.covers(name)}
+    covered = {} if scheme is None else {n: t for n, t in tensors.items() if scheme.covers(n)}
+    stored = {name: t.to(dtype) for name, t in tensors.items() if name not in covered}
+    if covered:
         stored.update(scheme.quantize_tensors(covered))
     save_file({name: t.contiguous() for name, t in stored.items()}, str(path))
 
