@@ -33,12 +33,14 @@ from hydra_jury.orchestrator.sessions.redis_store import RedisStore, redacted
 from hydra_jury.orchestrator.sessions.store import StoreSettings
 from hydra_jury.serving.auth import auth_from
 from hydra_jury.serving.flags import (
+    add_batching_flags,
     add_draft_model_flag,
     add_log_format_flag,
     add_model_flags,
     add_session_limit_flags,
     add_threads_flag,
     add_tracing_flag,
+    batch_limits_from,
 )
 from hydra_jury.serving.health_port import health_port
 from hydra_jury.serving.logs import configure_logging
@@ -89,6 +91,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add_model_flags(parser)
     add_threads_flag(parser)
     add_draft_model_flag(parser)
+    add_batching_flags(parser)
     parser.set_defaults(handler=_run_serve)
 
 
@@ -101,6 +104,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     limits = SessionLimits(args.max_sessions, args.max_session_tokens)
     draft_model = resolved_draft_model(args.draft_model)
     request_limits = limits_from(args)
+    batch_limits = batch_limits_from(args)
     tls = ServerTls.from_settings(args)
     auth = auth_from(args)
 
@@ -121,6 +125,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             auth=auth,
             http_listen=args.http_listen,
             served_model_name=args.served_model_name,
+            batch_limits=batch_limits,
         )
         async with health_port(running, args.health_listen):
             served = f"{args.checkpoint} ({training_summary(args.checkpoint)})"

@@ -4,19 +4,28 @@ process, sharing one loaded model's weights.
 Standalone (the CLI's `generate --local`, tests, benchmarks) the loop calls the workers
 on its own thread. In a server, where several requests run the loop on threads of their
 own, pass a `ModelThread`: every worker call then runs there, one at a time, so the
-workers need no locks and all compute shares one OpenMP thread team.
+workers need no locks and all compute shares one OpenMP thread team. With `batching` as
+well (the single-process server), the calls of concurrent generations are batched as the
+split services batch them (`serving.worker_batchers`): each generation's round runs on its
+own thread, and its model calls join one forward with the other sessions' on the model
+thread. Without it a whole round runs on the model thread, one round at a time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
 
 from hydra_jury.hydra_model import DraftModel, HydraModel
 from hydra_jury.orchestrator.backend import DecodingBackend, ModelInfo
-from hydra_jury.serving.errors import InternalServiceError
+from hydra_jury.serving.batcher import BatchLimits
+from hydra_jury.serving.errors import CallCancelled, DeadlineExceeded, InternalServiceError
+from hydra_jury.serving.metrics import ServiceMetrics
 from hydra_jury.serving.model_thread import ModelThread
 from hydra_jury.serving.server import new_epoch
+from hydra_jury.serving.worker_batchers import WorkerBatchers
 from hydra_jury.workers.calls import (
     DraftCall,
     DraftResult,
@@ -48,13 +57,22 @@ class LocalBackend(DecodingBackend):
         draft_model: DraftModel | None = None,
         limits: SessionLimits | None = None,
         thread: ModelThread | None = None,
+        batching: BatchLimits | None = None,
+        batch_metrics: ServiceMetrics | None = None,
     ) -> None:
+        """`batching` (with `thread`): batch the calls of concurrent generations within
+        these limits, reporting to `batch_metrics`."""
         super().__init__()
         self.trunk = TrunkWorker(
             model, drafter_heads=drafter_heads, draft_model=draft_model, limits=limits
         )
         self.jury = JuryWorker(model, limits=limits)
         self._thread = thread
+        self.batchers = None
+        if batching is not None:
+            if thread is None:
+                raise ValueError("batching needs a model thread")
+            self.batchers = WorkerBatchers(self.trunk, self.jury, thread, batching, batch_metrics)
         self._epoch = new_epoch()
         config = model.config
         self.info = ModelInfo(
@@ -76,7 +94,13 @@ class LocalBackend(DecodingBackend):
         return {"workers": f"in-process@{self._epoch}"}
 
     def run_round(self, function: Callable[..., T], *args) -> T:
-        """On the model thread when there is one (a call from it runs at once)."""
+        """On the model thread when there is one and calls are not batched (a call from
+        it runs at once); batched, here, its model calls joining other sessions'."""
+        if self.batchers is not None:
+            return function(*args)
+        return self._on_model_thread(function, *args)
+
+    def _on_model_thread(self, function: Callable[..., T], *args) -> T:
         if self._thread is None:
             return function(*args)
         return self._thread.call(function, *args)
@@ -84,54 +108,94 @@ class LocalBackend(DecodingBackend):
     def _run(self, function: Callable[..., T], *args) -> T:
         self.time_left()  # raises once the request's deadline has passed
         try:
-            return self.run_round(function, *args)
+            return self._on_model_thread(function, *args)
         except InvalidArgument as error:
-            # The loop checked the request before calling: a worker refusing a call is
-            # the loop's bug, never the client's argument (as over gRPC).
-            raise InternalServiceError(f"the in-process workers refused a call: {error}") from None
+            raise _refused(error) from None
+
+    def _batched(self, rpc: str, calls: list[Any]) -> list[Any]:
+        """Each call's result from the batcher of `rpc` (submitted together, so that they
+        may share a batch), within the request's deadline."""
+        futures = [self.batchers.submit(rpc, call) for call in calls]
+        try:
+            return [self._wait(future) for future in futures]
+        finally:
+            for future in futures:
+                future.cancel()  # (a no-op once done) nothing left queued for a caller gone
+
+    def _wait(self, future: Future) -> Any:
+        try:
+            return future.result(timeout=self.time_left())
+        except FutureTimeout:
+            raise DeadlineExceeded("the request's deadline passed during generation") from None
+        except CancelledError:
+            raise CallCancelled("the call was cancelled") from None
+        except InvalidArgument as error:
+            raise _refused(error) from None
 
     def prefill(self, call: PrefillCall) -> None:
-        self._run(self._prefill, call)
+        if self.batchers is None:
+            self._run(self._prefill, call)
+            return
+        try:
+            chunks = self.batchers.chunks(call)
+        except InvalidArgument as error:
+            raise _refused(error) from None
+        for chunk in chunks:  # each in its own batch, after the one before
+            self._batched("Prefill", [chunk])
 
     def _prefill(self, call: PrefillCall) -> None:
         hidden = self.trunk.prefill(call)
         self.jury.prefill(JuryPrefillCall(call.session, call.start, hidden, call.heads))
 
     def trunk_forward(self, call: PrefillCall) -> HiddenStates:
-        return self._run(self.trunk.prefill, call)
+        return self.trunk_forward_batch([call])[0]
 
     def trunk_forward_batch(self, calls: list[PrefillCall]) -> list[HiddenStates]:
+        if self.batchers is not None:
+            return self._batched("TrunkForward", calls)
         return self._run(self.trunk.prefill_batch, calls)
-
-    def score_batch(self, calls: list[ScoreCall]) -> list[ScoreResult]:
-        return self._run(lambda: [result.on_host() for result in self.jury.score_batch(calls)])
 
     # The loop's maths runs on the host, on [γ, V] tensors, as it does over gRPC; the
     # hidden states stay on the model's device for the jury.
+    def score_batch(self, calls: list[ScoreCall]) -> list[ScoreResult]:
+        if self.batchers is not None:
+            return self._batched("Score", calls)
+        return self._run(lambda: [result.on_host() for result in self.jury.score_batch(calls)])
+
     def draft(self, call: DraftCall) -> DraftResult:
+        if self.batchers is not None:
+            return self._batched("Draft", [call])[0]
         return self._run(lambda: self.trunk.draft(call).on_host())
 
     def score(self, call: ScoreCall) -> ScoreResult:
-        return self._run(lambda: self.jury.score(call).on_host())
+        return self.score_batch([call])[0]
 
     def uncertainty(self, session: str, call: UncertaintyCall) -> UncertaintyResult:
         return self._run(self.trunk.uncertainty, call)
 
     def release(self, session: str) -> None:
         # Without the deadline: a cancelled or failed request must still free its caches.
-        self.run_round(self._release_everywhere, session)
+        self._on_model_thread(self._release_everywhere, session)
 
     def _release_everywhere(self, session: str) -> None:
         self.trunk.release(session)
         self.jury.release(session)
 
     def finish(self, session: str) -> None:
-        self.run_round(self._finish_everywhere, session)
+        self._on_model_thread(self._finish_everywhere, session)
 
     def _finish_everywhere(self, session: str) -> None:
         self.trunk.finish(session)
         self.jury.finish(session)
 
     def close(self) -> None:
+        if self.batchers is not None:
+            self.batchers.close()
         if self._thread is not None:
             self._thread.shutdown()
+
+
+def _refused(error: InvalidArgument) -> InternalServiceError:
+    # The loop checked the request before calling: a worker refusing a call is the
+    # loop's bug, never the client's argument (as over gRPC).
+    return InternalServiceError(f"the in-process workers refused a call: {error}")

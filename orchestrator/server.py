@@ -49,9 +49,10 @@ from hydra_jury.poe import RULES
 from hydra_jury.protos.hydrajury.v1 import generation_pb2, generation_pb2_grpc
 from hydra_jury.serving.api_keys import ApiKey, KeyFile
 from hydra_jury.serving.auth import ApiKeyAuth, current_key, refusal
+from hydra_jury.serving.batcher import BatchLimits
 from hydra_jury.serving.errors import detail_for
 from hydra_jury.serving.http_server import HttpServer
-from hydra_jury.serving.metrics import SessionMetrics
+from hydra_jury.serving.metrics import ServiceMetrics
 from hydra_jury.serving.model_thread import ModelThread, start_model_thread
 from hydra_jury.serving.server import GrpcServer, RunningServer
 from hydra_jury.serving.tls import ClientTls, ServerTls
@@ -289,12 +290,14 @@ async def start_generation_server(
     auth: ApiKeyAuth | None = None,
     http_listen: str | None = None,
     model: str,
+    metrics: OrchestratorMetrics | None = None,
 ) -> RunningServer:
     """The Generation service over `backend`, started on `address` (port 0: any free;
     `tls`: a TLS port, else plaintext; `auth`: calls need an API key, else open), and
     with `http_listen` the HTTP API on that address too (TLS alike), serving `model`
-    (--served-model-name, else the checkpoint's folder name)."""
-    metrics = OrchestratorMetrics()
+    (--served-model-name, else the checkpoint's folder name). `metrics`: the server's,
+    where the backend reports to the same registry."""
+    metrics = metrics or OrchestratorMetrics()
     servicer = GenerationServicer(
         backend,
         tokenizer,
@@ -450,18 +453,32 @@ async def serve_embedded(
     auth: ApiKeyAuth | None = None,
     http_listen: str | None = None,
     served_model_name: str | None = None,
+    batch_limits: BatchLimits | None = None,
 ) -> RunningServer:
     """The single-process server: the whole model loaded here, the same Generation
-    service over the in-process backend. All compute runs on one model thread.
-    `draft_model`: a Hydra checkpoint used as the draft model (drafter "model"); `auth`:
-    API keys required; `http_listen`: the HTTP API on that address too."""
+    service over the in-process backend. All compute runs on one model thread, and the
+    model calls of concurrent generations are batched within `batch_limits` (the
+    services' defaults when None), as the split services batch them. `draft_model`: a
+    Hydra checkpoint used as the draft model (drafter "model"); `auth`: API keys
+    required; `http_listen`: the HTTP API on that address too."""
+    metrics = OrchestratorMetrics()
+    # The batches, waits, refusals and session slots on the same /metrics as the rest.
+    batch_metrics = ServiceMetrics(metrics.registry)
 
     def build(thread: ModelThread) -> tuple[HydraModel, LocalBackend]:
         model = HydraModel.load(checkpoint, dtype=dtype, device=device)
         draft = None
         if draft_model:
             draft = DraftModel.load(draft_model, dtype=dtype, device=device)
-        return model, LocalBackend(model, draft_model=draft, limits=limits, thread=thread)
+        backend = LocalBackend(
+            model,
+            draft_model=draft,
+            limits=limits,
+            thread=thread,
+            batching=batch_limits or BatchLimits(),
+            batch_metrics=batch_metrics,
+        )
+        return model, backend
 
     # Loaded and built on the model thread: one OpenMP team (see serving.model_thread).
     model, backend = await start_model_thread("model", build)
@@ -478,6 +495,7 @@ async def serve_embedded(
         auth=auth,
         http_listen=http_listen,
         model=served_model_name or model_name(checkpoint),
+        metrics=metrics,
     )
-    SessionMetrics(running.servicer.metrics.registry).watch(backend.trunk.sessions)
+    batch_metrics.sessions.watch(backend.trunk.sessions)
     return running

@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 
 from hydra_jury.hydra_model.checkpoint import DTYPES
+from hydra_jury.serving.batcher import BatchLimits
 from hydra_jury.serving.logs import LOG_FORMATS
 from hydra_jury.serving.tls import SERVER_FLAGS, TlsFlags
+from hydra_jury.workers.errors import InvalidArgument
 from hydra_jury.workers.sessions import SessionLimits
 
 DEVICE = "cpu"
@@ -95,6 +97,69 @@ def add_session_limit_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=SessionLimits.max_session_tokens,
         help="positions one session may reach, at most the model's context length (%(default)s)",
+    )
+
+
+def add_batching_flags(parser: argparse.ArgumentParser) -> None:
+    """Continuous batching and its admission control (`serving.batcher.BatchLimits`):
+    the worker services' and the single-process server's."""
+    defaults = BatchLimits()
+    group = parser.add_argument_group(
+        "batching", "concurrent calls of different sessions run as one forward"
+    )
+    group.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=defaults.max_tokens,
+        help="positions one batched forward of concurrent calls may run (%(default)s)",
+    )
+    group.add_argument(
+        "--max-queue",
+        type=int,
+        default=defaults.max_queue,
+        help="calls waiting for the model; more are refused with RESOURCE_EXHAUSTED (%(default)s)",
+    )
+    group.add_argument(
+        "--max-queue-wait-s",
+        type=float,
+        default=defaults.max_wait_s,
+        help="a call waiting longer is refused with RESOURCE_EXHAUSTED (%(default)g)",
+    )
+    group.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=defaults.prefill_chunk,
+        help="run a longer prefill in chunks of this many positions, so that other "
+        "sessions' steps run between them (0: whole; %(default)s)",
+    )
+    group.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=1000 * defaults.window_s,
+        help="a batch smaller than the recent ones waits this long for more calls "
+        "(0: never; %(default)g)",
+    )
+
+
+def batch_limits_from(args: argparse.Namespace) -> BatchLimits:
+    """The batching flags (`add_batching_flags`), checked."""
+    if args.max_batch_tokens < 1 or args.max_queue < 1 or not args.max_queue_wait_s > 0:
+        raise InvalidArgument(
+            "--max-batch-tokens and --max-queue must be at least 1 and --max-queue-wait-s "
+            f"positive; got {args.max_batch_tokens}, {args.max_queue}, {args.max_queue_wait_s}"
+        )
+    if args.prefill_chunk_tokens < 0:
+        raise InvalidArgument(
+            f"--prefill-chunk-tokens must be at least 0 (0: whole), got {args.prefill_chunk_tokens}"
+        )
+    if not 0 <= args.batch_window_ms <= 1000:
+        raise InvalidArgument(f"--batch-window-ms must be in 0..1000, got {args.batch_window_ms}")
+    return BatchLimits(
+        args.max_batch_tokens,
+        args.max_queue,
+        args.max_queue_wait_s,
+        args.prefill_chunk_tokens,
+        args.batch_window_ms / 1000,
     )
 
 

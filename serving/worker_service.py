@@ -26,6 +26,7 @@ from hydra_jury.serving.errors import EXPECTED_FAILURES, failure_line
 from hydra_jury.serving.flags import (
     DEVICE,
     METRICS_ADDRESS,
+    add_batching_flags,
     add_draft_model_flag,
     add_grace_flag,
     add_listen_flag,
@@ -36,6 +37,7 @@ from hydra_jury.serving.flags import (
     add_threads_flag,
     add_tls_flags,
     add_tracing_flag,
+    batch_limits_from,
 )
 from hydra_jury.serving.health_port import health_port
 from hydra_jury.serving.logs import configure_logging
@@ -161,24 +163,6 @@ async def serve_worker(spec: WorkerServiceSpec, options: ServiceOptions) -> Runn
     return RunningServer(server, port, servicer, metrics_port)
 
 
-def batch_limits(
-    max_tokens: int, max_queue: int, max_wait_s: float, prefill_chunk: int, window_ms: float
-) -> BatchLimits:
-    """The batching and admission-control flags, checked."""
-    if max_tokens < 1 or max_queue < 1 or not max_wait_s > 0:
-        raise InvalidArgument(
-            "--max-batch-tokens and --max-queue must be at least 1 and --max-queue-wait-s "
-            f"positive; got {max_tokens}, {max_queue}, {max_wait_s}"
-        )
-    if prefill_chunk < 0:
-        raise InvalidArgument(
-            f"--prefill-chunk-tokens must be at least 0 (0: whole), got {prefill_chunk}"
-        )
-    if not 0 <= window_ms <= 1000:
-        raise InvalidArgument(f"--batch-window-ms must be in 0..1000, got {window_ms}")
-    return BatchLimits(max_tokens, max_queue, max_wait_s, prefill_chunk, window_ms / 1000)
-
-
 def head_list(text: str) -> list[str]:
     """'head0, head1' → ['head0', 'head1'] (for comma-separated head options)."""
     return [name.strip() for name in text.split(",") if name.strip()]
@@ -210,39 +194,7 @@ def build_parser(spec: WorkerServiceSpec, prog: str) -> argparse.ArgumentParser:
         add_draft_model_flag(parser)
     add_model_flags(parser)
     add_threads_flag(parser)
-    defaults = BatchLimits()
-    parser.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=defaults.max_tokens,
-        help="positions one batched forward of concurrent calls may run (%(default)s)",
-    )
-    parser.add_argument(
-        "--max-queue",
-        type=int,
-        default=defaults.max_queue,
-        help="calls waiting for the model; more are refused with RESOURCE_EXHAUSTED (%(default)s)",
-    )
-    parser.add_argument(
-        "--max-queue-wait-s",
-        type=float,
-        default=defaults.max_wait_s,
-        help="a call waiting longer is refused with RESOURCE_EXHAUSTED (%(default)g)",
-    )
-    parser.add_argument(
-        "--prefill-chunk-tokens",
-        type=int,
-        default=defaults.prefill_chunk,
-        help="run a longer prefill in chunks of this many positions, so that other "
-        "sessions' steps run between them (0: whole; %(default)s)",
-    )
-    parser.add_argument(
-        "--batch-window-ms",
-        type=float,
-        default=1000 * defaults.window_s,
-        help="a batch smaller than the recent ones waits this long for more calls "
-        "(0: never; %(default)g)",
-    )
+    add_batching_flags(parser)
     add_metrics_flags(parser)
     add_grace_flag(parser)
     add_tls_flags(parser)
@@ -284,13 +236,7 @@ def service_main(
                 dtype=args.dtype,
                 device=args.device,
                 draft_model=resolve_draft_model(getattr(args, "draft_model", None)),
-                batch_limits=batch_limits(
-                    args.max_batch_tokens,
-                    args.max_queue,
-                    args.max_queue_wait_s,
-                    args.prefill_chunk_tokens,
-                    args.batch_window_ms,
-                ),
+                batch_limits=batch_limits_from(args),
                 metrics_port=args.metrics_port,
                 metrics_address=args.metrics_address,
                 tls=ServerTls.from_settings(args),

@@ -1,7 +1,8 @@
 """Flags the commands pass on or refuse: `serve` and `up` take the HTTP API's address;
 `up` hands its API-key flags to the stack's orchestrator; every server takes
 --log-format (the orchestrator's config file too) and `up` passes it to every process;
-`generate --local` refuses every connection flag; `--jury` lists heads."""
+`generate --local` refuses every connection flag; `--jury` lists heads; `serve` and the
+worker services take the batching flags."""
 
 import sys
 from functools import partial
@@ -15,8 +16,11 @@ from hydra_jury.jury_service.server import JURY_SERVICE
 from hydra_jury.orchestrator.__main__ import build_parser as orchestrator_parser
 from hydra_jury.orchestrator.config import ConfigFileError, OrchestratorConfig
 from hydra_jury.orchestrator.launcher import LocalStack
+from hydra_jury.serving.batcher import BatchLimits
+from hydra_jury.serving.flags import batch_limits_from
 from hydra_jury.serving.worker_service import build_parser as service_parser
 from hydra_jury.trunk_service.server import TRUNK_SERVICE
+from hydra_jury.workers.errors import InvalidArgument
 
 
 @pytest.mark.parametrize("command", [["serve", "--checkpoint", "x"], ["up"]])
@@ -102,3 +106,30 @@ def test_a_system_message_is_refused_for_a_continued_session(command, capsys):
     assert "--system opens a new session; a continued session keeps its own" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize(
+    ("parser", "argv"),
+    [
+        (build_parser, ["serve", "--checkpoint", "x"]),
+        (partial(service_parser, TRUNK_SERVICE, "hydra-jury trunk"), SERVICE_ARGV),
+        (partial(service_parser, JURY_SERVICE, "hydra-jury jury"), SERVICE_ARGV),
+    ],
+    ids=["serve", "trunk", "jury"],
+)
+def test_the_servers_that_batch_take_the_batching_flags(parser, argv):
+    assert batch_limits_from(parser().parse_args(argv)) == BatchLimits()
+    flags = ["--max-batch-tokens", "64", "--max-queue", "8", "--max-queue-wait-s", "2"]
+    flags += ["--prefill-chunk-tokens", "0", "--batch-window-ms", "0"]
+    assert batch_limits_from(parser().parse_args([*argv, *flags])) == BatchLimits(
+        64, 8, 2.0, 0, 0.0
+    )
+    with pytest.raises(InvalidArgument, match=r"--batch-window-ms must be in 0\.\.1000, got 2000"):
+        batch_limits_from(parser().parse_args([*argv, "--batch-window-ms", "2000"]))
+
+
+def test_serve_refuses_a_bad_batching_flag_in_one_line(capsys):
+    assert main(["serve", "--checkpoint", "x", "--max-queue", "0"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("hydra-jury serve: error: --max-batch-tokens and --max-queue must")
+    assert "\n" not in line

@@ -1,12 +1,15 @@
-"""Concurrent sessions through the split stack: the services batch their calls (one
-forward over several sessions), and every session still gets the tokens it gets alone."""
+"""Concurrent sessions through the split stack and through the single-process server:
+the services (or the server's in-process batchers) batch their calls (one forward over
+several sessions), and every session still gets the tokens it gets alone."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from urllib.request import urlopen
 
 import pytest
 
+from hydra_jury.serving.batcher import BatchLimits
 from tests.grpc_stack import Stack
 from tests.orchestrator.test_grpc_stack import to_pb
 
@@ -27,15 +30,18 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def stack(jury_checkpoint, redis_url):
+@pytest.fixture(scope="module", params=["split", "serve"])
+def stack(request, jury_checkpoint, redis_url):
     stack = Stack(
         str(jury_checkpoint),
         [["head0", "head1"], ["head2", "head3"]],
         redis_url,
         **SESSION_ROOM,
     )
-    stack.start_services().start_orchestrator()
+    if request.param == "split":
+        stack.start_services().start_orchestrator()
+    else:
+        stack.start_embedded()
     yield stack
     stack.close()
 
@@ -46,13 +52,17 @@ def stack(jury_checkpoint, redis_url):
         {"rule": "verifier_only"},
         {"rule": "exact", "drafter": "head", "gamma": 3},
         {"rule": "exact", "drafter": "ngram", "gamma": 4},
+        {"rule": "exact", "drafter": "head", "gamma": 3, "temperature": 0.8},
     ],
-    ids=["non-speculative", "head-drafts", "ngram-drafts"],
+    ids=["non-speculative", "head-drafts", "ngram-drafts", "sampled-head-drafts"],
 )
-def test_greedy_sessions_running_together_give_their_tokens_alone(stack, options):
+def test_sessions_running_together_give_their_tokens_alone(stack, options):
+    """Greedy, and sampled with a seed per request (float32 forwards are batch-invariant,
+    and every draw is keyed by seed and position)."""
     generation = stack.generation()
+    options = {"temperature": 0.0, **options}
     requests = [  # the seed draws the draft head (and so the jury)
-        to_pb(prompt, max_new_tokens=16, ignore_eos=True, temperature=0.0, seed=seed, **options)
+        to_pb(prompt, max_new_tokens=16, ignore_eos=True, seed=seed, **options)
         for seed, prompt in enumerate(PROMPTS[:SESSIONS])
     ]
     alone = [list(generation.Generate(request, timeout=30).token_ids) for request in requests]
@@ -62,14 +72,56 @@ def test_greedy_sessions_running_together_give_their_tokens_alone(stack, options
             pool.map(lambda r: list(generation.Generate(r, timeout=60).token_ids), requests)
         )
     assert together == alone
-    # They did run together: some forward of every shard held several sessions.
+    # They did run together: some forward of every shard held several sessions, and
+    # some trunk step.
     grown = {name: batcher.largest for name, batcher in batchers(stack).items()}
-    assert grown["jury0.Score"] > 1 and grown["jury1.Score"] > 1, (largest, grown)
+    scores = [name for name in grown if name.endswith(".Score")]
+    assert all(grown[name] > 1 for name in scores), (largest, grown)
+    assert grown["trunk.Draft"] > 1, (largest, grown)
 
 
 def batchers(stack: Stack) -> dict:
+    """Every batcher of the stack, by "holder.RPC" (the single-process server's
+    in-process batchers as those of the trunk and of one jury)."""
+    if stack.embedded:
+        named = stack.servicer.backend.batchers.batchers
+        return {
+            f"{'jury' if rpc == 'Score' else 'trunk'}.{rpc}": batcher
+            for rpc, batcher in named.items()
+        }
     return {
         f"{name}.{rpc}": batcher
         for name in ("trunk", "jury0", "jury1")
         for rpc, batcher in stack.servers[name].servicer.batchers.items()
     }
+
+
+def test_serve_prefills_a_long_prompt_in_chunks_and_reports_its_batches(jury_checkpoint, redis_url):
+    """`serve --prefill-chunk-tokens 3`: the prompt's prefill runs in batches of at most
+    3 positions, and the tokens are those of a whole prefill; /metrics shows the
+    batches."""
+    chunked, whole = (
+        Stack(str(jury_checkpoint), [], redis_url, **SESSION_ROOM).start_embedded(
+            batch_limits=BatchLimits(prefill_chunk=chunk), metrics_port=0
+        )
+        for chunk in (3, 0)
+    )
+    try:
+        request = to_pb(PROMPTS[3] + " " + PROMPTS[5], max_new_tokens=8, temperature=0.0)
+        outputs = [stack.generation().Generate(request, timeout=30) for stack in (chunked, whole)]
+        assert list(outputs[0].token_ids) == list(outputs[1].token_ids)
+        prefilled = outputs[0].prompt_tokens - 1  # the last is the first round's
+
+        def batches(stack: Stack, name: str) -> float:
+            registry = stack.servicer.metrics.registry
+            return registry.get_sample_value(name, {"rpc": "Prefill"}) or 0.0
+
+        assert prefilled > 6 and batches(whole, "hydrajury_batch_calls_count") == 1
+        assert batches(chunked, "hydrajury_batch_calls_count") == -(-prefilled // 3)
+        assert batches(chunked, "hydrajury_batch_tokens_sum") == prefilled
+        page = urlopen(f"http://127.0.0.1:{chunked.metrics_port}/metrics", timeout=10).read()
+        assert b'hydrajury_batch_calls_count{rpc="Score"}' in page
+        assert b'hydrajury_queue_length{rpc="Draft"}' in page
+    finally:
+        chunked.close()
+        whole.close()

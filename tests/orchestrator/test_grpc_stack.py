@@ -185,10 +185,10 @@ def test_a_refused_internal_call_is_internal_for_the_client(stack, monkeypatch):
     argument"."""
     if stack.embedded:
 
-        def refuse(call):
+        def refuse(calls):
             raise InvalidArgument("beta: must be in (0, 100], got 0.0")
 
-        monkeypatch.setattr(stack.servicer.backend.jury, "score", refuse)
+        monkeypatch.setattr(stack.servicer.backend.jury, "score_batch", refuse)
     else:
         original = wire.score_call_to_pb
 

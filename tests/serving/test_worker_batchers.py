@@ -1,0 +1,128 @@
+"""The single-process server's batchers (`serving.worker_batchers`): calls of different
+sessions share a forward and get what they get alone, a long prefill runs in chunks,
+and admission control refuses as the split services' does."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from hydra_jury.serving.batcher import BatchLimits, QueueFull
+from hydra_jury.serving.metrics import ServiceMetrics
+from hydra_jury.serving.model_thread import ModelThread
+from hydra_jury.serving.worker_batchers import WorkerBatchers, prefill_chunks
+from hydra_jury.workers.calls import PrefillCall
+from hydra_jury.workers.jury import JuryWorker
+from hydra_jury.workers.sessions import SessionLimits
+from hydra_jury.workers.trunk import TrunkWorker
+from tests.grpc_stack import wait_for
+
+HEADS = ("head0", "head1", "head2", "head3")
+
+
+@pytest.fixture
+def start(jury_model):
+    """`start(limits)`: in-process batchers over fresh workers of the tiny jury model,
+    with their metrics; closed after the test."""
+    opened = []
+
+    def started(limits: BatchLimits | None = None) -> tuple[WorkerBatchers, ServiceMetrics]:
+        thread = ModelThread("test-model")
+        session_limits = SessionLimits(max_sessions=8, max_session_tokens=128)
+        trunk = TrunkWorker(jury_model, limits=session_limits)
+        jury = JuryWorker(jury_model, limits=session_limits)
+        metrics = ServiceMetrics()
+        batchers = WorkerBatchers(trunk, jury, thread, limits, metrics)
+        opened.append((batchers, thread))
+        return batchers, metrics
+
+    yield started
+    for batchers, thread in opened:
+        batchers.close()
+        thread.shutdown()
+
+
+def trunk_prefill(session: str, tokens: list[int], start: int = 0) -> PrefillCall:
+    return PrefillCall(session, start, torch.tensor(tokens), HEADS)
+
+
+def test_a_prompt_in_chunks_is_the_whole_prompt():
+    call = trunk_prefill("s", list(range(3, 10)), start=2)
+    chunks = prefill_chunks(call, 3)
+    assert [(chunk.start, chunk.tokens.tolist()) for chunk in chunks] == [
+        (2, [3, 4, 5]),
+        (5, [6, 7, 8]),
+        (8, [9]),
+    ]
+    assert all(chunk.heads == HEADS for chunk in chunks)
+    assert prefill_chunks(call, 0) == [call] and prefill_chunks(call, 7) == [call]
+
+
+def test_concurrent_prefills_share_a_forward_and_fill_what_they_fill_alone(start, jury_model):
+    batchers, metrics = start()
+    blocked = hold_model_thread(batchers)
+    calls = [trunk_prefill(f"s{i}", list(range(3, 5 + i))) for i in range(4)]
+    futures = [batchers.submit("Prefill", call) for call in calls]
+    assert wait_for(lambda: batchers.batchers["Prefill"].queued == 4)
+    blocked.set()
+    assert [future.result(timeout=30) for future in futures] == [None] * 4
+    assert batchers.batchers["Prefill"].largest == 4  # one batch of the four
+    # Each session's trunk hidden states are the ones a lone forward gives.
+    for call in calls:
+        alone = jury_model.trunk.forward(call.tokens, jury_model.trunk_cache(len(call.tokens)), 0)
+        held = batchers.trunk.sessions.peek(call.session).hidden
+        torch.testing.assert_close(held[: len(call.tokens)], alone, atol=1e-5, rtol=1e-5)
+    assert sample(metrics, "hydrajury_batch_calls_count", rpc="Prefill") == 2  # + the hold
+
+
+def test_a_full_queue_refuses_at_once_with_a_retry_hint(start):
+    batchers, metrics = start(BatchLimits(max_queue=2))
+    blocked = hold_model_thread(batchers)
+    running = batchers.submit("Prefill", trunk_prefill("a", [3, 4]))
+    waiting = batchers.submit("Prefill", trunk_prefill("b", [3, 4]))
+    assert wait_for(lambda: batchers.batchers["Prefill"].queued == 2)
+    # Two wait behind the batch on the model thread; one more is refused at once.
+    refused = batchers.submit("Prefill", trunk_prefill("c", [3, 4]))
+    with pytest.raises(QueueFull, match=r"2 calls are queued \(the most is 2\); retry in about"):
+        refused.result(timeout=10)
+    blocked.set()
+    assert running.result(timeout=30) is None and waiting.result(timeout=30) is None
+    assert sample(metrics, "hydrajury_refused_calls_total", rpc="Prefill", reason="queue_full") == 1
+
+
+def test_a_bad_call_fails_alone(start):
+    batchers, _ = start()
+    blocked = hold_model_thread(batchers)
+    good = batchers.submit("Prefill", trunk_prefill("good", [3, 4, 5]))
+    bad = batchers.submit("Prefill", trunk_prefill("bad", [3, 10_000]))  # not in the vocabulary
+    assert wait_for(lambda: batchers.batchers["Prefill"].queued == 2)
+    blocked.set()
+    assert good.result(timeout=30) is None
+    with pytest.raises(Exception, match="tokens"):
+        bad.result(timeout=30)
+    assert batchers.trunk.sessions.peek("bad") is None  # a refused call opens no session
+
+
+def hold_model_thread(batchers: WorkerBatchers) -> threading.Event:
+    """Runs a batch that holds the model thread until the returned event is set, so that
+    the calls submitted meanwhile queue behind it."""
+    release = threading.Event()
+    prefills = batchers.batchers["Prefill"]
+    original = prefills.handle
+
+    def held(calls):
+        prefills.handle = original
+        release.wait(30)
+        return original(calls)
+
+    prefills.handle = held
+    batchers.submit("Prefill", trunk_prefill("hold", [3]))
+    assert wait_for(lambda: prefills.running == 1)
+    return release
+
+
+def sample(metrics: ServiceMetrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
