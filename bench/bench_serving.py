@@ -1,7 +1,8 @@
-"""Concurrent sessions through the split stack: aggregate throughput and latency as the
-number of sessions grows, for non-speculative PoE and speculative PoE (head drafts), in
-float32 and bfloat16, with batching on and off; and how often a seeded request gives the
-same tokens alone and inside a batch.
+"""Concurrent sessions through both servers (the split stack and `hydra-jury serve`):
+aggregate throughput and latency as the number of sessions grows, for non-speculative
+PoE, speculative PoE (head drafts) and the automatic drafter, in float32 and bfloat16,
+with batching on and off; and how often a seeded request gives the same tokens alone
+and inside a batch.
 
     python bench/bench_serving.py --checkpoint var/models/smollm2-hydra
 
@@ -9,10 +10,10 @@ Closed loop: each of N sessions sends its next request as soon as the previous o
 finished (chat prompts, the same new tokens each, sampled at T = 0.8 with a seed per
 request). Per setting: aggregate tokens/s (every generated token over the wall time),
 and p50/p95 of the time to first token (the first streamed round) and of the time per
-output token after it. The services batch concurrent calls of different sessions into
-one forward (continuous batching); the same table is measured with every forward
-limited to one call (`--max-batch-tokens 1`): the services as they were before batching,
-side by side in one run.
+output token after it. The services, and `serve`'s in-process workers, batch concurrent
+calls of different sessions into one forward (continuous batching); with `--unbatched`
+the same table is measured with every forward limited to one call (`--max-batch-tokens
+1`): the servers as they were before batching, side by side in one run.
 
 Batch invariance: the same seeded requests run one at a time and then all at once; the
 share whose tokens are identical. Random draws are keyed by (seed, position, purpose), so
@@ -25,22 +26,51 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 from bench_drafters import OPEN  # this folder is on the path of `python bench/...`
 
 from hydra_jury.orchestrator.convert import request_to_pb
-from hydra_jury.orchestrator.launcher import LocalStack
+from hydra_jury.orchestrator.launcher import LocalStack, start_child
 from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
 
 PROMPTS = OPEN  # free chat, as in the drafters' benchmark
+# --modes name: (the table's label, the request's options)
 MODES = {
-    "non-speculative PoE": {"rule": "verifier_only"},
-    "speculative PoE, head γ=4": {"drafter": "head", "gamma": 4},
+    "plain": ("non-speculative PoE", {"rule": "verifier_only"}),
+    "head": ("speculative PoE, head γ=4", {"drafter": "head", "gamma": 4}),
+    "auto": ("automatic drafter", {"drafter": "auto"}),
 }
+SERVERS = ("split", "serve")
+
+
+@contextmanager
+def started(server: str, checkpoint: str, args: list[str]) -> Iterator[str]:
+    """The Generation address of a server on free loopback ports, stopped afterwards:
+    the split stack (trunk, two shards, orchestrator; `args` to the services) or
+    `hydra-jury serve` (`args` to it)."""
+    if server == "split":
+        stack = LocalStack(checkpoint, shards=2, port=0, extra_service_args=args)
+        try:
+            yield stack.start()
+        finally:
+            stack.stop()
+        return
+    command = [sys.executable, "-m", "hydra_jury.cli", "serve", "--checkpoint", checkpoint]
+    child = start_child("serve", [*command, "--listen", "127.0.0.1:0", *args], 300)
+    try:
+        if not child.address:
+            raise RuntimeError(child.failure)
+        yield child.address
+    finally:
+        child.process.terminate()
+        child.process.wait(timeout=60)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -130,58 +160,68 @@ def main() -> int:
     parser.add_argument(
         "--unbatched", action="store_true", help="also measure one call per forward"
     )
+    parser.add_argument(
+        "--servers", default=",".join(SERVERS), help="comma-separated: split, serve"
+    )
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}"
+    )
     args = parser.parse_args()
     counts = [int(count) for count in args.sessions.split(",")]
+    modes = dict(MODES[name] for name in args.modes.split(","))
     print(
-        f"{os.cpu_count()} cores, {args.checkpoint}, split stack (trunk, 2 shards, "
-        f"orchestrator), {args.new_tokens} new tokens, T = 0.8 seeded, "
+        f"{os.cpu_count()} cores, {args.checkpoint}, the split stack (trunk, 2 shards, "
+        f"orchestrator) and serve, {args.new_tokens} new tokens, T = 0.8 seeded, "
         f"{args.requests} request(s) per session (closed loop)"
     )
     print(
-        "| dtype | services | mode | sessions | tokens/s | × one session | "
+        "| server | dtype | batching | mode | sessions | tokens/s | × one session | "
         "TTFT p50 / p95 (ms) | TPOT p50 / p95 (ms) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     settings = [("batched", [])]
     if args.unbatched:
         settings.append(("one call per forward", ["--max-batch-tokens", "1"]))
     identical: list[str] = []
-    for dtype in args.dtypes.split(","):
-        for services, limit in settings:
-            stack = LocalStack(
-                args.checkpoint, shards=2, port=0, extra_service_args=["--dtype", dtype, *limit]
-            )
-            try:
-                address = stack.start()
-                measure(address, 1, 1, 8, MODES["non-speculative PoE"])  # warm-up
-                for name, options in MODES.items():
-                    single = None
-                    for count in counts:
-                        rate, ttft, tpot = measure(
-                            address, count, args.requests, args.new_tokens, options
-                        )
-                        single = single or rate
+    for server in args.servers.split(","):
+        for dtype in args.dtypes.split(","):
+            for services, limit in settings:
+                with started(server, args.checkpoint, ["--dtype", dtype, *limit]) as address:
+                    rows = run_modes(address, modes, counts, args)
+                    for name, count, rate, single, ttft, tpot in rows:
                         print(
-                            f"| {dtype} | {services} | {name} | {count} | {rate:.1f} | "
-                            f"{rate / single:.2f} | {1000 * statistics.median(ttft):.0f} / "
+                            f"| {server} | {dtype} | {services} | {name} | {count} | "
+                            f"{rate:.1f} | {rate / single:.2f} | "
+                            f"{1000 * statistics.median(ttft):.0f} / "
                             f"{1000 * percentile(ttft, 0.95):.0f} | "
                             f"{1000 * statistics.median(tpot):.0f} / "
                             f"{1000 * percentile(tpot, 0.95):.0f} |",
                             flush=True,
                         )
                     if services == "batched" and args.invariance_requests:
-                        same, total = invariance(
-                            address, args.invariance_requests, args.new_tokens, options
-                        )
-                        identical.append(
-                            f"{dtype}, {name}: {same} of {total} requests identical alone "
-                            f"and in a batch of {total}"
-                        )
-            finally:
-                stack.stop()
+                        for name, options in modes.items():
+                            same, total = invariance(
+                                address, args.invariance_requests, args.new_tokens, options
+                            )
+                            identical.append(
+                                f"{server}, {dtype}, {name}: {same} of {total} requests "
+                                f"identical alone and in a batch of {total}"
+                            )
     for line in identical:
         print(line)
     return 0
+
+
+def run_modes(address: str, modes: dict, counts: list[int], args) -> Iterator[tuple]:
+    """(mode, sessions, tokens/s, one session's tokens/s, TTFTs, TPOTs) of every mode and
+    session count, in order, after a warm-up."""
+    measure(address, 1, 1, 8, MODES["plain"][1])
+    for name, options in modes.items():
+        single = None
+        for count in counts:
+            rate, ttft, tpot = measure(address, count, args.requests, args.new_tokens, options)
+            single = single or rate
+            yield name, count, rate, single, ttft, tpot
 
 
 if __name__ == "__main__":

@@ -84,6 +84,13 @@ class DecodingBackend(ABC):
             raise DeadlineExceeded("the request's deadline passed during generation")
         return left
 
+    # Whether the loop's own maths on each generation thread must run on that thread
+    # alone. A backend whose model runs in this process on a thread of its own asks for
+    # it: one OpenMP team per generation thread beside the model's would hold more
+    # threads than there are cores, and libgomp then wakes its threads for every
+    # parallel region instead of keeping them spinning (`serving.model_thread`).
+    loop_on_one_thread: bool = False
+
     def run_round(self, function: Callable[..., T], *args: Any) -> T:
         """Runs one step of the loop (its model calls and its maths). Here by default; a
         backend whose compute has a thread of its own runs it there, so that the loop's

@@ -73,6 +73,7 @@ class LocalBackend(DecodingBackend):
             if thread is None:
                 raise ValueError("batching needs a model thread")
             self.batchers = WorkerBatchers(self.trunk, self.jury, thread, batching, batch_metrics)
+            self.loop_on_one_thread = True  # the rounds' maths run beside the model thread
         self._epoch = new_epoch()
         config = model.config
         self.info = ModelInfo(

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import ctypes
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import partial
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -30,11 +33,58 @@ async def start_model_thread(name: str, build: Callable[[ModelThread], T]) -> T:
     shuts the thread down again if that fails."""
     thread = ModelThread(name)
     try:
-        await thread.run(torch.set_num_threads, torch.get_num_threads())
+        await thread.run(use_compute_threads, torch.get_num_threads())
         return await thread.run(build, thread)
     except BaseException:
         await asyncio.to_thread(thread.shutdown)
         raise
+
+
+def use_compute_threads(count: int) -> None:
+    """Starts a model thread's torch: `count` CPU threads, set up now.
+
+    torch sets up each thread's OpenMP thread count on its first parallel op there, from
+    the count last given to `torch.set_num_threads` by any thread; asking for the count
+    at once does that set-up now, so that no later call elsewhere changes this one's."""
+    torch.set_num_threads(count)
+    torch.get_num_threads()
+
+
+def compute_on_this_thread_alone() -> None:
+    """This thread's torch ops run on it alone from now on, starting no OpenMP team:
+    for threads beside a model thread (the single-process server's generation threads),
+    whose teams would otherwise hold more threads than there are cores (see above).
+
+    Not `torch.set_num_threads(1)`: that also becomes the count every thread set up
+    later takes — the native kernels' first parallel op on the model thread included.
+    The runtimes' own per-thread calls change this thread's count alone: OpenMP's (torch's
+    parallel loops) and MKL's (its vector maths, `exp` say, which keeps a count of its
+    own), once torch's set-up of the thread, which would overwrite them, is done. A
+    runtime the process does not have (another platform) is left alone."""
+    torch.get_num_threads()
+    for set_threads in _per_thread_setters():
+        set_threads(1)
+
+
+@functools.cache
+def _per_thread_setters() -> tuple[Callable[[int], Any], ...]:
+    """The per-thread thread-count calls of the OpenMP runtime torch loaded (libgomp or
+    libiomp) and of the MKL inside torch, where the process has them."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return ()
+    paths = {Path(line.split()[-1]) for line in maps.read_text().splitlines() if "/" in line}
+    wanted = {"omp_set_num_threads": ("libgomp", "libiomp")}
+    # MKL's C entry point (`mkl_set_num_threads_local` is its macro, and the symbol of
+    # that name the Fortran one, which takes a pointer).
+    wanted["MKL_Set_Num_Threads_Local"] = ("libtorch_cpu", "libmkl_rt")
+    setters = []
+    for symbol, libraries in wanted.items():
+        for path in sorted(paths):
+            if path.name.startswith(libraries) and hasattr(library := ctypes.CDLL(path), symbol):
+                setters.append(getattr(library, symbol))
+                break
+    return tuple(setters)
 
 
 def set_compute_threads(count: int | None) -> None:

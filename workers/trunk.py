@@ -102,13 +102,19 @@ class _Session:
     draft_head: int | None = None  # which head's keys/values the draft cache holds
 
 
+def check_token_id(field: str, token: int, vocab_size: int) -> None:
+    """Raises `InvalidArgument` unless `token` is in [0, vocab_size)."""
+    if not 0 <= token < vocab_size:
+        raise InvalidArgument(
+            f"{field}: token id {token} is outside the vocabulary [0, {vocab_size})"
+        )
+
+
 def check_token_ids(field: str, tokens: torch.Tensor, vocab_size: int) -> None:
     """Raises `InvalidArgument` unless every id of `tokens` is in [0, vocab_size)."""
     outside = tokens[(tokens < 0) | (tokens >= vocab_size)]
     if len(outside):
-        raise InvalidArgument(
-            f"{field}: token id {int(outside[0])} is outside the vocabulary [0, {vocab_size})"
-        )
+        check_token_id(field, int(outside[0]), vocab_size)
 
 
 class TrunkWorker:
@@ -251,7 +257,7 @@ class TrunkWorker:
 
     def _check_draft(self, call: DraftCall) -> None:
         vocab_size = self.model.config.vocab_size
-        check_token_ids("pending_token", torch.tensor([call.pending]), vocab_size)
+        check_token_id("pending_token", call.pending, vocab_size)
         check_sampling(call.sampling, vocab_size)
         if call.draft_head is not None and call.draft_head not in self.drafters:
             raise InvalidArgument(

@@ -73,7 +73,7 @@ from hydra_jury.serving.errors import (
     SessionConflict,
     SessionNotFound,
 )
-from hydra_jury.serving.model_thread import in_executor
+from hydra_jury.serving.model_thread import compute_on_this_thread_alone, in_executor
 
 log = logging.getLogger("hydra_jury.sessions")
 T = TypeVar("T")
@@ -126,7 +126,11 @@ class SessionRunner:
         self.engine, self.store, self.backend = engine, store, engine.backend
         self._observe = observe
         self._owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="generation")
+        self._pool = ThreadPoolExecutor(
+            max_concurrency,
+            thread_name_prefix="generation",
+            initializer=compute_on_this_thread_alone if self.backend.loop_on_one_thread else None,
+        )
         self._max_concurrency = max_concurrency
         self._active: dict[str, _Active] = {}  # by scoped session id
         self._give_backs: set[asyncio.Future] = set()  # leases being given back
