@@ -27,20 +27,24 @@ import torch.nn.functional as F
 from hydra_jury.hydra_model import HydraModel, Segment
 from hydra_jury.hydra_model.layers import LayerStack, _linear
 from hydra_jury.hydra_model.products import rms_norm
+from hydra_jury.hydra_model.rope import rotate
 
 CONTEXTS = (96, 160, 224, 288, 352, 416, 480, 544)  # cycled over the sessions
 
 
-def padded_attention(stack: LayerStack, layer, index, x, segments, rope) -> torch.Tensor:
+def padded_attention(
+    stack: LayerStack, layer, index, x, plans, norm=None, residual=None
+) -> torch.Tensor:
     """`LayerStack._attention` with one attention call over the batch: each segment's
     keys and values (after writing its own into its cache) copied into a padded tensor,
     positions past a segment's end masked."""
     config = stack.config
-    qkv = _linear(x, layer.qkv_weight, layer.qkv_bias)
+    qkv = _linear(x, layer.qkv_weight, layer.qkv_bias, norm=norm, eps=config.rms_norm_eps)
     q, k, v = qkv.split([config.q_size, config.kv_size, config.kv_size], dim=-1)
     if layer.q_norm is not None:
         q = rms_norm(q, layer.q_norm, config.rms_norm_eps)
         k = rms_norm(k, layer.k_norm, config.rms_norm_eps)
+    segments = [plan.segment for plan in plans]
     hd, heads, stacked = config.head_dim, x.shape[0], len(segments)
     longest = max(segment.start + segment.length for segment in segments)
     width = max(segment.length for segment in segments)
@@ -49,12 +53,11 @@ def padded_attention(stack: LayerStack, layer, index, x, segments, rope) -> torc
     values = torch.zeros_like(keys)
     queries = x.new_zeros(stacked, heads, config.num_attention_heads, width, hd)
     mask = torch.zeros(stacked, 1, width, longest, dtype=torch.bool)
-    offset = 0
-    for b, segment in enumerate(segments):
-        rows = slice(offset, offset + segment.length)
+    for b, plan in enumerate(plans):
+        rows, segment = plan.rows, plan.segment
         n, start = segment.length, segment.start
-        qb = rope.apply(q[:, rows].reshape(heads, n, -1, hd), start).transpose(1, 2)
-        kb = rope.apply(k[:, rows].reshape(heads, n, -1, hd), start).transpose(1, 2)
+        qb = rotate(q[:, rows].reshape(heads, n, -1, hd), plan.rotation).transpose(1, 2)
+        kb = rotate(k[:, rows].reshape(heads, n, -1, hd), plan.rotation).transpose(1, 2)
         vb = v[:, rows].reshape(heads, n, -1, hd).transpose(1, 2)
         cached_k, cached_v = segment.cache.write(index, start, kb, vb)
         keys[b, :, :, : start + n] = cached_k
@@ -63,7 +66,6 @@ def padded_attention(stack: LayerStack, layer, index, x, segments, rope) -> torc
         positions = torch.arange(start, start + n)
         mask[b, 0, :n, : start + n] = torch.arange(start + n)[None, :] <= positions[:, None]
         mask[b, 0, n:, 0] = True  # padding queries see one key (their rows are dropped)
-        offset += n
     flat = stacked * heads
     out = F.scaled_dot_product_attention(
         queries.reshape(flat, -1, width, hd),
@@ -76,7 +78,7 @@ def padded_attention(stack: LayerStack, layer, index, x, segments, rope) -> torc
         out[b, :, :, : segment.length].transpose(1, 2).reshape(heads, segment.length, -1)
         for b, segment in enumerate(segments)
     ]
-    return _linear(torch.cat(rows, dim=1), layer.o_weight, layer.o_bias)
+    return _linear(torch.cat(rows, dim=1), layer.o_weight, layer.o_bias, residual=residual)
 
 
 @contextmanager
@@ -87,8 +89,8 @@ def attention(kind: str):
         return
     original = LayerStack._attention
 
-    def patched(self, layer, index, x, segments, rope):
-        return padded_attention(self, layer, index, x, segments, rope)
+    def patched(self, layer, index, x, plans, norm=None, residual=None):
+        return padded_attention(self, layer, index, x, plans, norm, residual)
 
     LayerStack._attention = patched
     try:

@@ -16,6 +16,14 @@ event loop of their own thread and run each batch on the model thread:
 
 A call that fails fails alone (`run_isolated`); results come back on the host, as the
 loop gets them over gRPC.
+
+One batcher per kind, as in the split services, rather than one step of the model thread
+running every queued call whatever its kind: measured side by side (8 sessions, 2-core
+Intel Xeon, float32, SmolLM2 demo split), one batcher for every kind gave 46 tokens/s
+against 50–52 non-speculative and 42–44 against 41.5 speculative. Its steps were bigger,
+but every session's share of the loop's maths (Python, one session at a time under the
+GIL) then ran while the model waited; with a batcher per kind, a Draft batch runs while
+the sessions just scored do their maths.
 """
 
 from __future__ import annotations
