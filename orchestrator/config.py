@@ -11,6 +11,7 @@ namespace: hydra                       # kubernetes: default, the pod's own name
 metrics_port: 9100                     # omit to serve no metrics
 max_concurrency: 32
 connect_timeout_s: 30
+inject_hop_delay_ms: 0                 # benchmarks only: each call to a service waits this long
 grace_s: 5
 redis_url: redis://127.0.0.1:6379/0    # or $HYDRA_JURY_REDIS_URL; rediss:// for TLS
 redis_key_prefix: "hydra-jury:"
@@ -58,6 +59,7 @@ from hydra_jury.serving.tls import ClientTls, ServerTls, TlsFlags
 
 REDIS_URL_VARIABLE = "HYDRA_JURY_REDIS_URL"  # below the config file and the flags
 DISCOVERY_MODES = ("static", "kubernetes")
+MAX_HOP_DELAY_MS = 1000
 # The client side of the hops to the trunk and the shards.
 INTERNAL_TLS_FLAGS = TlsFlags("--internal-tls")
 
@@ -80,6 +82,10 @@ class OrchestratorConfig:
     metrics_address: str = METRICS_ADDRESS
     max_concurrency: int = 32
     connect_timeout_s: float = 30.0
+    # Benchmarks only: every call to a service (a network hop there and back) is delayed
+    # this long, half before it is sent and half after its answer, as if the services
+    # ran on other machines (`GrpcBackend`).
+    inject_hop_delay_ms: float = 0.0
     grace_s: float = GRACE_S
     redis_url: str = ""
     redis_key_prefix: str = KEY_PREFIX
@@ -152,6 +158,11 @@ class OrchestratorConfig:
             )
         if self.max_concurrency < 1:
             raise ConfigFileError("max_concurrency must be at least 1")
+        if not 0 <= self.inject_hop_delay_ms <= MAX_HOP_DELAY_MS:
+            raise ConfigFileError(
+                f"inject_hop_delay_ms must be in 0..{MAX_HOP_DELAY_MS}, "
+                f"got {self.inject_hop_delay_ms}"
+            )
         if not self.redis_url:
             raise ConfigFileError(
                 f"redis_url is not set (--redis-url, `redis_url:` or ${REDIS_URL_VARIABLE}): "

@@ -100,8 +100,15 @@ def _service(name: str) -> str:
 
 class GrpcBackend(DecodingBackend):
     def __init__(
-        self, discovery: Discovery, connect_timeout_s: float = 10.0, tls: ClientTls | None = None
+        self,
+        discovery: Discovery,
+        connect_timeout_s: float = 10.0,
+        tls: ClientTls | None = None,
+        hop_delay_s: float = 0.0,
     ) -> None:
+        """`hop_delay_s` (benchmarks): every call to the services waits this long, half
+        before it is sent and half after its answer (the calls of one `_call_all`
+        together, as they travel together), as if the services ran on other machines."""
         names = list(discovery.targets)
         if len(names) < 2:
             raise LayoutError("at least one jury shard address is needed")
@@ -110,6 +117,7 @@ class GrpcBackend(DecodingBackend):
         self.stats = TransportStats()
         self.connect_timeout_s = connect_timeout_s
         self.tls = tls
+        self.hop_delay_s = hop_delay_s
         self.trunk = _Component(
             "trunk", "trunk service", internal_pb2_grpc.TrunkStub, _service("Trunk")
         )
@@ -229,7 +237,16 @@ class GrpcBackend(DecodingBackend):
                 replica.channel.close()
 
     def _call_all(self, targets: list[tuple[_Component, _Replica]], method: str, requests: list):
-        """The same RPC on several replicas at once; responses in order."""
+        """The same RPC on several replicas at once; responses in order (each way delayed
+        by half the injected hop delay)."""
+        if self.hop_delay_s:
+            time.sleep(self.hop_delay_s / 2)
+        responses = self._send_all(targets, method, requests)
+        if self.hop_delay_s:
+            time.sleep(self.hop_delay_s / 2)
+        return responses
+
+    def _send_all(self, targets: list[tuple[_Component, _Replica]], method: str, requests: list):
         timeout = self.time_left()
         if len(targets) == 1:  # a plain blocking call: no future to hand over
             ((component, replica),), (request,) = targets, requests

@@ -392,6 +392,7 @@ async def serve_orchestrator(
     max_concurrency: int = 32,
     request_limits: RequestLimits = DEFAULT_LIMITS,
     connect_timeout_s: float = 30.0,
+    hop_delay_s: float = 0.0,
     tls: ServerTls | None = None,
     internal_tls: ClientTls | None = None,
     auth: ApiKeyAuth | None = None,
@@ -400,9 +401,12 @@ async def serve_orchestrator(
 ) -> RunningServer:
     """The split stack's orchestrator: connects to the services (checking their layout;
     over TLS with `internal_tls`) and starts the Generation server (a TLS port with
-    `tls`; API keys required with `auth`; the HTTP API too on `http_listen`)."""
+    `tls`; API keys required with `auth`; the HTTP API too on `http_listen`;
+    `hop_delay_s`: every call to a service delayed this long, for benchmarks)."""
     read_manifest(checkpoint)  # a clear error for a wrong --checkpoint, before connecting
-    backend = await asyncio.to_thread(GrpcBackend, discovery, connect_timeout_s, internal_tls)
+    backend = await asyncio.to_thread(
+        GrpcBackend, discovery, connect_timeout_s, internal_tls, hop_delay_s
+    )
     manifest_fingerprint = checkpoint_fingerprint(checkpoint)
     if manifest_fingerprint != backend.info.fingerprint:
         backend.close()
