@@ -9,12 +9,7 @@ Inputs
   (γ draft-model steps, then a one-pass check of γ + 1 positions). Each is a line
   fitted by exponentially decayed least squares over recent rounds, so it follows the
   machine as load changes; until a kind has been measured at two sizes its line is a
-  prior scaled from what is known. The lines are kept per load: the generations of the
-  engine running when the round ran, in buckets 1, 2, 3–4, 5–8, ... (`load_bucket`).
-  Batched with other sessions' calls, a verified position or a draft step costs a
-  different share of a round than alone (8 sessions in `serve`: speculation that paid
-  alone fell behind plain steps), so each load chooses from its own measurements, and a
-  load not seen yet measures its rounds first.
+  prior scaled from what is known.
 - acceptance (measured): how often a draft token is kept, per drafter — decayed counts
   over the request's rounds, starting from the engine's pooled counts over earlier
   requests (how well a head or a draft model drafts is mostly a property of the
@@ -35,8 +30,6 @@ never the output.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from hydra_jury.orchestrator.request import DrafterKind
@@ -91,56 +84,23 @@ class LinearCost:
         return self.y / self.w
 
 
-def load_bucket(load: int) -> int:
-    """The bucket of a load (generations running): 1 → 0, 2 → 1, 3–4 → 2, 5–8 → 3, ..."""
-    return max(0, load - 1).bit_length()
-
-
-class Concurrency:
-    """How many generations of an engine are running now: the load its rounds run at."""
-
-    def __init__(self) -> None:
-        self._count = 0
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def running(self) -> Iterator[None]:
-        """One more generation for the scope's duration."""
-        with self._lock:
-            self._count += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._count -= 1
-
-    @property
-    def now(self) -> int:
-        return max(1, self._count)
-
-
 class CostModel:
     """What an engine's requests measure for each other: the costs of the three kinds
     of rounds, keyed by their drafter (NGRAM: every one-pass round, a plain step
-    included; HEAD; MODEL) and by the load they ran at (`load_bucket`), and the
-    acceptance of each drafter pooled over requests (a property of the models, whatever
-    the load)."""
+    included; HEAD; MODEL), and the acceptance of each drafter pooled over requests."""
 
     def __init__(self) -> None:
-        self.by_load: dict[int, dict[DrafterKind, LinearCost]] = {}
+        self.lines = {kind: LinearCost() for kind in (NGRAM, HEAD, MODEL)}
         self.acceptance = {d: Acceptance.prior(d) for d in PRIOR_ACCEPTANCE}
         self._lock = threading.Lock()
 
-    def lines(self, load: int = 1) -> dict[DrafterKind, LinearCost]:
-        """The cost lines of `load`'s bucket (made empty on first use)."""
-        bucket = load_bucket(load)
-        if bucket not in self.by_load:
-            self.by_load[bucket] = {kind: LinearCost() for kind in (NGRAM, HEAD, MODEL)}
-        return self.by_load[bucket]
+    @property
+    def one_pass(self) -> LinearCost:
+        return self.lines[NGRAM]
 
-    def observe(self, kind: DrafterKind, positions: int, seconds: float, load: int = 1) -> None:
+    def observe(self, kind: DrafterKind, positions: int, seconds: float) -> None:
         with self._lock:
-            self.lines(load)[kind].observe(positions, seconds)
+            self.lines[kind].observe(positions, seconds)
 
     def observe_acceptance(self, drafter: DrafterKind, reached: int, kept: int) -> None:
         with self._lock:
@@ -155,18 +115,15 @@ class CostModel:
                 for drafter, counts in self.acceptance.items()
             }
 
-    def known(self, kind: DrafterKind, load: int = 1) -> bool:
+    def known(self, kind: DrafterKind) -> bool:
         with self._lock:
-            return self.lines(load)[kind].known
+            return self.lines[kind].known
 
-    def predict(self, kind: DrafterKind, positions: int, load: int = 1) -> float:
-        """Predicted seconds of a round at `load` (relative units before any
-        measurement)."""
+    def predict(self, kind: DrafterKind, positions: int) -> float:
+        """Predicted seconds of a round (relative units before any measurement)."""
         with self._lock:
-            lines = self.lines(load)
-            one_pass = lines[NGRAM]
-            plain = one_pass.mean() if one_pass.known else 1.0
-            cost = lines[kind]
+            plain = self.one_pass.mean() if self.one_pass.known else 1.0
+            cost = self.lines[kind]
             line = cost.line()
             if line is not None:
                 return line[0] + line[1] * positions
@@ -220,33 +177,25 @@ class AutoState:
         default_factory=lambda: {d: Acceptance.prior(d) for d in PRIOR_ACCEPTANCE}
     )
     rounds: int = 0
-    load: int = 1  # of the last choice
 
     @classmethod
     def starting(cls, costs: CostModel) -> AutoState:
         return cls(costs.starting_acceptance())
 
     def choose(
-        self,
-        costs: CostModel,
-        ngram_drafts: int,
-        head_cap: int,
-        greedy: bool,
-        model_cap: int = 0,
-        load: int = 1,
+        self, costs: CostModel, ngram_drafts: int, head_cap: int, greedy: bool, model_cap: int = 0
     ) -> Choice:
-        """The best round at `load` (generations running): `ngram_drafts` tokens are on
-        offer from prompt lookup; head drafts (greedy only) up to `head_cap`; draft-model
-        drafts up to `model_cap` (0: no draft model)."""
-        self.load = load
-        if not costs.known(NGRAM, load) or self._explores(NGRAM):
+        """The best round: `ngram_drafts` tokens are on offer from prompt lookup; head
+        drafts (greedy only) up to `head_cap`; draft-model drafts up to `model_cap` (0:
+        no draft model)."""
+        if not costs.known(NGRAM) or self._explores(NGRAM):
             # Every other cost is predicted against a one-pass round (a plain step is
             # one): measure that first, or the predictions mix units, and now and then.
             return Choice(NGRAM, ngram_drafts) if ngram_drafts else Choice(NONE, 0)
-        best, best_rate = Choice(NONE, 0), 1.0 / costs.predict(NGRAM, 1, load)
+        best, best_rate = Choice(NONE, 0), 1.0 / costs.predict(NGRAM, 1)
         alpha = self.acceptance[NGRAM].rate
         for k in range(1, ngram_drafts + 1):
-            rate = expected_tokens(alpha, k, bonus=True) / costs.predict(NGRAM, k + 1, load)
+            rate = expected_tokens(alpha, k, bonus=True) / costs.predict(NGRAM, k + 1)
             if rate > best_rate:
                 best, best_rate = Choice(NGRAM, k), rate
         # (drafter, the most it may draft, whether its rounds end with a bonus token)
@@ -254,11 +203,11 @@ class AutoState:
         for drafter, cap, bonus in drafted:
             if cap <= 0:
                 continue
-            if not costs.known(drafter, load) or self._explores(drafter):
+            if not costs.known(drafter) or self._explores(drafter):
                 return Choice(drafter, cap)  # measure it now and then
             alpha = self.acceptance[drafter].rate
             for gamma in range(1, cap + 1):
-                rate = expected_tokens(alpha, gamma, bonus) / costs.predict(drafter, gamma, load)
+                rate = expected_tokens(alpha, gamma, bonus) / costs.predict(drafter, gamma)
                 if rate > best_rate:
                     best, best_rate = Choice(drafter, gamma), rate
         return best
@@ -274,13 +223,11 @@ class AutoState:
             costs.observe_acceptance(choice.drafter, reached, kept)
 
     def inputs(self, costs: CostModel) -> dict[str, float]:
-        """What the last choice was made from, for the request's statistics."""
-        load = self.load
+        """What the choices are made from, for the request's statistics."""
         return {
             **{f"{drafter}_acceptance": counts.rate for drafter, counts in self.acceptance.items()},
-            "load": float(load),
-            "plain_step_s": costs.predict(NGRAM, 1, load),
-            "verify_position_s": costs.predict(NGRAM, 2, load) - costs.predict(NGRAM, 1, load),
-            "head_round_4_s": costs.predict(HEAD, 4, load),
-            "model_round_4_s": costs.predict(MODEL, 4, load),
+            "plain_step_s": costs.predict(NGRAM, 1),
+            "verify_position_s": costs.predict(NGRAM, 2) - costs.predict(NGRAM, 1),
+            "head_round_4_s": costs.predict(HEAD, 4),
+            "model_round_4_s": costs.predict(MODEL, 4),
         }

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import torch
 
 from hydra_jury.hydra_model.uncertainty import check_tokens, verdict_tokens
-from hydra_jury.orchestrator.auto import AutoState, Concurrency, CostModel
+from hydra_jury.orchestrator.auto import AutoState, CostModel
 from hydra_jury.orchestrator.backend import DecodingBackend
 from hydra_jury.orchestrator.detokenizer import IncrementalDetokenizer
 from hydra_jury.orchestrator.limits import RequestLimits
@@ -68,8 +68,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.limits = limits
         self.costs = CostModel()  # the automatic mode's measured round costs
-        self.concurrency = Concurrency()  # generations running now: the load they see
-        self.rounds = Rounds(backend, self.costs, self.concurrency)
+        self.rounds = Rounds(backend, self.costs)
 
     def prepare(
         self, request: GenerationRequest, context: list[int] | None = None
@@ -148,10 +147,6 @@ class Engine:
         return run.output(self.tokenizer, auto_inputs)
 
     def _rounds(self, run: Run) -> Iterator[RoundOutput]:
-        with self.concurrency.running():
-            yield from self._rounds_running(run)
-
-    def _rounds_running(self, run: Run) -> Iterator[RoundOutput]:
         try:
             try:
                 self._prefill(run, run.progress.reused_tokens)

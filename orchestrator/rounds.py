@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from hydra_jury.orchestrator.auto import Concurrency, CostModel
+from hydra_jury.orchestrator.auto import CostModel
 from hydra_jury.orchestrator.backend import DecodingBackend
 from hydra_jury.orchestrator.beam_search import BeamRun
 from hydra_jury.orchestrator.output import TokenKind, Verdict
@@ -56,14 +56,9 @@ class Rounds:
     """Decides rounds over `backend`; `costs` is the automatic mode's cost model, shared
     by every request of the engine."""
 
-    def __init__(
-        self, backend: DecodingBackend, costs: CostModel, concurrency: Concurrency | None = None
-    ) -> None:
-        """`concurrency`: the engine's generations running, the load the automatic mode
-        measures and chooses at (None: one)."""
+    def __init__(self, backend: DecodingBackend, costs: CostModel) -> None:
         self.backend = backend
         self.costs = costs
-        self.concurrency = concurrency or Concurrency()
 
     def decide(self, run: Run) -> Verdict:
         """Runs the round `run` is due and returns what it decided (nothing committed)."""
@@ -91,9 +86,8 @@ class Rounds:
         drafts = ngram_draft(run.committed, min(prepared.gamma, remaining - 1))
         head_cap = min(prepared.gamma, remaining) if prepared.draft_head else 0
         model_cap = min(prepared.gamma, remaining - 1) if self.backend.info.draft_model else 0
-        load = self.concurrency.now
         choice = run.auto.choose(
-            self.costs, len(drafts), head_cap, prepared.sampling.greedy, model_cap, load
+            self.costs, len(drafts), head_cap, prepared.sampling.greedy, model_cap
         )
         if choice.drafter == DrafterKind.HEAD:
             verdict = self._head_round(run, choice.drafts)
@@ -105,7 +99,7 @@ class Rounds:
         else:  # n-gram drafts or none: a one-pass round over the pending token and k drafts
             verdict = self._ngram_round(run, drafts[: choice.drafts])
             kind, positions = DrafterKind.NGRAM, choice.drafts + 1
-        self.costs.observe(kind, positions, time.perf_counter() - began, load)
+        self.costs.observe(kind, positions, time.perf_counter() - began)
         reached = reached_positions(verdict.drafted, verdict.accepted)
         run.auto.observe(self.costs, choice, reached, verdict.accepted)
         return verdict

@@ -1,18 +1,11 @@
-"""The automatic mode: the choice from costs (per load) and acceptance, and — end to
-end — output equal to non-speculative PoE whatever it chooses."""
+"""The automatic mode: the choice from costs and acceptance, and — end to end — output
+equal to non-speculative PoE whatever it chooses."""
 
 from __future__ import annotations
 
 import pytest
 
-from hydra_jury.orchestrator.auto import (
-    AutoState,
-    Choice,
-    CostModel,
-    LinearCost,
-    expected_tokens,
-    load_bucket,
-)
+from hydra_jury.orchestrator.auto import AutoState, Choice, CostModel, LinearCost, expected_tokens
 from hydra_jury.orchestrator.request import DrafterKind, GenerationRequest
 from tests.orchestrator.test_engine import REPEATING
 
@@ -28,62 +21,14 @@ def test_a_line_is_fitted_to_round_costs():
     assert one_size.line() is None and one_size.mean() == 1.0
 
 
-def measured(
-    verify=(0.05, 0.001), head=(0.02, 0.03), costs: CostModel | None = None, load: int = 1
-) -> CostModel:
-    """Costs as if measured at `load`: a one-pass round 50 ms + 1 ms per position, a
-    head round 20 ms + 30 ms per draft token."""
-    costs = costs or CostModel()
+def measured(verify=(0.05, 0.001), head=(0.02, 0.03)) -> CostModel:
+    """Costs as if measured: a one-pass round 50 ms + 1 ms per position, a head round
+    20 ms + 30 ms per draft token."""
+    costs = CostModel()
     for positions in range(1, 9):
-        costs.observe(DrafterKind.NGRAM, positions, verify[0] + verify[1] * positions, load)
-        costs.observe("head", positions, head[0] + head[1] * positions, load)
+        costs.observe(DrafterKind.NGRAM, positions, verify[0] + verify[1] * positions)
+        costs.observe("head", positions, head[0] + head[1] * positions)
     return costs
-
-
-def test_loads_fall_into_doubling_buckets():
-    assert [load_bucket(load) for load in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [
-        0,
-        1,
-        2,
-        2,
-        3,
-        3,
-        4,
-        4,
-        5,
-    ]
-
-
-def test_each_load_chooses_from_its_own_costs():
-    """Alone, an extra verified position is cheap and drafting pays; with 8 generations
-    running it costs as much as a round, and plain steps win. A load not measured yet
-    measures its one-pass rounds first, whatever the others say."""
-    costs = measured(verify=(0.05, 0.001), load=1)
-    measured(verify=(0.05, 0.08), costs=costs, load=8)
-    state = AutoState(rounds=1)
-    for _ in range(30):
-        state.observe(costs, Choice("ngram", 4), reached=2, kept=1)  # acceptance 0.5
-    assert state.choose(costs, 6, head_cap=0, greedy=False, load=1).drafter == "ngram"
-    assert state.choose(costs, 6, head_cap=0, greedy=False, load=7) == Choice("none", 0)
-    assert state.inputs(costs)["load"] == 7.0
-    assert state.choose(costs, 6, head_cap=0, greedy=False, load=3) == Choice("ngram", 6)
-
-
-def test_the_engine_counts_its_running_generations(engine):
-    """The load the automatic mode sees: generations between their first round and their
-    end (or close)."""
-    first, second = (
-        engine.start(GenerationRequest(prompt=prompt, max_new_tokens=8, ignore_eos=True))
-        for prompt in ("the cat", "a dog")
-    )
-    assert engine.concurrency.now == 1  # none running: at least one
-    next(iter(first))
-    next(iter(second))
-    assert engine.concurrency.now == 2
-    first.close()
-    for _ in second:
-        pass
-    assert engine.concurrency._count == 0
 
 
 def test_expected_tokens():
@@ -160,12 +105,9 @@ class FixedCosts(CostModel):
 
     def __init__(self, costs: CostModel) -> None:
         super().__init__()
-        self.by_load = costs.by_load
+        self.lines = costs.lines
 
-    def lines(self, load: int = 1):
-        return super().lines(1)  # the measured costs, whatever the load
-
-    def observe(self, kind: str, positions: int, seconds: float, load: int = 1) -> None:
+    def observe(self, kind: str, positions: int, seconds: float) -> None:
         return None
 
 
