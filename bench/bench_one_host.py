@@ -140,10 +140,11 @@ class InProcess:
         return answer["seconds"], answer["tokens"]
 
 
-def start_server(checkpoint: str):
-    """`hydra-jury serve` on a free loopback port, as a child process (`start_child`)."""
+def start_server(checkpoint: str, args: list[str] = SESSIONS):
+    """`hydra-jury serve` on a free loopback port with `args`, as a child process
+    (`start_child`)."""
     command = [sys.executable, "-m", "hydra_jury.cli", "serve", "--checkpoint", checkpoint]
-    return start_child("server", [*command, "--listen", "127.0.0.1:0", *SESSIONS], 300)
+    return start_child("server", [*command, "--listen", "127.0.0.1:0", *args], 300)
 
 
 class ThroughGrpc:

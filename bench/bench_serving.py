@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -34,9 +33,10 @@ from contextlib import contextmanager
 
 import grpc
 from bench_drafters import OPEN  # this folder is on the path of `python bench/...`
+from bench_one_host import start_server
 
 from hydra_jury.orchestrator.convert import request_to_pb
-from hydra_jury.orchestrator.launcher import LocalStack, start_child
+from hydra_jury.orchestrator.launcher import LocalStack
 from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
 
@@ -62,8 +62,7 @@ def started(server: str, checkpoint: str, args: list[str]) -> Iterator[str]:
         finally:
             stack.stop()
         return
-    command = [sys.executable, "-m", "hydra_jury.cli", "serve", "--checkpoint", checkpoint]
-    child = start_child("serve", [*command, "--listen", "127.0.0.1:0", *args], 300)
+    child = start_server(checkpoint, args)
     try:
         if not child.address:
             raise RuntimeError(child.failure)

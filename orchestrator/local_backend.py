@@ -73,7 +73,6 @@ class LocalBackend(DecodingBackend):
             if thread is None:
                 raise ValueError("batching needs a model thread")
             self.batchers = WorkerBatchers(self.trunk, self.jury, thread, batching, batch_metrics)
-            self.loop_on_one_thread = True  # the rounds' maths run beside the model thread
         self._epoch = new_epoch()
         config = model.config
         self.info = ModelInfo(
@@ -93,6 +92,11 @@ class LocalBackend(DecodingBackend):
 
     def placement(self, cache: str) -> dict[str, str]:
         return {"workers": f"in-process@{self._epoch}"}
+
+    @property
+    def loop_on_one_thread(self) -> bool:
+        """Batched, the rounds' maths run beside the model thread."""
+        return self.batchers is not None
 
     def run_round(self, function: Callable[..., T], *args) -> T:
         """On the model thread when there is one and calls are not batched (a call from

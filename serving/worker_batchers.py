@@ -32,7 +32,7 @@ import asyncio
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 from hydra_jury.serving.batcher import BatchLimits, CallBatcher, run_isolated
 from hydra_jury.serving.draft_scheduler import DraftScheduler
@@ -49,9 +49,6 @@ from hydra_jury.workers.calls import (
 )
 from hydra_jury.workers.jury import JuryWorker
 from hydra_jury.workers.trunk import TrunkWorker
-
-Call = TypeVar("Call")
-Result = TypeVar("Result")
 
 
 def prefill_chunks(call: PrefillCall, size: int) -> list[PrefillCall]:
