@@ -57,6 +57,14 @@ def build_parser(prog: str = "python -m hydra_jury.orchestrator") -> argparse.Ar
         help="for benchmarks: delay every call to a service by this long (half each way), "
         "as if the services ran on other machines (default 0)",
     )
+    parser.add_argument(
+        "--pipeline-rounds",
+        action=argparse.BooleanOptionalAction,
+        help="speculative head rounds send the next round's draft to the trunk while the "
+        "jury scores (used when every draft token is kept; the tokens never change): "
+        "overlaps the hops when the services run on other machines "
+        f"(default {'on' if OrchestratorConfig.pipeline_rounds else 'off'})",
+    )
     add_generation_server_flags(parser, redis_fallback="")
     add_internal_tls_flags(parser)
     return parser
@@ -80,6 +88,7 @@ async def _serve(config: OrchestratorConfig) -> None:
         max_concurrency=config.max_concurrency,
         connect_timeout_s=config.connect_timeout_s,
         hop_delay_s=config.inject_hop_delay_ms / 1000,
+        pipeline_rounds=config.pipeline_rounds,
         request_limits=config.request_limits(),
         tls=config.server_tls(),
         internal_tls=config.internal_tls(),

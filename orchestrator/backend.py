@@ -12,6 +12,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -120,6 +121,14 @@ class DecodingBackend(ABC):
     def draft(self, call: DraftCall) -> DraftResult:
         """γ trunk + draft-head steps from the pending token (`workers.trunk`). The
         result's tensors are on the host; its hidden states are an opaque handle."""
+
+    def draft_ahead(self, call: DraftCall) -> Future[DraftResult] | None:
+        """Starts `call` so that it runs while this thread makes its next calls (pipelined
+        rounds: the next round's draft beside this round's score), or None where this
+        backend does not pipeline rounds (the default). The caller waits for the future
+        before it calls the trunk about the session again: the position rule holds only
+        for one call of a session at a time."""
+        return None
 
     @abstractmethod
     def score(self, call: ScoreCall) -> ScoreResult:

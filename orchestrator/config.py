@@ -12,6 +12,7 @@ metrics_port: 9100                     # omit to serve no metrics
 max_concurrency: 32
 connect_timeout_s: 30
 inject_hop_delay_ms: 0                 # benchmarks only: each call to a service waits this long
+pipeline_rounds: true                  # draft the next round while the jury scores this one
 grace_s: 5
 redis_url: redis://127.0.0.1:6379/0    # or $HYDRA_JURY_REDIS_URL; rediss:// for TLS
 redis_key_prefix: "hydra-jury:"
@@ -86,6 +87,9 @@ class OrchestratorConfig:
     # this long, half before it is sent and half after its answer, as if the services
     # ran on other machines (`GrpcBackend`).
     inject_hop_delay_ms: float = 0.0
+    # Speculative head rounds send the next round's draft while the jury scores
+    # (`orchestrator.rounds`, `GrpcBackend.draft_ahead`).
+    pipeline_rounds: bool = False
     grace_s: float = GRACE_S
     redis_url: str = ""
     redis_key_prefix: str = KEY_PREFIX
@@ -162,6 +166,10 @@ class OrchestratorConfig:
             raise ConfigFileError(
                 f"inject_hop_delay_ms must be in 0..{MAX_HOP_DELAY_MS}, "
                 f"got {self.inject_hop_delay_ms}"
+            )
+        if not isinstance(self.pipeline_rounds, bool):
+            raise ConfigFileError(
+                f"pipeline_rounds must be true or false, got {self.pipeline_rounds!r}"
             )
         if not self.redis_url:
             raise ConfigFileError(

@@ -168,6 +168,7 @@ class Engine:
                 output.timings = run.timer.timings()
                 yield output
         finally:
+            self.rounds.settle(run)  # no call of the session in flight past its end
             if run.keep_caches:
                 self.backend.finish(run.session)
             else:
@@ -184,6 +185,7 @@ class Engine:
                 # A service lost this session's caches (it restarted, or, full, gave the
                 # slot of a session idle too long to another): rebuild them from the
                 # committed tokens and run the round again.
+                self.rounds.settle(run)
                 self._prefill(run, 0)
         output = self._commit(run, verdict)
         if output.finish_reason is not None and run.prepared.request.uncertainty:
@@ -232,6 +234,8 @@ class Engine:
         bonus = verdict.bonus and len(tokens) == len(verdict.tokens)
         progress.stats.observe_round(drafted, accepted, bonus)
         run.rounds_by_drafter[verdict.drafter] = run.rounds_by_drafter.get(verdict.drafter, 0) + 1
+        run.drafts_ahead += verdict.sent_ahead
+        run.drafts_ahead_used += verdict.used_ahead
         request = run.prepared.request
         logprobs = request.top_logprobs if request.logprobs else None
         records = token_records(self.tokenizer, verdict, tokens, len(run.committed), logprobs)
@@ -249,6 +253,8 @@ class Engine:
             accepted,
             drafter=verdict.drafter,
             draft_head=run.prepared.draft_head if verdict.drafter == DrafterKind.HEAD else None,
+            sent_ahead=verdict.sent_ahead,
+            used_ahead=verdict.used_ahead,
         )
 
 

@@ -9,6 +9,11 @@ called concurrently and their partial log-products added in shard order. Hidden 
 travel from the trunk's response to the shards' requests as they came, without being
 decoded. The loop is the same as in-process; only the transport differs.
 
+With `pipeline_rounds` the loop may send the next round's draft ahead (`draft_ahead`): it
+runs on a thread of this backend's pool, with the caller's deadline and trace context,
+while the caller's thread waits for the shards' scores, so one round's two hops overlap
+with the next round's.
+
 A session's caches live on one replica of each component (`place`). When a placed
 replica leaves (no longer ready, or UNAVAILABLE while another is ready), the session
 moves: the call raises `PositionError`, and the loop re-prefills on the new replica from
@@ -27,9 +32,11 @@ UNAVAILABLE → `ServiceUnavailable`, an internal INVALID_ARGUMENT → `Internal
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -68,6 +75,9 @@ from hydra_jury.workers.errors import PositionError
 
 Result = TypeVar("Result")
 
+# Drafts sent ahead in flight at once; more wait for a thread (still correct, later).
+MAX_DRAFTS_AHEAD = 64
+
 
 @dataclass
 class _Replica:
@@ -105,10 +115,12 @@ class GrpcBackend(DecodingBackend):
         connect_timeout_s: float = 10.0,
         tls: ClientTls | None = None,
         hop_delay_s: float = 0.0,
+        pipeline_rounds: bool = False,
     ) -> None:
         """`hop_delay_s` (benchmarks): every call to the services waits this long, half
         before it is sent and half after its answer (the calls of one `_call_all`
-        together, as they travel together), as if the services ran on other machines."""
+        together, as they travel together), as if the services ran on other machines.
+        `pipeline_rounds`: `draft_ahead` sends drafts ahead (else it declines)."""
         names = list(discovery.targets)
         if len(names) < 2:
             raise LayoutError("at least one jury shard address is needed")
@@ -118,6 +130,10 @@ class GrpcBackend(DecodingBackend):
         self.connect_timeout_s = connect_timeout_s
         self.tls = tls
         self.hop_delay_s = hop_delay_s
+        # One thread per session with a draft in flight; idle threads are kept for reuse.
+        self._ahead = (
+            ThreadPoolExecutor(MAX_DRAFTS_AHEAD, "draft-ahead") if pipeline_rounds else None
+        )
         self.trunk = _Component(
             "trunk", "trunk service", internal_pb2_grpc.TrunkStub, _service("Trunk")
         )
@@ -231,6 +247,8 @@ class GrpcBackend(DecodingBackend):
     # --- calls -----------------------------------------------------------------------
 
     def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=False, cancel_futures=True)
         self.discovery.close()
         for component in self.components:
             for replica in component.replicas.values():
@@ -333,6 +351,17 @@ class GrpcBackend(DecodingBackend):
         return _decoded(
             targets[0][1], lambda: wire.draft_result_from_pb(response, call, self.info.vocab_size)
         )
+
+    def draft_ahead(self, call: DraftCall) -> Future[DraftResult] | None:
+        if self._ahead is None:
+            return None
+        deadline = getattr(self._scope, "deadline", None)
+        context = contextvars.copy_context()  # the round's trace span is the call's parent
+        return self._ahead.submit(context.run, self._draft_before, deadline, call)
+
+    def _draft_before(self, deadline: float | None, call: DraftCall) -> DraftResult:
+        with self.call_scope(deadline):
+            return self.draft(call)
 
     def uncertainty(self, session: str, call: UncertaintyCall) -> UncertaintyResult:
         targets = self._targets([self.trunk], session)

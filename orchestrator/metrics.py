@@ -7,6 +7,8 @@ Counters and histograms (names prefixed `hydrajury_`):
   draft_position_accepted_total{position}
 - time_to_first_token_seconds, time_per_output_token_seconds
 - round_phase_seconds{phase="draft"|"score"|"accept"}
+- drafts_ahead_total, drafts_ahead_used_total (pipelined rounds: drafts sent before the
+  verdict of the round before, and of which the next round used; the rest were wasted)
 - active_sessions (gauge)
 - per head, the signal of a drifted or poisoned head against the rest of its jury:
   head_draft_tokens_total{head} and head_accepted_tokens_total{head} (draft tokens a
@@ -79,6 +81,12 @@ class OrchestratorMetrics:
         )
         self.position_accepted = Counter(
             "hydrajury_draft_position_accepted", "Draft positions kept", ["position"], registry=r
+        )
+        self.drafts_ahead = Counter(
+            "hydrajury_drafts_ahead", "Drafts sent ahead of the last round's verdict", registry=r
+        )
+        self.drafts_ahead_used = Counter(
+            "hydrajury_drafts_ahead_used", "Drafts sent ahead that a round used", registry=r
         )
         self.ttft = Histogram(
             "hydrajury_time_to_first_token_seconds",
@@ -178,6 +186,8 @@ class OrchestratorMetrics:
         self.accepted.inc(accepted)
         if accepted < drafted:
             self.rejections.inc()
+        self.drafts_ahead.inc(output.sent_ahead)
+        self.drafts_ahead_used.inc(output.used_ahead)
         for position in range(reached_positions(drafted, accepted)):
             self.position_reached.labels(str(position)).inc()
         for position in range(accepted):

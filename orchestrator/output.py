@@ -74,6 +74,8 @@ class Verdict:
     voters: tuple[str, ...] = ()
     rejected: int | None = None  # the draft token the replacement took the place of
     bonus: bool = False  # a one-pass round kept every draft and drew one more token
+    sent_ahead: bool = False  # the round sent the next round's draft ahead
+    used_ahead: bool = False  # the round's draft was one an earlier round sent ahead
 
 
 def token_records(
@@ -146,6 +148,8 @@ class RoundOutput:
     timings: dict[str, float] = field(default_factory=dict)
     drafter: DrafterKind = DrafterKind.NONE  # who drafted this round
     draft_head: str | None = None  # the head that drafted it (drafter "head" only)
+    sent_ahead: bool = False  # pipelined: it sent the next round's draft ahead
+    used_ahead: bool = False  # pipelined: its draft was sent ahead by the round before
 
 
 @dataclass

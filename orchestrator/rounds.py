@@ -10,11 +10,22 @@ Kinds of round
 - baselines: `verifier_only` is a plain step per token; `drafter_only` keeps the draft.
 - auto: the automatic mode picks one of the above per round (`orchestrator.auto`).
 - beam: a whole beam search as one round (`orchestrator.beam_search`).
+
+Pipelined head rounds (a backend whose `draft_ahead` accepts): once a round's draft is
+back, the next round's draft call is sent as that round would make it if every draft
+token is kept (from the last draft token, γ positions on) while this round's jury
+scores. The next round uses it when its own call is that one; otherwise (a rejection, a
+stop) it is discarded, and the next call to the trunk starts at the committed position
+(the position rule), so the trunk's cache never keeps a discarded draft. Draws are keyed
+by position, so a draft sent ahead is the draft the next round would make: pipelining
+never changes a token. The automatic mode does not pipeline: it chooses each round's
+drafter after the last verdict.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import CancelledError
 
 import torch
 
@@ -23,7 +34,7 @@ from hydra_jury.orchestrator.backend import DecodingBackend
 from hydra_jury.orchestrator.beam_search import BeamRun
 from hydra_jury.orchestrator.output import TokenKind, Verdict
 from hydra_jury.orchestrator.request import DrafterKind
-from hydra_jury.orchestrator.run import Run
+from hydra_jury.orchestrator.run import DraftAhead, Run
 from hydra_jury.poe import (
     BeamSearch,
     Distributions,
@@ -63,6 +74,7 @@ class Rounds:
     def decide(self, run: Run) -> Verdict:
         """Runs the round `run` is due and returns what it decided (nothing committed)."""
         prepared = run.prepared
+        ahead = self.settle(run)
         remaining = prepared.request.max_new_tokens - len(run.progress.generated)
         if prepared.request.num_beams > 1:
             return self._beam_round(run, remaining)
@@ -75,8 +87,28 @@ class Rounds:
             )
         if prepared.drafter == DrafterKind.MODEL:
             return self._model_round(run, min(prepared.gamma, remaining - 1), coupled=False)
-        gamma = 1 if prepared.rule == Rule.VERIFIER_ONLY else min(prepared.gamma, remaining)
-        return self._head_round(run, gamma)
+        if prepared.rule in (Rule.VERIFIER_ONLY, Rule.DRAFTER_ONLY):
+            gamma = 1 if prepared.rule == Rule.VERIFIER_ONLY else min(prepared.gamma, remaining)
+            return self._head_round(run, gamma)
+        gamma = min(prepared.gamma, remaining)
+        # What the next round drafts if this one keeps all γ: its draft can go ahead.
+        next_gamma = min(prepared.gamma, remaining - gamma)
+        return self._head_round(run, gamma, ahead, next_gamma)
+
+    def settle(self, run: Run) -> DraftAhead | None:
+        """Waits for the draft `run` sent ahead, if any, and takes it off the run: after
+        this, the trunk holds no call of the session in flight. Returned done, or None
+        when none was sent or it failed (a round that needs it makes the call itself,
+        and meets the error there)."""
+        ahead, run.ahead = run.ahead, None
+        if ahead is None:
+            return None
+        with run.timer.phase("draft_s"):
+            try:
+                failed = ahead.future.exception() is not None
+            except CancelledError:  # the backend closed before it was sent
+                failed = True
+        return None if failed else ahead
 
     def _auto_round(self, run: Run, remaining: int) -> Verdict:
         """The round the automatic mode chooses (`orchestrator.auto`), measured for the
@@ -128,26 +160,49 @@ class Rounds:
         tokens = list(run.hypotheses[0].tokens)
         return Verdict(tokens, [TokenKind.BEAM] * len(tokens), 0, 0, DrafterKind.BEAM)
 
-    def _head_round(self, run: Run, gamma: int) -> Verdict:
+    def _head_round(
+        self, run: Run, gamma: int, ahead: DraftAhead | None = None, next_gamma: int = 0
+    ) -> Verdict:
         """γ draft tokens from the draft head (γ trunk steps), one jury call over them;
-        verifier_only: one trunk step and one jury call, no draft."""
+        verifier_only: one trunk step and one jury call, no draft. `ahead`: a draft sent
+        ahead by the last round, used if it is this round's; `next_gamma` > 0: the next
+        round's draft may be sent ahead."""
         rule = run.prepared.rule
-        draft = self._draft(run, gamma)
+        call = self._draft_call(run, gamma, run.start, run.committed[-1])
+        used_ahead = ahead is not None and ahead.call == call
+        draft = self._draft(run, call, ahead.future.result() if used_ahead else None)
         if rule == Rule.DRAFTER_ONLY:
             return self._keep_draft(draft)
+        sent_ahead = next_gamma > 0 and self._send_ahead(run, draft, next_gamma)
         score = self._score(run, draft.hidden, draft.decision_logprobs is not None)
         target_logprobs = normalise_logprobs(score.log_product)  # [γ, V]
         if rule == Rule.VERIFIER_ONLY:
             return self._sample_target(run, target_logprobs, score)
-        return self._verify(run, draft, target_logprobs, score, DrafterKind.HEAD, coupled=False)
+        verdict = self._verify(run, draft, target_logprobs, score, DrafterKind.HEAD, coupled=False)
+        verdict.sent_ahead, verdict.used_ahead = sent_ahead, used_ahead
+        return verdict
 
-    def _draft(self, run: Run, gamma: int, draft_model: bool = False) -> DraftResult:
+    def _send_ahead(self, run: Run, draft: DraftResult, gamma: int) -> bool:
+        """Sends the draft the next round makes if every token of `draft` is kept: from
+        its last token, at the position after them. Whether the backend took it."""
+        tokens = draft.tokens.tolist()
+        call = self._draft_call(run, gamma, run.start + len(tokens), tokens[-1])
+        future = self.backend.draft_ahead(call)
+        if future is None:
+            return False
+        run.ahead = DraftAhead(call, future)
+        return True
+
+    def _draft_call(
+        self, run: Run, gamma: int, start: int, pending: int, draft_model: bool = False
+    ) -> DraftCall:
+        """The draft call of a round starting at `start` from the token `pending`."""
         prepared = run.prepared
         plain = prepared.rule == Rule.VERIFIER_ONLY or draft_model
-        call = DraftCall(
+        return DraftCall(
             run.session,
-            run.start,
-            run.committed[-1],
+            start,
+            pending,
             gamma,
             None if plain else prepared.draft_head,
             prepared.sampling,
@@ -155,10 +210,14 @@ class Rounds:
             with_decision=_decides_apart(run),
             draft_model=draft_model,
         )
-        with run.timer.phase("draft_s"):
-            draft = self.backend.draft(call)
-        _count_work(run.progress.stats, draft.trunk_steps, draft.head_evaluations)
-        return draft
+
+    def _draft(self, run: Run, call: DraftCall, done: DraftResult | None = None) -> DraftResult:
+        """The result of `call`: `done` when it was sent ahead, else asked for now."""
+        if done is None:
+            with run.timer.phase("draft_s"):
+                done = self.backend.draft(call)
+        _count_work(run.progress.stats, done.trunk_steps, done.head_evaluations)
+        return done
 
     def _ngram_round(self, run: Run, drafts: list[int]) -> Verdict:
         """Prompt-lookup drafts (point masses), checked in one pass; the trunk forward
@@ -180,7 +239,8 @@ class Rounds:
         `coupled`, sampled drafts are kept only where a plain step would draw them."""
         if gamma == 0:  # no room for a draft under the token limit: a plain step
             return self._ngram_round(run, [])
-        draft = self._draft(run, gamma, draft_model=True)
+        call = self._draft_call(run, gamma, run.start, run.committed[-1], draft_model=True)
+        draft = self._draft(run, call)
         return self._check_in_one_pass(run, draft, DrafterKind.MODEL, coupled)
 
     def _check_in_one_pass(

@@ -4,6 +4,7 @@ pieces of state that live only as long as the request."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
@@ -15,7 +16,15 @@ from hydra_jury.orchestrator.request import DrafterKind, PreparedRequest
 from hydra_jury.orchestrator.round_timer import RoundTimer
 from hydra_jury.orchestrator.stopping import StopConditions
 from hydra_jury.poe import Hypothesis
-from hydra_jury.workers.calls import UncertaintyResult
+from hydra_jury.workers.calls import DraftCall, DraftResult, UncertaintyResult
+
+
+@dataclass
+class DraftAhead:
+    """The next round's draft, sent before this round's verdict (pipelined rounds)."""
+
+    call: DraftCall  # as the next round makes it if every draft token of this one is kept
+    future: Future[DraftResult]
 
 
 @dataclass
@@ -35,6 +44,9 @@ class Run:
     judged: UncertaintyResult | None = None  # the uncertainty head's verdict, when asked
     # The trace context of the last round's span: its commit continues it (`tracing`).
     trace_context: Context | None = None
+    ahead: DraftAhead | None = None  # a draft in flight for the next round
+    drafts_ahead: int = 0  # drafts sent ahead by this request's rounds
+    drafts_ahead_used: int = 0  # of which a round used (the others were discarded)
 
     @property
     def start(self) -> int:
@@ -66,6 +78,8 @@ class Run:
                 "resumed_rounds": progress.resumed_rounds,
                 "rounds_by_drafter": dict(self.rounds_by_drafter),
                 "auto_inputs": auto_inputs,
+                "drafts_ahead": self.drafts_ahead,
+                "drafts_ahead_used": self.drafts_ahead_used,
             },
             seed=prepared.seed,
             draft_head=prepared.draft_head,

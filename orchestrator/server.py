@@ -393,6 +393,7 @@ async def serve_orchestrator(
     request_limits: RequestLimits = DEFAULT_LIMITS,
     connect_timeout_s: float = 30.0,
     hop_delay_s: float = 0.0,
+    pipeline_rounds: bool = False,
     tls: ServerTls | None = None,
     internal_tls: ClientTls | None = None,
     auth: ApiKeyAuth | None = None,
@@ -402,10 +403,11 @@ async def serve_orchestrator(
     """The split stack's orchestrator: connects to the services (checking their layout;
     over TLS with `internal_tls`) and starts the Generation server (a TLS port with
     `tls`; API keys required with `auth`; the HTTP API too on `http_listen`;
-    `hop_delay_s`: every call to a service delayed this long, for benchmarks)."""
+    `hop_delay_s`: every call to a service delayed this long, for benchmarks;
+    `pipeline_rounds`: speculative head rounds send the next round's draft ahead)."""
     read_manifest(checkpoint)  # a clear error for a wrong --checkpoint, before connecting
     backend = await asyncio.to_thread(
-        GrpcBackend, discovery, connect_timeout_s, internal_tls, hop_delay_s
+        GrpcBackend, discovery, connect_timeout_s, internal_tls, hop_delay_s, pipeline_rounds
     )
     manifest_fingerprint = checkpoint_fingerprint(checkpoint)
     if manifest_fingerprint != backend.info.fingerprint:
