@@ -357,7 +357,10 @@ class GrpcBackend(DecodingBackend):
             return None
         deadline = getattr(self._scope, "deadline", None)
         context = contextvars.copy_context()  # the round's trace span is the call's parent
-        return self._ahead.submit(context.run, self._draft_before, deadline, call)
+        try:
+            return self._ahead.submit(context.run, self._draft_before, deadline, call)
+        except RuntimeError:  # closing: the round makes its draft call itself
+            return None
 
     def _draft_before(self, deadline: float | None, call: DraftCall) -> DraftResult:
         with self.call_scope(deadline):

@@ -109,6 +109,10 @@ class LocalStack:
     log_format: str = LOG_FORMATS[0]  # every process's --log-format
     # Every process's --otlp-endpoint (None: each reads the OTEL_* variables it inherits)
     otlp_endpoint: str | None = None
+    # Child name ("trunk", "jury0", ..., "orchestrator") -> the CPUs it runs on alone, as
+    # `taskset -c` takes them ("0", "1-3"); benchmarks place processes as if each group
+    # ran on a machine of its own. Unnamed children run anywhere.
+    cpus: dict[str, str] = field(default_factory=dict)
     children: list[Child] = field(default_factory=list)
     redis: LocalRedis | None = None  # the private Redis, once started
 
@@ -236,6 +240,8 @@ class LocalStack:
         return {**os.environ, **OPENMP_WAITING["trunk" if child == "trunk" else "other"]}
 
     def _spawn(self, name: str, command: list[str], timeout_s: float) -> str:
+        if name in self.cpus:
+            command = ["taskset", "-c", self.cpus[name], *command]
         child = start_child(name, command, timeout_s, self.environment(name))
         self.children.append(child)
         if not child.address:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import CancelledError
+from contextlib import nullcontext
 
 import torch
 
@@ -74,7 +75,8 @@ class Rounds:
     def decide(self, run: Run) -> Verdict:
         """Runs the round `run` is due and returns what it decided (nothing committed)."""
         prepared = run.prepared
-        ahead = self.settle(run)
+        with run.timer.phase("draft_s") if run.ahead else nullcontext():
+            ahead = self.settle(run)  # this round's draft, if the last round sent it
         remaining = prepared.request.max_new_tokens - len(run.progress.generated)
         if prepared.request.num_beams > 1:
             return self._beam_round(run, remaining)
@@ -103,11 +105,10 @@ class Rounds:
         ahead, run.ahead = run.ahead, None
         if ahead is None:
             return None
-        with run.timer.phase("draft_s"):
-            try:
-                failed = ahead.future.exception() is not None
-            except CancelledError:  # the backend closed before it was sent
-                failed = True
+        try:
+            failed = ahead.future.exception() is not None
+        except CancelledError:  # the backend closed before it was sent
+            failed = True
         return None if failed else ahead
 
     def _auto_round(self, run: Run, remaining: int) -> Verdict:

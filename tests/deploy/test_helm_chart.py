@@ -650,3 +650,12 @@ def test_the_orchestrator_gets_a_flag_per_request_limit(releases):
     assert limits == RequestLimits(**{snake[name]: value for name, value in given.items()})
     defaults = [c for c in servers(releases["defaults"]) if c["args"][0] == "orchestrator"]
     assert not [arg for arg in defaults[0]["args"] if arg.startswith("--limit-")]
+
+
+def test_orchestrators_pipeline_rounds_unless_told_not_to(releases):
+    def pipelines(case: str) -> bool:
+        (orchestrator,) = [c for c in servers(releases[case]) if c["args"][0] == "orchestrator"]
+        return orchestrator_parser().parse_args(orchestrator["args"][1:]).pipeline_rounds
+
+    assert pipelines("defaults") is True
+    assert pipelines("drain-and-limits") is None  # the flag is left out: the default, off

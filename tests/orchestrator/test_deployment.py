@@ -182,10 +182,16 @@ def test_local_stack_serves_the_cli_and_shuts_down_gracefully(jury_checkpoint, e
 
 
 def test_local_stack_keeps_its_sessions_in_the_redis_it_is_given(jury_checkpoint, redis_url):
-    stack = LocalStack(str(jury_checkpoint), shards=1, port=0, redis_url=redis_url)
+    """... and runs a child on the CPUs it is given (`cpus`), the others anywhere."""
+    stack = LocalStack(
+        str(jury_checkpoint), shards=1, port=0, redis_url=redis_url, cpus={"jury0": "0"}
+    )
     try:
         address = stack.start(timeout_s=120)
         assert stack.redis is None  # nothing of its own to start
+        affinity = {c.name: os.sched_getaffinity(c.process.pid) for c in stack.children}
+        assert affinity["jury0"] == {0}
+        assert affinity["trunk"] == os.sched_getaffinity(0)
         with grpc.insecure_channel(address) as channel:
             response = generation_pb2_grpc.GenerationStub(channel).Generate(
                 request_to_pb(GenerationRequest(prompt="hi", max_new_tokens=3)), timeout=30
