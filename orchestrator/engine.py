@@ -128,6 +128,7 @@ class Engine:
             keep_caches=keep_caches,
             records=list(records or []),
             auto=AutoState.starting(self.costs) if prepared.drafter == DrafterKind.AUTO else None,
+            ahead_policy=self.rounds.ahead_pool.starting(),
         )
         return Generation(self, run)
 

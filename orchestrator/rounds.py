@@ -14,9 +14,10 @@ Kinds of round
 Pipelined head rounds (a backend whose `draft_ahead` accepts): once a round's draft is
 back, the next round's draft call is sent as that round would make it if every draft
 token is kept (from the last draft token, γ positions on) while this round's jury
-scores. The next round uses it when its own call is that one; otherwise (a rejection, a
-stop) it is discarded, and the next call to the trunk starts at the committed position
-(the position rule), so the trunk's cache never keeps a discarded draft. Draws are keyed
+scores, when the request's measurements say it pays (`orchestrator.draft_ahead`). The
+next round uses it when its own call is that one; otherwise (a rejection, a stop) it is
+discarded, and the next call to the trunk starts at the committed position (the
+position rule), so the trunk's cache never keeps a discarded draft. Draws are keyed
 by position, so a draft sent ahead is the draft the next round would make: pipelining
 never changes a token. The automatic mode does not pipeline: it chooses each round's
 drafter after the last verdict.
@@ -33,9 +34,10 @@ import torch
 from hydra_jury.orchestrator.auto import CostModel
 from hydra_jury.orchestrator.backend import DecodingBackend
 from hydra_jury.orchestrator.beam_search import BeamRun
+from hydra_jury.orchestrator.draft_ahead import AheadPolicy, DraftAhead
 from hydra_jury.orchestrator.output import TokenKind, Verdict
 from hydra_jury.orchestrator.request import DrafterKind
-from hydra_jury.orchestrator.run import DraftAhead, Run
+from hydra_jury.orchestrator.run import Run
 from hydra_jury.poe import (
     BeamSearch,
     Distributions,
@@ -71,6 +73,8 @@ class Rounds:
     def __init__(self, backend: DecodingBackend, costs: CostModel) -> None:
         self.backend = backend
         self.costs = costs
+        # What pipelined rounds measured, pooled over requests: a new one starts from it.
+        self.ahead_pool = AheadPolicy.pooled()
 
     def decide(self, run: Run) -> Verdict:
         """Runs the round `run` is due and returns what it decided (nothing committed)."""
@@ -168,19 +172,26 @@ class Rounds:
         verifier_only: one trunk step and one jury call, no draft. `ahead`: a draft sent
         ahead by the last round, used if it is this round's; `next_gamma` > 0: the next
         round's draft may be sent ahead."""
-        rule = run.prepared.rule
+        rule, policy = run.prepared.rule, run.ahead_policy
         call = self._draft_call(run, gamma, run.start, run.committed[-1])
         used_ahead = ahead is not None and ahead.call == call
+        began = time.perf_counter()
         draft = self._draft(run, call, ahead.future.result() if used_ahead else None)
+        drafted = time.perf_counter()
         if rule == Rule.DRAFTER_ONLY:
             return self._keep_draft(draft)
-        sent_ahead = next_gamma > 0 and self._send_ahead(run, draft, next_gamma)
+        sent_ahead = next_gamma > 0 and policy.pays() and self._send_ahead(run, draft, next_gamma)
+        sent = time.perf_counter()
         score = self._score(run, draft.hidden, draft.decision_logprobs is not None)
+        scored = time.perf_counter()
         target_logprobs = normalise_logprobs(score.log_product)  # [γ, V]
         if rule == Rule.VERIFIER_ONLY:
             return self._sample_target(run, target_logprobs, score)
         verdict = self._verify(run, draft, target_logprobs, score, DrafterKind.HEAD, coupled=False)
         verdict.sent_ahead, verdict.used_ahead = sent_ahead, used_ahead
+        policy.observe_draft(ahead.seconds if used_ahead else drafted - began)
+        policy.observe_score(scored - sent)
+        policy.observe_round(kept_all=verdict.accepted == len(draft.tokens))
         return verdict
 
     def _send_ahead(self, run: Run, draft: DraftResult, gamma: int) -> bool:

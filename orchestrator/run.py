@@ -4,27 +4,19 @@ pieces of state that live only as long as the request."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
 
 from hydra_jury.orchestrator.auto import AutoState
 from hydra_jury.orchestrator.detokenizer import IncrementalDetokenizer
+from hydra_jury.orchestrator.draft_ahead import AheadPolicy, DraftAhead
 from hydra_jury.orchestrator.output import FinishReason, GenerationOutput, Progress, TokenRecord
 from hydra_jury.orchestrator.request import DrafterKind, PreparedRequest
 from hydra_jury.orchestrator.round_timer import RoundTimer
 from hydra_jury.orchestrator.stopping import StopConditions
 from hydra_jury.poe import Hypothesis
-from hydra_jury.workers.calls import DraftCall, DraftResult, UncertaintyResult
-
-
-@dataclass
-class DraftAhead:
-    """The next round's draft, sent before this round's verdict (pipelined rounds)."""
-
-    call: DraftCall  # as the next round makes it if every draft token of this one is kept
-    future: Future[DraftResult]
+from hydra_jury.workers.calls import UncertaintyResult
 
 
 @dataclass
@@ -45,6 +37,7 @@ class Run:
     # The trace context of the last round's span: its commit continues it (`tracing`).
     trace_context: Context | None = None
     ahead: DraftAhead | None = None  # a draft in flight for the next round
+    ahead_policy: AheadPolicy = field(default_factory=AheadPolicy)  # whether to send one
     drafts_ahead: int = 0  # drafts sent ahead by this request's rounds
     drafts_ahead_used: int = 0  # of which a round used (the others were discarded)
 

@@ -31,6 +31,7 @@ import torch
 from hydra_jury.hydra_model import DraftModel, HydraModel
 from hydra_jury.hydra_model.build.quantize import quantize_checkpoint
 from hydra_jury.hydra_model.quantization import QuantizationScheme
+from hydra_jury.orchestrator.draft_ahead import AheadPolicy
 from tests.engine_sampling import RunSampler, worker_count
 from tests.grpc_stack import Stack
 from tests.models import (
@@ -308,13 +309,15 @@ def test_cascade_rule_samples_its_target(
 
 
 def test_concurrent_requests_through_the_services_sample_the_poe_target(
-    tokenizer, small_model, redis_url
+    tokenizer, small_model, redis_url, monkeypatch
 ):
     """The exact rule's test again, through the split stack (trunk, two shards) with 8
     requests at a time: the services batch the sessions' calls into shared forwards,
     and the samples still follow the PoE target. Every other run goes through a second
     orchestrator that pipelines rounds, at γ = 1: its second token's draft was sent ahead
-    while the jury scored the first, and used when the first draft token was kept."""
+    while the jury scored the first (always, whatever the timings: `AheadPolicy.pays`),
+    and used when the first draft token was kept."""
+    monkeypatch.setattr(AheadPolicy, "pays", lambda policy: True)
     prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
     temperature = 0.8
     names = small_model.head_names
