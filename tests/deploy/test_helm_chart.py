@@ -83,7 +83,9 @@ def servers(docs: list[dict]) -> list[dict]:
 
 
 def arguments(container: dict) -> dict[str, str]:
-    return dict(arg.removeprefix("--").split("=", 1) for arg in container["args"][1:])
+    """--name=value -> {name: value}; a bare --flag (a switch) -> {flag: ""}."""
+    pairs = (arg.removeprefix("--").partition("=") for arg in container["args"][1:])
+    return {name: value for name, _, value in pairs}
 
 
 def matches(selector: dict, labels: dict) -> bool:
