@@ -1,6 +1,7 @@
-"""What weight-only quantization costs in quality: perplexity on held-out text and greedy
-agreement with float32, for float32, bfloat16, int8 (with the output matrix quantized and
-kept float) and int4, on the demo split (SmolLM2-135M-Instruct, trunk and head0).
+"""What quantization costs in quality: perplexity on held-out text and greedy agreement
+with float32, for float32, bfloat16, int8 (with the output matrix quantized and kept
+float) and int4, each with int8 activations (the default) and float ones, on the demo
+split (SmolLM2-135M-Instruct, trunk and head0).
 
     python bench/bench_quality.py --checkpoint var/models/smollm2-base
 
@@ -29,13 +30,16 @@ from hydra_jury.hydra_model.build.demo import CORPUS_FILE
 from hydra_jury.hydra_model.build.quantize import quantize_checkpoint
 from hydra_jury.hydra_model.quantization import QuantizationScheme
 
-# name -> (quantization flags, or None for float; the compute dtype)
+# name -> (quantization flags: method, group size, keep the output matrix, activations; or
+# None for float; the compute dtype)
 VARIANTS = {
     "float32": (None, "float32"),
     "bfloat16": (None, "bfloat16"),
-    "int8": (("int8", 0, False), "float32"),
-    "int8, output float": (("int8", 0, True), "float32"),
-    "int4 (groups of 32)": (("int4", 32, False), "float32"),
+    "int8": (("int8", 0, False, "int8"), "float32"),
+    "int8, output float": (("int8", 0, True, "int8"), "float32"),
+    "int4 (groups of 32)": (("int4", 32, False, "int8"), "float32"),
+    "int8, float acts": (("int8", 0, False, "float"), "float32"),
+    "int4, float acts": (("int4", 32, False, "float"), "float32"),
 }
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -56,11 +60,13 @@ def quantized_variants(base: Path, root: Path) -> dict[str, Path]:
         if flags is None:
             paths[name] = base
             continue
-        method, group_size, keep_output = flags
+        method, group_size, keep_output, activations = flags
         path = root / f"{method}{'-g' + str(group_size) if group_size else ''}"
-        path = path.with_name(path.name + ("-output-float" if keep_output else ""))
+        path = path.with_name(
+            path.name + ("-output-float" if keep_output else "") + f"-{activations}-activations"
+        )
         if not (path / "hydra.json").is_file():
-            scheme = QuantizationScheme.from_flags(method, group_size, keep_output)
+            scheme = QuantizationScheme.from_flags(method, group_size, keep_output, activations)
             quantize_checkpoint(base, path, scheme, force=True, log=lambda line: None)
         paths[name] = path
     return paths

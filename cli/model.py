@@ -18,7 +18,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_quantization_flags(parser: argparse.ArgumentParser, required: bool) -> None:
-    from hydra_jury.hydra_model.quantization import DEFAULT_GROUP_SIZE, METHODS
+    from hydra_jury.hydra_model.quantization import ACTIVATIONS, DEFAULT_GROUP_SIZE, METHODS
 
     parser.add_argument(
         "--quantize",
@@ -38,6 +38,14 @@ def _add_quantization_flags(parser: argparse.ArgumentParser, required: bool) -> 
         "--keep-output-matrix",
         action="store_true",
         help="keep the embedding and LM heads float (default: quantize them too)",
+    )
+    parser.add_argument(
+        "--activations",
+        choices=ACTIVATIONS,
+        default="int8",
+        help="how quantized products take their inputs: int8 quantizes them per block of 32 "
+        "and multiplies in integers (fast, as llama.cpp's Q8_0), float keeps them float32 "
+        "(%(default)s)",
     )
 
 
@@ -128,7 +136,9 @@ def _run_quantize(args: argparse.Namespace) -> int:
     from hydra_jury.hydra_model.build.quantize import quantize_checkpoint
     from hydra_jury.hydra_model.quantization import QuantizationScheme
 
-    scheme = QuantizationScheme.from_flags(args.quantize, args.group_size, args.keep_output_matrix)
+    scheme = QuantizationScheme.from_flags(
+        args.quantize, args.group_size, args.keep_output_matrix, args.activations
+    )
     quantize_checkpoint(args.checkpoint, args.out, scheme, force=args.force, log=log)
     return 0
 

@@ -266,13 +266,17 @@ class LayerStack:
         if self._native is None:
             weights = [layer.qkv_weight for layer in self.layers]
             groups = {w.group_size if isinstance(w, QuantizedWeight) else 0 for w in weights}
+            quantized_input = any(
+                isinstance(w, QuantizedWeight) and w.int8_activations for w in weights
+            )
             entries = [entry for layer in self.layers for entry in layer.native_entries()]
-            self._native = (entries, max(groups))
-        entries, group = self._native
+            self._native = (entries, max(groups), quantized_input)
+        entries, group, quantized_input = self._native
         return decoded_layers(
             x,
             entries,
             group,
+            quantized_input,
             config.rms_norm_eps,
             plan.segment.cache,
             plan.segment.start,

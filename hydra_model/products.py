@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from hydra_jury.hydra_model.kernels.native import native
 from hydra_jury.hydra_model.kv_cache import KVCache
-from hydra_jury.hydra_model.quantization import QuantizedWeight
+from hydra_jury.hydra_model.quantization import QuantizedWeight, int8_activations
 
 Weight = torch.Tensor | QuantizedWeight
 # Up to this many rows go to the kernels: a decode step, the verify of a speculative
@@ -57,13 +57,16 @@ def product(
     What a decoder layer does around its products comes with them, so that a decode step
     is a few native calls per layer: with `glu`, x is [gate, up] and the input is
     silu(gate) * up; with `norm` [S, inputs], the input is RMS-normalised (statistics in
-    float32) and scaled by it; `residual` [S, R, outputs] is added to the result."""
+    float32) and scaled by it; `residual` [S, R, outputs] is added to the result. A
+    quantized weight with `int8_activations` quantizes that input to int8 first."""
     width = x.shape[2] // 2 if glu else x.shape[2]
     ops = native() if _kernel_fits(x, weight, width) else None
+    quantized = isinstance(weight, QuantizedWeight)
+    quantized_input = quantized and weight.int8_activations
     if ops is not None:
         scale = minimum = None
         group = 0
-        if isinstance(weight, QuantizedWeight):
+        if quantized:
             data, scale, minimum, group = (
                 weight.data,
                 weight.scale,
@@ -72,13 +75,17 @@ def product(
             )
         else:
             data = weight
-        return ops.rows_times(x, data, scale, minimum, group, norm, eps, glu, residual)
+        return ops.rows_times(
+            x, data, scale, minimum, group, norm, eps, glu, residual, quantized_input
+        )
     if glu:
         gate, up = x.chunk(2, dim=-1)
         x = F.silu(gate) * up
     if norm is not None:
         x = rms_norm(x, norm, eps)
-    if isinstance(weight, QuantizedWeight):
+    if quantized_input:
+        x = int8_activations(x)
+    if quantized:
         weight = weight.dequantize(x.dtype)
     rows = x.shape[1]
     if rows in PADDED_ROW_COUNTS and x.shape[0] == 1:
@@ -114,6 +121,7 @@ def decoded_layers(
     x: torch.Tensor,
     entries: list[torch.Tensor | None],
     group: int,
+    quantized_input: bool,
     eps: float,
     cache: KVCache,
     start: int,
@@ -122,14 +130,26 @@ def decoded_layers(
     kv_heads: int,
 ) -> torch.Tensor | None:
     """Every layer of a pre-norm stack without biases over one session's new positions,
-    in one native call (`LayerStack`; `entries`: 14 per layer, `_Layer.native_entries`).
-    None when the kernels cannot take it."""
+    in one native call (`LayerStack`; `entries`: 14 per layer, `_Layer.native_entries`;
+    `quantized_input`: the weights' `int8_activations`). None when the kernels cannot
+    take it."""
     ops = native() if _attention_fits(x, cache) else None
     if ops is None:
         return None
     cos, sin = rotation
     return ops.decode_layers(
-        x, entries, group, eps, cache.keys, cache.values, start, cos, sin, heads, kv_heads
+        x,
+        entries,
+        group,
+        quantized_input,
+        eps,
+        cache.keys,
+        cache.values,
+        start,
+        cos,
+        sin,
+        heads,
+        kv_heads,
     )
 
 

@@ -1,14 +1,19 @@
-"""Weight-only quantization: int8 with a scale per output channel, int4 with a scale and a
+"""Weight quantization: int8 with a scale per output channel, int4 with a scale and a
 minimum per group of inputs (the layout of llama.cpp's Q4_1).
 
-Activations stay in float: a product reads the quantized weight and multiplies in float32
-(`products`). The quantized model is a model of its own — speculative decoding and the
-Product of Experts are exact with respect to its distributions, not float32's.
+A product with a quantized weight takes its activations one of two ways (the scheme's
+`activations`): in float32, or quantized to int8 per block of 32 inputs as llama.cpp's
+Q8_0 does, so that the kernels multiply in integers (`int8_activations`). Either way the
+checkpoint stores only the weights, and the quantized model is a model of its own —
+speculative decoding and the Product of Experts are exact with respect to its
+distributions, not float32's.
 
 int8:  w[o, k] = q[o, k] * scale[o],          q in -127..127
 int4:  w[o, k] = q[o, k] * scale[o, g] + min[o, g] for the group g = k // group_size,
        q in 0..15, packed two to a byte: in each block of 32 inputs, byte j holds
        input j in its low nibble and input j + 16 in its high one (what the kernels load).
+int8 activations: x[k] = q[k] * d for the block b = k // 32, d = max|x_b| / 127,
+       q = round(x * (127 / max|x_b|)) in -127..127.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from dataclasses import dataclass
 import torch
 
 METHODS = ("int8", "int4")
+ACTIVATIONS = ("int8", "float")
 DEFAULT_GROUP_SIZE = 32
+ACTIVATION_BLOCK = 32
 # Checkpoint tensor names: the quantized values keep the weight's name.
 SCALE_SUFFIX = "_scale"
 MINIMUM_SUFFIX = "_min"
@@ -39,6 +46,7 @@ class QuantizedWeight:
     scale: torch.Tensor  # int8: [..., outputs]; int4: [..., outputs, groups]
     minimum: torch.Tensor | None = None  # int4 only
     group_size: int = 0  # int4 only
+    int8_activations: bool = False  # products quantize their activations to int8 first
 
     @property
     def method(self) -> str:
@@ -60,7 +68,9 @@ class QuantizedWeight:
     def __getitem__(self, index) -> QuantizedWeight:
         """Members of a stack (an index into the leading dimensions), without a copy."""
         minimum = None if self.minimum is None else self.minimum[index]
-        return QuantizedWeight(self.data[index], self.scale[index], minimum, self.group_size)
+        return QuantizedWeight(
+            self.data[index], self.scale[index], minimum, self.group_size, self.int8_activations
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.minimum is None:
@@ -75,20 +85,42 @@ class QuantizedWeight:
         return self[index].dequantize(dtype)
 
 
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [..., inputs] (inputs a multiple of 32) as a product with `int8_activations` reads
+    it: each block of 32 quantized to int8 and back, in float32 — the d and q the kernels
+    compute, so that PyTorch's products (prefills, machines without the kernels) differ
+    from theirs only by float rounding."""
+    blocks = x.float().unflatten(-1, (-1, ACTIVATION_BLOCK))
+    largest = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(largest > 0, 127.0 / largest, torch.zeros_like(largest))
+    q = torch.round(blocks * inverse).clamp(-127, 127)
+    return (q * (largest / 127)).flatten(-2).to(x.dtype)
+
+
 def tensors_of(weight: torch.Tensor | QuantizedWeight) -> list[torch.Tensor]:
     """The tensors that hold a weight (for byte counts)."""
     return weight.tensors() if isinstance(weight, QuantizedWeight) else [weight]
 
 
-def quantize(weight: torch.Tensor, method: str, group_size: int = DEFAULT_GROUP_SIZE):
+def quantize(
+    weight: torch.Tensor,
+    method: str,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    int8_activations: bool = False,
+):
     """A float weight [..., outputs, inputs] -> QuantizedWeight."""
     weight = weight.float()
     inputs = weight.shape[-1]
+    if int8_activations and inputs % ACTIVATION_BLOCK:
+        raise QuantizationError(
+            f"int8 activations come in blocks of {ACTIVATION_BLOCK}: a weight's {inputs} "
+            "inputs are not a multiple (use float activations)"
+        )
     if method == "int8":
         scale = weight.abs().amax(dim=-1) / 127
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         data = torch.round(weight / scale[..., None]).clamp(-127, 127).to(torch.int8)
-        return QuantizedWeight(data, scale)
+        return QuantizedWeight(data, scale, int8_activations=int8_activations)
     if method != "int4":
         raise QuantizationError(f"unknown quantization {method!r}; expected one of {METHODS}")
     check_group_size(group_size, inputs)
@@ -97,7 +129,7 @@ def quantize(weight: torch.Tensor, method: str, group_size: int = DEFAULT_GROUP_
     scale = (high - low) / 15
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     values = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-    return QuantizedWeight(pack_int4(values.flatten(-2)), scale, low, group_size)
+    return QuantizedWeight(pack_int4(values.flatten(-2)), scale, low, group_size, int8_activations)
 
 
 def check_group_size(group_size: int, inputs: int) -> None:
@@ -133,6 +165,7 @@ def stack(weights: Sequence[torch.Tensor | QuantizedWeight]) -> torch.Tensor | Q
         torch.stack([w.scale for w in weights]),
         minimum,
         first.group_size,
+        first.int8_activations,
     )
 
 
@@ -150,32 +183,49 @@ def cat_outputs(
         torch.cat([w.scale for w in weights], dim=-1 if per_channel else -2),
         minimum,
         first.group_size,
+        first.int8_activations,
     )
 
 
 @dataclass(frozen=True)
 class QuantizationScheme:
     """How a checkpoint's weights are stored (the manifest's `quantization`): every
-    projection of every layer, and with `output_matrix` the embedding and LM heads too."""
+    projection of every layer, and with `output_matrix` the embedding and LM heads too;
+    and how their products take activations (`activations`: int8 or float). A manifest
+    written before `activations` existed means float."""
 
     method: str
     group_size: int = 0  # int4 only
     output_matrix: bool = True
+    activations: str = "float"
 
     def to_dict(self) -> dict:
         return {
             "method": self.method,
             "group_size": self.group_size,
             "output_matrix": self.output_matrix,
+            "activations": self.activations,
         }
 
     @classmethod
     def from_dict(cls, data: object) -> QuantizationScheme:
-        if not isinstance(data, dict) or set(data) - {"method", "group_size", "output_matrix"}:
+        fields = {"method", "group_size", "output_matrix", "activations"}
+        if not isinstance(data, dict) or set(data) - fields:
             raise QuantizationError(
-                f"malformed quantization {data!r}; expected method, group_size, output_matrix"
+                f"malformed quantization {data!r}; expected method, group_size, output_matrix, "
+                "activations"
             )
-        scheme = cls(data.get("method"), data.get("group_size", 0), data.get("output_matrix", True))
+        scheme = cls(
+            data.get("method"),
+            data.get("group_size", 0),
+            data.get("output_matrix", True),
+            data.get("activations", "float"),
+        )
+        if scheme.activations not in ACTIVATIONS:
+            raise QuantizationError(
+                f"unknown quantization activations {scheme.activations!r}; expected one of "
+                f"{ACTIVATIONS}"
+            )
         if scheme.method not in METHODS:
             raise QuantizationError(
                 f"unknown quantization method {scheme.method!r}; expected one of {METHODS}"
@@ -190,16 +240,22 @@ class QuantizationScheme:
 
     @classmethod
     def from_flags(
-        cls, method: str, group_size: int, keep_output_matrix: bool
+        cls, method: str, group_size: int, keep_output_matrix: bool, activations: str = "int8"
     ) -> QuantizationScheme:
-        """The scheme `--quantize`, `--group-size` and `--keep-output-matrix` ask for."""
+        """The scheme `--quantize`, `--group-size`, `--keep-output-matrix` and
+        `--activations` ask for."""
         return cls.from_dict(
             {
                 "method": method,
                 "group_size": group_size if method == "int4" else 0,
                 "output_matrix": not keep_output_matrix,
+                "activations": activations,
             }
         )
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.activations == "int8"
 
     def covers(self, name: str) -> bool:
         """Whether the checkpoint tensor `name` is stored quantized."""
@@ -215,6 +271,11 @@ class QuantizationScheme:
                 stored[name] = shape
                 continue
             outputs, inputs = shape
+            if self.int8_activations and inputs % ACTIVATION_BLOCK:
+                raise QuantizationError(
+                    f"int8 activations come in blocks of {ACTIVATION_BLOCK}: {name} has "
+                    f"{inputs} inputs (use --activations float)"
+                )
             if self.method == "int8":
                 stored[name] = shape
                 stored[name + SCALE_SUFFIX] = (outputs,)
@@ -236,7 +297,7 @@ class QuantizationScheme:
             if not self.covers(name):
                 stored[name] = tensor
                 continue
-            weight = quantize(tensor, self.method, self.group_size)
+            weight = quantize(tensor, self.method, self.group_size, self.int8_activations)
             stored[name] = weight.data
             stored[name + SCALE_SUFFIX] = weight.scale
             if weight.minimum is not None:
@@ -263,7 +324,10 @@ class QuantizationScheme:
                     f"a {self.method} checkpoint stores {data_dtype} values and float32 scales"
                 )
             weights[name] = QuantizedWeight(
-                tensor, *parts, group_size=self.group_size if self.method == "int4" else 0
+                tensor,
+                *parts,
+                group_size=self.group_size if self.method == "int4" else 0,
+                int8_activations=self.int8_activations,
             )
         return weights
 

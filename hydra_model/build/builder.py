@@ -59,6 +59,7 @@ class BuildOptions:
     quantize: str | None = None  # "int8" or "int4": weight-only (hydra_model.quantization)
     group_size: int = DEFAULT_GROUP_SIZE  # int4's inputs per scale and minimum
     keep_output_matrix: bool = False  # embedding and LM heads stay float
+    activations: str = "int8"  # how quantized products take their inputs: int8 or float
 
     def quantization(self) -> QuantizationScheme | None:
         """The scheme the options ask for (None: float weights); QuantizationError if it
@@ -66,7 +67,7 @@ class BuildOptions:
         if self.quantize is None:
             return None
         return QuantizationScheme.from_flags(
-            self.quantize, self.group_size, self.keep_output_matrix
+            self.quantize, self.group_size, self.keep_output_matrix, self.activations
         )
 
 

@@ -48,7 +48,10 @@ def describe_checkpoint(directory: str | Path) -> str:
     else:
         group = f", groups of {scheme.group_size}" if scheme.method == "int4" else ""
         output = "quantized" if scheme.output_matrix else "kept float"
-        weights = f"{scheme.method}{group}; embedding and LM heads {output}"
+        weights = (
+            f"{scheme.method}{group}; embedding and LM heads {output}; "
+            f"{scheme.activations} activations"
+        )
     lines = [
         f"checkpoint   {directory}",
         f"source       {manifest.source}",

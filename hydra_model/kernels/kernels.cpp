@@ -1,6 +1,8 @@
 // Products of a few rows of activations with large weights — the decode path of every
 // projection and LM head — at the memory bandwidth, for float32, int8 (a scale per output
-// channel) and int4 (a scale and a minimum per group of inputs) weights.
+// channel) and int4 (a scale and a minimum per group of inputs) weights; the quantized
+// ones either with float activations or with activations quantized to int8 per block of
+// 32 inputs, multiplied in integers (as llama.cpp's Q8_0 and Q4_1 are).
 //
 // Why not PyTorch's own products: for one to a few rows against weights far larger than
 // the caches, the BLAS path streams weights well below the copy bandwidth on some CPUs,
@@ -32,6 +34,16 @@ struct Problem {
   const float* x;
   int64_t members, rows, inputs, outputs, x_member, x_row;
   float* y;
+};
+
+// Activations quantized to int8 per block of 32 inputs (quantized_rows), row after row
+// ([sources, rows] of them), each row padded with zeros to a whole number of chunks of
+// 64: q [.., padded]; per lane of 4 inputs (padded / 4 a row) the step d of the lane's
+// block and the float sum of the lane's q.
+struct QuantizedRows {
+  const int8_t* q;
+  const float *step, *sum;
+  int64_t padded, member_rows;  // member_rows: rows between stack members (0: shared rows)
 };
 
 // One layer's attention for one session (attention.h): qkv [S, T, (heads + 2 kv_heads) *
@@ -78,7 +90,7 @@ namespace avx2 {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")
 namespace avx512 {
 #include "lanes_avx512.h"
 #include "rows_times_weight.h"
@@ -111,6 +123,15 @@ int initial_isa() {
 }
 
 std::atomic<int> current_isa{initial_isa()};
+
+// The integer products need VNNI (dpbusd) at AVX-512; without it they run the AVX2 code,
+// which gives the same bits.
+bool has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni");
+}
+
+const bool vnni = has_vnni();
 
 std::string kernel_isa(std::string requested) {
   if (!requested.empty()) {
@@ -168,14 +189,47 @@ at::Tensor prepared_input(const at::Tensor& x, const c10::optional<at::Tensor>& 
   return ready;
 }
 
+// x's rows quantized to int8 per block of 32 inputs (quantize_chunk in lanes_*.h, the same
+// bits on every set; products.py's PyTorch path computes the same d and q), into buffers
+// of this thread's that later calls reuse.
+QuantizedRows quantized_rows(const at::Tensor& x, int isa) {
+  using Chunk = void (*)(const float*, int8_t*, float*, float*);
+  Chunk chunk = isa == kAvx512 ? avx512::quantize_chunk
+                : isa == kAvx2 ? avx2::quantize_chunk
+                               : scalar::quantize_chunk;
+  bool shared = x.size(0) == 1 || x.stride(0) == 0;
+  int64_t sources = shared ? 1 : x.size(0), rows = x.size(1), inputs = x.size(2);
+  int64_t padded = (inputs + 63) / 64 * 64;
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> step, sum;
+  q.resize(sources * rows * padded);
+  step.resize(sources * rows * padded / 4);
+  sum.resize(step.size());
+  const float* in = x.data_ptr<float>();
+  for (int64_t s = 0; s < sources; ++s)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = in + s * x.stride(0) + r * x.stride(1);
+      int64_t at = (s * rows + r) * padded;
+      for (int64_t c = 0; c < padded; c += 64) {
+        float tail[64] = {};  // a last block of 32 inputs, then a block of zeros
+        const float* source = row + c;
+        if (c + 64 > inputs) source = static_cast<float*>(std::memcpy(tail, row + c, 32 * sizeof(float)));
+        chunk(source, q.data() + at + c, step.data() + (at + c) / 4, sum.data() + (at + c) / 4);
+      }
+    }
+  return {q.data(), step.data(), sum.data(), padded, shared ? 0 : rows};
+}
+
 // y = x' W^T (+ residual), x' the prepared input; the weight's format from its dtype:
 // float32 [S, outputs, inputs]; int8 [S, outputs, inputs] with scale [S, outputs]; int4
-// packed uint8 [S, outputs, inputs / 2] with scale and minimum [S, outputs, groups].
+// packed uint8 [S, outputs, inputs / 2] with scale and minimum [S, outputs, groups]. With
+// `int8_activations` (int8 and int4 weights), x' is quantized to int8 first and the
+// products are integer (rows_times_weight.h).
 at::Tensor rows_times(const at::Tensor& x_given, const at::Tensor& weight,
                       const c10::optional<at::Tensor>& scale,
                       const c10::optional<at::Tensor>& minimum, int64_t group,
                       const c10::optional<at::Tensor>& norm, double eps, bool glu,
-                      const c10::optional<at::Tensor>& residual) {
+                      const c10::optional<at::Tensor>& residual, bool int8_activations) {
   TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous() && weight.device().is_cpu(),
               "the weight must be a contiguous CPU tensor [S, outputs, inputs]");
   int64_t members = weight.size(0), outputs = weight.size(1);
@@ -191,6 +245,12 @@ at::Tensor rows_times(const at::Tensor& x_given, const at::Tensor& weight,
   Problem p{x.data_ptr<float>(), members, rows, inputs, outputs,
             x.size(0) == 1 ? 0 : x.stride(0), x.stride(1), y.data_ptr<float>()};
   int isa = current_isa.load();
+  QuantizedRows qx{};
+  if (int8_activations) {
+    TORCH_CHECK(weight.scalar_type() != at::kFloat, "int8 activations need an int8 or int4 weight");
+    if (isa == kAvx512 && !vnni) isa = kAvx2;
+    qx = quantized_rows(x, isa);
+  }
   if (weight.scalar_type() == at::kFloat) {
     const float* w = weight.data_ptr<float>();
     if (isa == kAvx512) avx512::float32(p, w);
@@ -203,7 +263,11 @@ at::Tensor rows_times(const at::Tensor& x_given, const at::Tensor& weight,
                 "an int8 weight's scale must be float32 [S, outputs]");
     const int8_t* w = weight.data_ptr<int8_t>();
     const float* s = scale->data_ptr<float>();
-    if (isa == kAvx512) avx512::int8(p, w, s);
+    if (int8_activations) {
+      if (isa == kAvx512) avx512::int8_quantized_rows(p, qx, w, s);
+      else if (isa == kAvx2) avx2::int8_quantized_rows(p, qx, w, s);
+      else scalar::int8_quantized_rows(p, qx, w, s);
+    } else if (isa == kAvx512) avx512::int8(p, w, s);
     else if (isa == kAvx2) avx2::int8(p, w, s);
     else scalar::int8(p, w, s);
   } else {
@@ -217,7 +281,11 @@ at::Tensor rows_times(const at::Tensor& x_given, const at::Tensor& weight,
                   "an int4 weight's scale and minimum must be float32 [S, outputs, groups]");
     const uint8_t* w = weight.data_ptr<uint8_t>();
     const float *s = scale->data_ptr<float>(), *m = minimum->data_ptr<float>();
-    if (isa == kAvx512) avx512::int4(p, w, s, m, group);
+    if (int8_activations) {
+      if (isa == kAvx512) avx512::int4_quantized_rows(p, qx, w, s, m, group);
+      else if (isa == kAvx2) avx2::int4_quantized_rows(p, qx, w, s, m, group);
+      else scalar::int4_quantized_rows(p, qx, w, s, m, group);
+    } else if (isa == kAvx512) avx512::int4(p, w, s, m, group);
     else if (isa == kAvx2) avx2::int4(p, w, s, m, group);
     else scalar::int4(p, w, s, m, group);
   }
@@ -275,7 +343,7 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& keys_all, const at::T
 constexpr int64_t kLayerEntries = 14;
 
 at::Tensor decode_layers(const at::Tensor& x_given, const c10::List<std::optional<at::Tensor>>& weights,
-                         int64_t group, double eps, const at::Tensor& keys,
+                         int64_t group, bool int8_activations, double eps, const at::Tensor& keys,
                          const at::Tensor& values, int64_t start, const at::Tensor& cos,
                          const at::Tensor& sin, int64_t heads, int64_t kv_heads) {
   TORCH_CHECK(weights.size() % kLayerEntries == 0, "weights: ", kLayerEntries, " per layer");
@@ -291,7 +359,7 @@ at::Tensor decode_layers(const at::Tensor& x_given, const c10::List<std::optiona
     std::optional<at::Tensor> weight = entry(layer, first);
     TORCH_CHECK(weight.has_value(), "a layer's weight is missing");
     return rows_times(input, *weight, entry(layer, first + 1), entry(layer, first + 2), group,
-                      norm, eps, glu, residual);
+                      norm, eps, glu, residual, int8_activations);
   };
   at::Tensor x = x_given;
   for (int64_t layer = 0; layer < layers; ++layer) {
@@ -308,12 +376,13 @@ at::Tensor decode_layers(const at::Tensor& x_given, const c10::List<std::optiona
 
 TORCH_LIBRARY(hydra_jury, m) {
   m.def("rows_times(Tensor x, Tensor weight, Tensor? scale, Tensor? minimum, int group, "
-        "Tensor? norm, float eps, bool glu, Tensor? residual) -> Tensor",
+        "Tensor? norm, float eps, bool glu, Tensor? residual, bool int8_activations) -> Tensor",
         rows_times);
   m.def("attend(Tensor qkv, Tensor keys, Tensor values, int layer, int start, Tensor cos, "
         "Tensor sin, int heads, int kv_heads) -> Tensor",
         attend);
-  m.def("decode_layers(Tensor x, Tensor?[] weights, int group, float eps, Tensor keys, "
+  m.def("decode_layers(Tensor x, Tensor?[] weights, int group, bool int8_activations, float eps, "
+        "Tensor keys, "
         "Tensor values, int start, Tensor cos, Tensor sin, int heads, int kv_heads) -> Tensor",
         decode_layers);
   m.def("kernel_isa(str requested) -> str", kernel_isa);

@@ -66,3 +66,123 @@ static inline float sum(Lanes v) {
   __m128 t1 = _mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1));
   return _mm_cvtss_f32(t1);
 }
+
+// Integer products with int8 activations (lanes_scalar.h says what each computes): 16
+// lanes as two registers of 8. maddubs multiplies unsigned by signed bytes and adds
+// pairs into int16, which saturates beyond 32767: int8 weights go in as |q| times w with
+// q's sign (127 * 127 * 2 fits), int4 weights as they are (15 * 127 * 2 fits).
+struct Ints16 {
+  __m256i lo, hi;
+};
+
+struct Floats16 {
+  __m256 lo, hi;
+};
+
+struct Int4Chunk {
+  __m256i lo, hi;  // inputs 0-31 and 32-63
+};
+
+static inline __m256i pairs_to_lanes(__m256i pairs) {
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+static inline __m256i dot_int8_32(const int8_t* w, const int8_t* q) {
+  __m256i weights = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  __m256i acts = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  return pairs_to_lanes(
+      _mm256_maddubs_epi16(_mm256_abs_epi8(acts), _mm256_sign_epi8(weights, acts)));
+}
+
+static inline Ints16 dot_int8(const int8_t* w, const int8_t* q) {
+  return {dot_int8_32(w, q), dot_int8_32(w + 32, q + 32)};
+}
+
+static inline Ints16 dot_int8_tail(const int8_t* w, const int8_t* q) {
+  return {dot_int8_32(w, q), _mm256_setzero_si256()};
+}
+
+static inline Int4Chunk unpack_int4_chunk(const uint8_t* p) {
+  __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  __m256i mask = _mm256_set1_epi8(0x0F);
+  __m256i low = _mm256_and_si256(packed, mask);  // [block 0: 0-15 | block 1: 0-15]
+  __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);  // inputs 16-31
+  return {_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31)};
+}
+
+static inline Int4Chunk unpack_int4_tail(const uint8_t* p) {
+  __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m128i mask = _mm_set1_epi8(0x0F);
+  __m128i low = _mm_and_si128(packed, mask), high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+  return {_mm256_set_m128i(high, low), _mm256_setzero_si256()};
+}
+
+static inline Ints16 dot_int4(const Int4Chunk& w, const int8_t* q) {
+  __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));
+  return {pairs_to_lanes(_mm256_maddubs_epi16(w.lo, q0)),
+          pairs_to_lanes(_mm256_maddubs_epi16(w.hi, q1))};
+}
+
+static inline Floats16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+
+static inline Floats16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+
+static inline Floats16 pair16(float low, float high) {
+  return {_mm256_set1_ps(low), _mm256_set1_ps(high)};
+}
+
+static inline Floats16 to_float16(Ints16 v) {
+  return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)};
+}
+
+static inline Floats16 mul16(Floats16 a, Floats16 b) {
+  return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
+}
+
+static inline Floats16 fma16(Floats16 a, Floats16 b, Floats16 acc) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, acc.lo), _mm256_fmadd_ps(a.hi, b.hi, acc.hi)};
+}
+
+static inline float sum16(Floats16 v) {
+  __m256 t8 = _mm256_add_ps(v.lo, v.hi);
+  __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  __m128 t1 = _mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1));
+  return _mm_cvtss_f32(t1);
+}
+
+static inline float largest_magnitude(__m256 a, __m256 b, __m256 c, __m256 d) {
+  __m256 magnitude = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(magnitude, a), _mm256_andnot_ps(magnitude, b)),
+                           _mm256_max_ps(_mm256_andnot_ps(magnitude, c), _mm256_andnot_ps(magnitude, d)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+}
+
+static inline __m256i clamped(__m256 x, __m256 inverse) {
+  __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(x, inverse));  // nearest even (MXCSR)
+  return _mm256_max_epi32(_mm256_min_epi32(q, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+}
+
+// lanes_scalar.h's quantize_chunk, the same bits.
+static inline void quantize_chunk(const float* x, int8_t* q, float* step, float* sum) {
+  for (int block = 0; block < 2; ++block) {
+    const float* in = x + 32 * block;
+    __m256 a = _mm256_loadu_ps(in), b = _mm256_loadu_ps(in + 8), c = _mm256_loadu_ps(in + 16),
+           d = _mm256_loadu_ps(in + 24);
+    float largest = largest_magnitude(a, b, c, d);
+    __m256 inverse = _mm256_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+    // packs interleaves 128-bit halves; the permutation puts the 32 bytes back in order.
+    __m256i words = _mm256_packs_epi32(clamped(a, inverse), clamped(b, inverse));
+    __m256i words2 = _mm256_packs_epi32(clamped(c, inverse), clamped(d, inverse));
+    __m256i bytes = _mm256_packs_epi16(words, words2);
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * block), bytes);
+    _mm256_storeu_ps(step + 8 * block, _mm256_set1_ps(largest / 127.0f));
+    __m256i ones = _mm256_set1_epi8(1);
+    _mm256_storeu_ps(sum + 8 * block,
+                     _mm256_cvtepi32_ps(pairs_to_lanes(_mm256_maddubs_epi16(ones, bytes))));
+  }
+}

@@ -52,3 +52,101 @@ static inline float sum(Lanes v) {
   __m128 t1 = _mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1));
   return _mm_cvtss_f32(t1);
 }
+
+// Integer products with int8 activations (lanes_scalar.h says what each computes): 16
+// lanes in one register. VNNI's dpbusd multiplies unsigned by signed bytes and adds each
+// lane's four products into int32 without saturating: int8 weights go in with q's sign
+// as |q| times w, int4 weights as they are.
+struct Ints16 {
+  __m512i v;
+};
+
+struct Floats16 {
+  __m512 v;
+};
+
+struct Int4Chunk {
+  __m512i q;
+};
+
+static inline Ints16 dot_weights_int8(__m512i weights, const int8_t* q) {
+  __m512i acts = _mm512_loadu_si512(q);
+  __mmask64 negative = _mm512_movepi8_mask(acts);
+  __m512i signed_weights = _mm512_mask_sub_epi8(weights, negative, _mm512_setzero_si512(), weights);
+  return {_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(acts), signed_weights)};
+}
+
+static inline Ints16 dot_int8(const int8_t* w, const int8_t* q) {
+  return dot_weights_int8(_mm512_loadu_si512(w), q);
+}
+
+// A last block of 32 inputs: a masked load reads nothing beyond it.
+static inline Ints16 dot_int8_tail(const int8_t* w, const int8_t* q) {
+  return dot_weights_int8(_mm512_maskz_loadu_epi8(0xFFFFFFFFull, w), q);
+}
+
+static inline Int4Chunk unpack_int4_tail(const uint8_t* p) {
+  __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m128i mask = _mm_set1_epi8(0x0F);
+  __m128i low = _mm_and_si128(packed, mask), high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+  return {_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set_m128i(high, low), 0)};
+}
+
+static inline Int4Chunk unpack_int4_chunk(const uint8_t* p) {
+  __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  __m256i mask = _mm256_set1_epi8(0x0F);
+  __m256i low = _mm256_and_si256(packed, mask);
+  __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+  __m256i first = _mm256_permute2x128_si256(low, high, 0x20);
+  __m256i second = _mm256_permute2x128_si256(low, high, 0x31);
+  return {_mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1)};
+}
+
+static inline Ints16 dot_int4(const Int4Chunk& w, const int8_t* q) {
+  return {_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.q, _mm512_loadu_si512(q))};
+}
+
+static inline Floats16 zero16() { return {_mm512_setzero_ps()}; }
+
+static inline Floats16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
+
+static inline Floats16 pair16(float low, float high) {
+  return {_mm512_insertf32x8(_mm512_set1_ps(low), _mm256_set1_ps(high), 1)};
+}
+
+static inline Floats16 to_float16(Ints16 v) { return {_mm512_cvtepi32_ps(v.v)}; }
+
+static inline Floats16 mul16(Floats16 a, Floats16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+
+static inline Floats16 fma16(Floats16 a, Floats16 b, Floats16 acc) {
+  return {_mm512_fmadd_ps(a.v, b.v, acc.v)};
+}
+
+static inline float sum16(Floats16 v) {
+  __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(v.v),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v.v), 1)));
+  __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  __m128 t1 = _mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1));
+  return _mm_cvtss_f32(t1);
+}
+
+// lanes_scalar.h's quantize_chunk, the same bits.
+static inline void quantize_chunk(const float* x, int8_t* q, float* step, float* sum) {
+  for (int block = 0; block < 2; ++block) {
+    const float* in = x + 32 * block;
+    __m512 a = _mm512_loadu_ps(in), b = _mm512_loadu_ps(in + 16);
+    float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+    __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
+    __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse));  // nearest even (MXCSR)
+    __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
+    qa = _mm512_max_epi32(_mm512_min_epi32(qa, high), low);
+    qb = _mm512_max_epi32(_mm512_min_epi32(qb, high), low);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * block), _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * block + 16), _mm512_cvtepi32_epi8(qb));
+    _mm256_storeu_ps(step + 8 * block, _mm256_set1_ps(largest / 127.0f));
+  }
+  __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), _mm512_loadu_si512(q));
+  _mm512_storeu_ps(sum, _mm512_cvtepi32_ps(sums));
+}

@@ -59,3 +59,125 @@ static inline float sum(Lanes v) {
     for (int i = 0; i < width; ++i) t[i] = t[i] + t[i + width];
   return t[0];
 }
+
+// Integer products with int8 activations (rows_times_weight.h, "Quantized activations"):
+// 16 lanes over a chunk of 64 inputs, lane l holding inputs 4l..4l+3. Integer lane sums
+// are exact, so every set computes the same integers; the float steps below are the
+// reference the vector versions match.
+struct Ints16 {
+  int32_t i[16];
+};
+
+struct Floats16 {
+  float f[16];
+};
+
+// A chunk of 64 int4 weights unpacked to one byte each, in input order.
+struct Int4Chunk {
+  uint8_t q[64];
+};
+
+// sum over the lane's 4 inputs of w * q: int8 weights, int8 activations.
+static inline Ints16 dot_int8(const int8_t* w, const int8_t* q) {
+  Ints16 v;
+  for (int l = 0; l < 16; ++l) {
+    int32_t total = 0;
+    for (int j = 0; j < 4; ++j) total += int32_t(w[4 * l + j]) * int32_t(q[4 * l + j]);
+    v.i[l] = total;
+  }
+  return v;
+}
+
+// The same over a last block of 32 inputs alone (the activations' second block is zero).
+static inline Ints16 dot_int8_tail(const int8_t* w, const int8_t* q) {
+  int8_t padded[64] = {};
+  std::memcpy(padded, w, 32);
+  return dot_int8(padded, q);
+}
+
+// Two blocks of 32 packed int4 weights (16 bytes each: byte j holds input j in its low
+// nibble and input j + 16 in its high one).
+static inline Int4Chunk unpack_int4_chunk(const uint8_t* p) {
+  Int4Chunk c;
+  for (int block = 0; block < 2; ++block)
+    for (int j = 0; j < 16; ++j) {
+      c.q[32 * block + j] = p[16 * block + j] & 0x0F;
+      c.q[32 * block + 16 + j] = p[16 * block + j] >> 4;
+    }
+  return c;
+}
+
+// One last block of 16 packed bytes: the second block's weights read as zero.
+static inline Int4Chunk unpack_int4_tail(const uint8_t* p) {
+  uint8_t padded[32] = {};
+  std::memcpy(padded, p, 16);
+  return unpack_int4_chunk(padded);
+}
+
+static inline Ints16 dot_int4(const Int4Chunk& w, const int8_t* q) {
+  Ints16 v;
+  for (int l = 0; l < 16; ++l) {
+    int32_t total = 0;
+    for (int j = 0; j < 4; ++j) total += int32_t(w.q[4 * l + j]) * int32_t(q[4 * l + j]);
+    v.i[l] = total;
+  }
+  return v;
+}
+
+static inline Floats16 zero16() { return Floats16{}; }
+
+static inline Floats16 load16(const float* p) {
+  Floats16 v;
+  for (int l = 0; l < 16; ++l) v.f[l] = p[l];
+  return v;
+}
+
+// Lanes 0-7 `low`, lanes 8-15 `high`: one value per block of 32 inputs.
+static inline Floats16 pair16(float low, float high) {
+  Floats16 v;
+  for (int l = 0; l < 16; ++l) v.f[l] = l < 8 ? low : high;
+  return v;
+}
+
+static inline Floats16 to_float16(Ints16 v) {
+  Floats16 f;
+  for (int l = 0; l < 16; ++l) f.f[l] = static_cast<float>(v.i[l]);
+  return f;
+}
+
+static inline Floats16 mul16(Floats16 a, Floats16 b) {
+  for (int l = 0; l < 16; ++l) a.f[l] = a.f[l] * b.f[l];
+  return a;
+}
+
+static inline Floats16 fma16(Floats16 a, Floats16 b, Floats16 acc) {
+  for (int l = 0; l < 16; ++l) acc.f[l] = std::fmaf(a.f[l], b.f[l], acc.f[l]);
+  return acc;
+}
+
+static inline float sum16(Floats16 v) {
+  // Lanes i + (i + 8), then halves of 4, 2 and 1.
+  float t[8];
+  for (int i = 0; i < 8; ++i) t[i] = v.f[i] + v.f[i + 8];
+  for (int width = 4; width >= 1; width /= 2)
+    for (int i = 0; i < width; ++i) t[i] = t[i] + t[i + width];
+  return t[0];
+}
+
+// 64 activations quantized to int8, a step per block of 32 (QuantizedRows, kernels.cpp):
+// q = round(x * (127 / max|x|)) to nearest even, d = max|x| / 127; per lane of 4 inputs,
+// its block's d and the float sum of its q.
+static inline void quantize_chunk(const float* x, int8_t* q, float* step, float* sum) {
+  for (int block = 0; block < 2; ++block) {
+    const float* in = x + 32 * block;
+    float largest = 0.0f;
+    for (int k = 0; k < 32; ++k) largest = std::max(largest, std::fabs(in[k]));
+    float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+    for (int k = 0; k < 32; ++k) {
+      float rounded = std::nearbyint(in[k] * inverse);
+      q[32 * block + k] = static_cast<int8_t>(std::fmin(std::fmax(rounded, -127.0f), 127.0f));
+    }
+    for (int l = 0; l < 8; ++l) step[8 * block + l] = largest / 127.0f;
+  }
+  for (int l = 0; l < 16; ++l) sum[l] = static_cast<float>(q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+}

@@ -60,21 +60,27 @@ static inline void output_rows(const Weight& weight, int64_t o, const float* x, 
   for (int r = 0; r < kRows; ++r) y[r * y_row + o] = weight.finish(o, sum(acc[r]));
 }
 
+// fn.template operator()<n>(r) for the rows r.. r + n of `rows`, in groups of 4 and the rest.
+template <class Fn>
+static inline void in_row_groups(int64_t rows, const Fn& fn) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) fn.template operator()<4>(r);
+  switch (rows - r) {
+    case 3: fn.template operator()<3>(r); break;
+    case 2: fn.template operator()<2>(r); break;
+    case 1: fn.template operator()<1>(r); break;
+    default: break;
+  }
+}
+
 // Outputs [first, last) of one stack member, every row of x.
 template <class Weight>
 static void outputs(const Weight& weight, int64_t first, int64_t last, const float* x,
                     int64_t rows, int64_t x_row, int64_t blocks, float* y, int64_t y_row) {
-  for (int64_t o = first; o < last; ++o) {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4)
-      output_rows<4>(weight, o, x + r * x_row, x_row, blocks, y + r * y_row, y_row);
-    switch (rows - r) {
-      case 3: output_rows<3>(weight, o, x + r * x_row, x_row, blocks, y + r * y_row, y_row); break;
-      case 2: output_rows<2>(weight, o, x + r * x_row, x_row, blocks, y + r * y_row, y_row); break;
-      case 1: output_rows<1>(weight, o, x + r * x_row, x_row, blocks, y + r * y_row, y_row); break;
-      default: break;
-    }
-  }
+  for (int64_t o = first; o < last; ++o)
+    in_row_groups(rows, [&]<int kRows>(int64_t r) {
+      output_rows<kRows>(weight, o, x + r * x_row, x_row, blocks, y + r * y_row, y_row);
+    });
 }
 
 static void float32(const Problem& p, const float* w) {
@@ -101,5 +107,92 @@ static void int4(const Problem& p, const uint8_t* w, const float* scale, const f
                     minimum + s * groups, p.inputs, p.inputs / group, group / 32};
     outputs(weight, first, last, p.x + s * p.x_member, p.rows, p.x_row, p.inputs / 32,
             p.y + s * p.rows * p.outputs, p.outputs);
+  });
+}
+
+// Quantized activations: int8 and int4 weights times activations quantized to int8 per
+// block of 32 inputs (QuantizedRows, kernels.cpp). A chunk of 64 inputs is 16 lanes of 4
+// (lanes 0-7 its first block, 8-15 its second; a last block of 32 alone is a chunk whose
+// second block is zero); a lane's integer sum is exact, then
+//   int8: acc = fma(float(w . q), d, acc),                         y = sum16(acc) * scale[o]
+//   int4: acc = fma(fma(float(w . q), scale_g, float(sum q) * min_g), d, acc),  y = sum16(acc)
+// in chunk order, so an output is the same on every set, thread and batch, as above.
+
+template <int kRows>
+static inline void int8_output_rows(const int8_t* w, float scale, const QuantizedRows& x,
+                                    int64_t row, int64_t inputs, float* y, int64_t y_row) {
+  Floats16 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = zero16();
+  auto add = [&](int64_t c, auto dot) {
+    for (int r = 0; r < kRows; ++r) {
+      int64_t at = (row + r) * x.padded + c * 64;
+      acc[r] = fma16(to_float16(dot(w + c * 64, x.q + at)), load16(x.step + at / 4), acc[r]);
+    }
+  };
+  int64_t c = 0;
+  for (; c < inputs / 64; ++c) {
+    __builtin_prefetch(w + c * 64 + kPrefetchBytes);
+    add(c, dot_int8);
+  }
+  if (inputs % 64) add(c, dot_int8_tail);
+  for (int r = 0; r < kRows; ++r) y[r * y_row] = sum16(acc[r]) * scale;
+}
+
+template <int kRows>
+static inline void int4_output_rows(const uint8_t* w, const float* scale, const float* minimum,
+                                    int64_t group_blocks, const QuantizedRows& x, int64_t row,
+                                    int64_t inputs, float* y, int64_t y_row) {
+  Floats16 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = zero16();
+  auto add = [&](int64_t c, const Int4Chunk& chunk, Floats16 s, Floats16 m) {
+    for (int r = 0; r < kRows; ++r) {
+      int64_t at = (row + r) * x.padded + c * 64;
+      Floats16 offset = mul16(load16(x.sum + at / 4), m);
+      Floats16 lanes = fma16(to_float16(dot_int4(chunk, x.q + at)), s, offset);
+      acc[r] = fma16(lanes, load16(x.step + at / 4), acc[r]);
+    }
+  };
+  int64_t c = 0;
+  for (; c < inputs / 64; ++c) {
+    __builtin_prefetch(w + c * 32 + kPrefetchBytes);
+    int64_t g0 = 2 * c / group_blocks, g1 = (2 * c + 1) / group_blocks;
+    add(c, unpack_int4_chunk(w + c * 32), pair16(scale[g0], scale[g1]),
+        pair16(minimum[g0], minimum[g1]));
+  }
+  if (inputs % 64) {
+    int64_t g = 2 * c / group_blocks;
+    add(c, unpack_int4_tail(w + c * 32), pair16(scale[g], 0.0f), pair16(minimum[g], 0.0f));
+  }
+  for (int r = 0; r < kRows; ++r) y[r * y_row] = sum16(acc[r]);
+}
+
+static void int8_quantized_rows(const Problem& p, const QuantizedRows& x, const int8_t* w,
+                                const float* scale) {
+  for_each_range(p, [&](int64_t s, int64_t first, int64_t last) {
+    const int8_t* member = w + s * p.outputs * p.inputs;
+    float* y = p.y + s * p.rows * p.outputs;
+    int64_t row = x.member_rows * s;
+    for (int64_t o = first; o < last; ++o)
+      in_row_groups(p.rows, [&]<int kRows>(int64_t r) {
+        int8_output_rows<kRows>(member + o * p.inputs, scale[s * p.outputs + o], x, row + r,
+                                p.inputs, y + r * p.outputs + o, p.outputs);
+      });
+  });
+}
+
+static void int4_quantized_rows(const Problem& p, const QuantizedRows& x, const uint8_t* w,
+                                const float* scale, const float* minimum, int64_t group) {
+  int64_t groups = p.inputs / group;
+  for_each_range(p, [&](int64_t s, int64_t first, int64_t last) {
+    const uint8_t* member = w + s * p.outputs * (p.inputs / 2);
+    float* y = p.y + s * p.rows * p.outputs;
+    int64_t row = x.member_rows * s;
+    for (int64_t o = first; o < last; ++o) {
+      int64_t g = (s * p.outputs + o) * groups;
+      in_row_groups(p.rows, [&]<int kRows>(int64_t r) {
+        int4_output_rows<kRows>(member + o * (p.inputs / 2), scale + g, minimum + g, group / 32,
+                                x, row + r, p.inputs, y + r * p.outputs + o, p.outputs);
+      });
+    }
   });
 }

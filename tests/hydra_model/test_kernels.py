@@ -1,6 +1,7 @@
-"""The native kernels (hydra_model/kernels) against a float64 reference: every format,
-every instruction set this CPU has, bit for bit the same across sets, a row's output the
-same whatever rows come with it; and the quantization they read."""
+"""The native kernels (hydra_model/kernels) against a float64 reference: every format
+(float32; int8 and int4 with float or int8 activations), every instruction set this CPU
+has, bit for bit the same across sets, a row's output the same whatever rows come with
+it; and the quantization they read."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hydra_jury.hydra_model.products import KERNEL_MAX_ROWS, product
 from hydra_jury.hydra_model.quantization import (
     QuantizationError,
     QuantizedWeight,
+    int8_activations,
     pack_int4,
     quantize,
     unpack_int4,
@@ -55,11 +57,16 @@ def _weights(stack: int, outputs: int, inputs: int) -> dict[str, torch.Tensor | 
         "int8": quantize(w, "int8"),
         "int4/32": quantize(w, "int4", 32),
         "int4/64": quantize(w, "int4", 64),
+        "int8, int8 activations": quantize(w, "int8", int8_activations=True),
+        "int4/32, int8 activations": quantize(w, "int4", 32, int8_activations=True),
+        "int4/64, int8 activations": quantize(w, "int4", 64, int8_activations=True),
     }
 
 
 def _reference(x: torch.Tensor, weight) -> torch.Tensor:
     if isinstance(weight, QuantizedWeight):
+        if weight.int8_activations:
+            x = int8_activations(x)
         weight = weight.dequantize()
     return torch.matmul(x.double(), weight.double().mT)
 
@@ -116,7 +123,7 @@ def test_the_kernels_refuse_what_they_cannot_compute(kernels):
     ops = native()
 
     def float32(x, weight):
-        return ops.rows_times(x, weight, None, None, 0, None, 0.0, False, None)
+        return ops.rows_times(x, weight, None, None, 0, None, 0.0, False, None, False)
 
     with pytest.raises(RuntimeError, match="multiple of 32"):
         float32(torch.randn(1, 1, 48), torch.randn(1, 8, 48))
@@ -133,9 +140,67 @@ def test_the_kernels_refuse_what_they_cannot_compute(kernels):
             0.0,
             False,
             None,
+            False,
+        )
+    with pytest.raises(RuntimeError, match="need an int8 or int4 weight"):
+        ops.rows_times(
+            torch.randn(1, 1, 32),
+            torch.randn(1, 8, 32),
+            None,
+            None,
+            0,
+            None,
+            0.0,
+            False,
+            None,
+            True,
         )
     with pytest.raises(RuntimeError, match="unknown instruction set"):
         ops.kernel_isa("sse9")
+
+
+@pytest.mark.parametrize("inputs", [64, 96, 160])
+def test_int8_activations_are_quantized_bit_for_bit_as_pytorch_quantizes_them(kernels, inputs):
+    """Through an identity int8 weight with unit scales, y[k] = q[k] * d: the kernels' q
+    and d against `int8_activations` (products' PyTorch path), on every set — ties
+    rounded to even, a block of zeros, a last block of 32 alone (96 and 160 inputs)."""
+    identity = QuantizedWeight(
+        torch.eye(inputs, dtype=torch.int8)[None], torch.ones(1, inputs), int8_activations=True
+    )
+    x = torch.randn(1, 5, inputs, generator=torch.Generator().manual_seed(inputs)) * 3
+    x[0, 0, :32] = torch.arange(32) - 15.5  # a ramp
+    x[0, 1, :32] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] * 4)  # d = 1
+    x[0, 2, 32:64] = 0.0
+    expected = int8_activations(x)
+    assert expected[0, 1, :8].tolist() == [127.0, 0.0, 2.0, 2.0, -0.0, -2.0, -2.0, 4.0]
+    for isa in kernels:
+        instruction_set(isa)
+        assert torch.equal(product(x, identity), expected), isa
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_a_last_block_of_32_inputs_alone_takes_the_kernels(kernels, rows):
+    """96 inputs: one chunk of 64 and a last block of 32, on every set alike."""
+    x = torch.randn(2, rows, 96, generator=torch.Generator().manual_seed(rows))
+    w = torch.randn(2, 40, 96, generator=torch.Generator().manual_seed(7))
+    for weight in (
+        quantize(w, "int8", int8_activations=True),
+        quantize(w, "int4", 32, int8_activations=True),
+        quantize(w, "int4", 96, int8_activations=True),
+    ):
+        results = {}
+        for isa in kernels:
+            instruction_set(isa)
+            results[isa] = product(x, weight)
+        first = results[kernels[0]]
+        torch.testing.assert_close(first.double(), _reference(x, weight), rtol=0, atol=1e-4)
+        assert all(torch.equal(result, first) for result in results.values())
+        assert torch.equal(product(x[:, :1].contiguous(), weight), first[:, :1])
+
+
+def test_int8_activations_refuse_a_width_not_in_blocks_of_32():
+    with pytest.raises(QuantizationError, match="blocks of 32"):
+        quantize(torch.randn(4, 48), "int8", int8_activations=True)
 
 
 def test_int8_rounds_each_weight_to_its_channel_step():
