@@ -1,6 +1,7 @@
 """hydra-jury's runtime beside llama.cpp on the same CPU, one run, one table: llama.cpp
 F32, Q8_0 and Q4_1 (`llama-bench`, tg128) against this runtime's float32, int8 and int4
-single-head greedy decoding, and the engine path, each as a fraction of the bytes roofline.
+(with int8 activations, the default, and with float ones) single-head greedy decoding,
+and the engine path, each as a fraction of the bytes roofline.
 
     python bench/bench_anchor.py --checkpoint var/models/smollm2-base
 
@@ -55,6 +56,8 @@ OURS = [
     ("int8", "int8"),
     ("int8, output matrix float", "int8, output float"),
     ("int4, groups of 32", "int4 (groups of 32)"),
+    ("int8, float activations", "int8, float acts"),
+    ("int4, float activations", "int4, float acts"),
 ]
 ENGINE_ROWS = ("float32", "int8", "int4 (groups of 32)")
 
@@ -115,6 +118,8 @@ def rows_table(paths: dict[str, Path], repeats: int = 5) -> list[str]:
         ("float32", paths["float32"], False),
         ("int8", paths["int8"], False),
         ("int4, groups of 32", paths["int4 (groups of 32)"], False),
+        ("int8, float activations", paths["int8, float acts"], False),
+        ("int4, float activations", paths["int4, float acts"], False),
     ]
     for label, path, blas in variants:
         model = HydraModel.load(path, heads=["head0"])

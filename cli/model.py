@@ -24,7 +24,7 @@ def _add_quantization_flags(parser: argparse.ArgumentParser, required: bool) -> 
         "--quantize",
         choices=METHODS,
         required=required,
-        help="weight-only quantization: int8 with a scale per output channel, int4 with a "
+        help="quantize the weights: int8 with a scale per output channel, int4 with a "
         "scale and minimum per group of inputs" + ("" if required else " (default: none)"),
     )
     parser.add_argument(
@@ -119,7 +119,7 @@ def _run_build(args: argparse.Namespace) -> int:
 def _add_quantize(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "quantize",
-        help="write a weight-only quantized copy of a Hydra checkpoint",
+        help="write a quantized copy of a Hydra checkpoint",
         description="Quantize every projection of the trunk and the heads (and, unless "
         "--keep-output-matrix, the embedding and LM heads) of a float checkpoint. "
         "Every service, serve and generate --local load the result unchanged; decoding "

@@ -56,7 +56,7 @@ class BuildOptions:
     dtype: str = "float32"
     force: bool = False
     layers: int | None = None  # keep only the source's first N layers
-    quantize: str | None = None  # "int8" or "int4": weight-only (hydra_model.quantization)
+    quantize: str | None = None  # "int8" or "int4" (hydra_model.quantization)
     group_size: int = DEFAULT_GROUP_SIZE  # int4's inputs per scale and minimum
     keep_output_matrix: bool = False  # embedding and LM heads stay float
     activations: str = "int8"  # how quantized products take their inputs: int8 or float

@@ -1,4 +1,4 @@
-"""`hydra-jury quantize`: an existing float checkpoint -> a weight-only quantized one
+"""`hydra-jury quantize`: an existing float checkpoint -> a quantized one
 (hydra_model.quantization). `build --quantize` writes one directly."""
 
 from __future__ import annotations

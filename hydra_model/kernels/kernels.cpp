@@ -38,10 +38,11 @@ struct Problem {
 
 // Activations quantized to int8 per block of 32 inputs (quantized_rows), row after row
 // ([sources, rows] of them), each row padded with zeros to a whole number of chunks of
-// 64: q [.., padded]; per lane of 4 inputs (padded / 4 a row) the step d of the lane's
-// block and the float sum of the lane's q.
+// 64: q [.., padded] and q + 128 as bytes; per lane of 4 inputs (padded / 4 a row) the
+// step d of the lane's block and the float sum of the lane's q.
 struct QuantizedRows {
   const int8_t* q;
+  const uint8_t* biased;
   const float *step, *sum;
   int64_t padded, member_rows;  // member_rows: rows between stack members (0: shared rows)
 };
@@ -193,7 +194,7 @@ at::Tensor prepared_input(const at::Tensor& x, const c10::optional<at::Tensor>& 
 // bits on every set; products.py's PyTorch path computes the same d and q), into buffers
 // of this thread's that later calls reuse.
 QuantizedRows quantized_rows(const at::Tensor& x, int isa) {
-  using Chunk = void (*)(const float*, int8_t*, float*, float*);
+  using Chunk = void (*)(const float*, int8_t*, uint8_t*, float*, float*);
   Chunk chunk = isa == kAvx512 ? avx512::quantize_chunk
                 : isa == kAvx2 ? avx2::quantize_chunk
                                : scalar::quantize_chunk;
@@ -201,8 +202,10 @@ QuantizedRows quantized_rows(const at::Tensor& x, int isa) {
   int64_t sources = shared ? 1 : x.size(0), rows = x.size(1), inputs = x.size(2);
   int64_t padded = (inputs + 63) / 64 * 64;
   thread_local std::vector<int8_t> q;
+  thread_local std::vector<uint8_t> biased;
   thread_local std::vector<float> step, sum;
   q.resize(sources * rows * padded);
+  biased.resize(q.size());
   step.resize(sources * rows * padded / 4);
   sum.resize(step.size());
   const float* in = x.data_ptr<float>();
@@ -214,10 +217,11 @@ QuantizedRows quantized_rows(const at::Tensor& x, int isa) {
         float tail[64] = {};  // a last block of 32 inputs, then a block of zeros
         const float* source = row + c;
         if (c + 64 > inputs) source = static_cast<float*>(std::memcpy(tail, row + c, 32 * sizeof(float)));
-        chunk(source, q.data() + at + c, step.data() + (at + c) / 4, sum.data() + (at + c) / 4);
+        chunk(source, q.data() + at + c, biased.data() + at + c, step.data() + (at + c) / 4,
+              sum.data() + (at + c) / 4);
       }
     }
-  return {q.data(), step.data(), sum.data(), padded, shared ? 0 : rows};
+  return {q.data(), biased.data(), step.data(), sum.data(), padded, shared ? 0 : rows};
 }
 
 // y = x' W^T (+ residual), x' the prepared input; the weight's format from its dtype:

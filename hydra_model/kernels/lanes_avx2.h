@@ -87,19 +87,27 @@ static inline __m256i pairs_to_lanes(__m256i pairs) {
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-static inline __m256i dot_int8_32(const int8_t* w, const int8_t* q) {
-  __m256i weights = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+struct Int8Chunk {
+  __m256i lo, hi;
+};
+
+static inline Int8Chunk load_int8_chunk(const int8_t* w) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32))};
+}
+
+static inline Int8Chunk load_int8_tail(const int8_t* w) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), _mm256_setzero_si256()};
+}
+
+static inline __m256i dot_int8_32(__m256i weights, const int8_t* q) {
   __m256i acts = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
   return pairs_to_lanes(
       _mm256_maddubs_epi16(_mm256_abs_epi8(acts), _mm256_sign_epi8(weights, acts)));
 }
 
-static inline Ints16 dot_int8(const int8_t* w, const int8_t* q) {
-  return {dot_int8_32(w, q), dot_int8_32(w + 32, q + 32)};
-}
-
-static inline Ints16 dot_int8_tail(const int8_t* w, const int8_t* q) {
-  return {dot_int8_32(w, q), _mm256_setzero_si256()};
+static inline Ints16 dot_int8(const Int8Chunk& chunk, const int8_t* q, const uint8_t*) {
+  return {dot_int8_32(chunk.lo, q), dot_int8_32(chunk.hi, q + 32)};
 }
 
 static inline Int4Chunk unpack_int4_chunk(const uint8_t* p) {
@@ -167,7 +175,8 @@ static inline __m256i clamped(__m256 x, __m256 inverse) {
 }
 
 // lanes_scalar.h's quantize_chunk, the same bits.
-static inline void quantize_chunk(const float* x, int8_t* q, float* step, float* sum) {
+static inline void quantize_chunk(const float* x, int8_t* q, uint8_t* biased, float* step,
+                                  float* sum) {
   for (int block = 0; block < 2; ++block) {
     const float* in = x + 32 * block;
     __m256 a = _mm256_loadu_ps(in), b = _mm256_loadu_ps(in + 8), c = _mm256_loadu_ps(in + 16),
@@ -180,6 +189,8 @@ static inline void quantize_chunk(const float* x, int8_t* q, float* step, float*
     __m256i bytes = _mm256_packs_epi16(words, words2);
     bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * block), bytes);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(biased + 32 * block),
+                        _mm256_xor_si256(bytes, _mm256_set1_epi8(-128)));
     _mm256_storeu_ps(step + 8 * block, _mm256_set1_ps(largest / 127.0f));
     __m256i ones = _mm256_set1_epi8(1);
     _mm256_storeu_ps(sum + 8 * block,

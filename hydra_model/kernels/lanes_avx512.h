@@ -55,8 +55,9 @@ static inline float sum(Lanes v) {
 
 // Integer products with int8 activations (lanes_scalar.h says what each computes): 16
 // lanes in one register. VNNI's dpbusd multiplies unsigned by signed bytes and adds each
-// lane's four products into int32 without saturating: int8 weights go in with q's sign
-// as |q| times w, int4 weights as they are.
+// lane's four products into int32 without saturating: int8 weights go in as (q + 128)
+// times w, started from -128 times the lane's weights (computed once for every row),
+// int4 weights as they are.
 struct Ints16 {
   __m512i v;
 };
@@ -69,20 +70,24 @@ struct Int4Chunk {
   __m512i q;
 };
 
-static inline Ints16 dot_weights_int8(__m512i weights, const int8_t* q) {
-  __m512i acts = _mm512_loadu_si512(q);
-  __mmask64 negative = _mm512_movepi8_mask(acts);
-  __m512i signed_weights = _mm512_mask_sub_epi8(weights, negative, _mm512_setzero_si512(), weights);
-  return {_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(acts), signed_weights)};
+struct Int8Chunk {
+  __m512i w, bias;  // bias: -128 * the sum of each lane's 4 weights
+};
+
+static inline Int8Chunk int8_chunk(__m512i weights) {
+  __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), weights);
+  return {weights, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 7))};
 }
 
-static inline Ints16 dot_int8(const int8_t* w, const int8_t* q) {
-  return dot_weights_int8(_mm512_loadu_si512(w), q);
-}
+static inline Int8Chunk load_int8_chunk(const int8_t* w) { return int8_chunk(_mm512_loadu_si512(w)); }
 
 // A last block of 32 inputs: a masked load reads nothing beyond it.
-static inline Ints16 dot_int8_tail(const int8_t* w, const int8_t* q) {
-  return dot_weights_int8(_mm512_maskz_loadu_epi8(0xFFFFFFFFull, w), q);
+static inline Int8Chunk load_int8_tail(const int8_t* w) {
+  return int8_chunk(_mm512_maskz_loadu_epi8(0xFFFFFFFFull, w));
+}
+
+static inline Ints16 dot_int8(const Int8Chunk& chunk, const int8_t*, const uint8_t* biased) {
+  return {_mm512_dpbusd_epi32(chunk.bias, _mm512_loadu_si512(biased), chunk.w)};
 }
 
 static inline Int4Chunk unpack_int4_tail(const uint8_t* p) {
@@ -93,13 +98,12 @@ static inline Int4Chunk unpack_int4_tail(const uint8_t* p) {
 }
 
 static inline Int4Chunk unpack_int4_chunk(const uint8_t* p) {
-  __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  __m256i mask = _mm256_set1_epi8(0x0F);
-  __m256i low = _mm256_and_si256(packed, mask);
-  __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
-  __m256i first = _mm256_permute2x128_si256(low, high, 0x20);
-  __m256i second = _mm256_permute2x128_si256(low, high, 0x31);
-  return {_mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1)};
+  // 128-bit quarters: [block 0 inputs 0-15, block 1 0-15, block 0 16-31, block 1 16-31],
+  // then the middle two swapped into input order.
+  __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  __m512i nibbles = _mm512_mask_blend_epi64(0xF0, both, _mm512_srli_epi16(both, 4));
+  nibbles = _mm512_and_si512(nibbles, _mm512_set1_epi8(0x0F));
+  return {_mm512_shuffle_i64x2(nibbles, nibbles, _MM_SHUFFLE(3, 1, 2, 0))};
 }
 
 static inline Ints16 dot_int4(const Int4Chunk& w, const int8_t* q) {
@@ -132,7 +136,8 @@ static inline float sum16(Floats16 v) {
 }
 
 // lanes_scalar.h's quantize_chunk, the same bits.
-static inline void quantize_chunk(const float* x, int8_t* q, float* step, float* sum) {
+static inline void quantize_chunk(const float* x, int8_t* q, uint8_t* biased, float* step,
+                                  float* sum) {
   for (int block = 0; block < 2; ++block) {
     const float* in = x + 32 * block;
     __m512 a = _mm512_loadu_ps(in), b = _mm512_loadu_ps(in + 16);
@@ -147,6 +152,8 @@ static inline void quantize_chunk(const float* x, int8_t* q, float* step, float*
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * block + 16), _mm512_cvtepi32_epi8(qb));
     _mm256_storeu_ps(step + 8 * block, _mm256_set1_ps(largest / 127.0f));
   }
-  __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), _mm512_loadu_si512(q));
+  __m512i bytes = _mm512_loadu_si512(q);
+  _mm512_storeu_si512(biased, _mm512_xor_si512(bytes, _mm512_set1_epi8(-128)));
+  __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), bytes);
   _mm512_storeu_ps(sum, _mm512_cvtepi32_ps(sums));
 }

@@ -77,22 +77,33 @@ struct Int4Chunk {
   uint8_t q[64];
 };
 
-// sum over the lane's 4 inputs of w * q: int8 weights, int8 activations.
-static inline Ints16 dot_int8(const int8_t* w, const int8_t* q) {
+// A chunk of 64 int8 weights (a last block of 32 alone: the second block zero).
+struct Int8Chunk {
+  int8_t w[64];
+};
+
+static inline Int8Chunk load_int8_chunk(const int8_t* w) {
+  Int8Chunk c;
+  std::memcpy(c.w, w, 64);
+  return c;
+}
+
+static inline Int8Chunk load_int8_tail(const int8_t* w) {
+  Int8Chunk c = {};
+  std::memcpy(c.w, w, 32);
+  return c;
+}
+
+// Per lane, the sum over its 4 inputs of w * q (`biased`, q + 128, is for the vector
+// versions).
+static inline Ints16 dot_int8(const Int8Chunk& chunk, const int8_t* q, const uint8_t*) {
   Ints16 v;
   for (int l = 0; l < 16; ++l) {
     int32_t total = 0;
-    for (int j = 0; j < 4; ++j) total += int32_t(w[4 * l + j]) * int32_t(q[4 * l + j]);
+    for (int j = 0; j < 4; ++j) total += int32_t(chunk.w[4 * l + j]) * int32_t(q[4 * l + j]);
     v.i[l] = total;
   }
   return v;
-}
-
-// The same over a last block of 32 inputs alone (the activations' second block is zero).
-static inline Ints16 dot_int8_tail(const int8_t* w, const int8_t* q) {
-  int8_t padded[64] = {};
-  std::memcpy(padded, w, 32);
-  return dot_int8(padded, q);
 }
 
 // Two blocks of 32 packed int4 weights (16 bytes each: byte j holds input j in its low
@@ -165,9 +176,10 @@ static inline float sum16(Floats16 v) {
 }
 
 // 64 activations quantized to int8, a step per block of 32 (QuantizedRows, kernels.cpp):
-// q = round(x * (127 / max|x|)) to nearest even, d = max|x| / 127; per lane of 4 inputs,
-// its block's d and the float sum of its q.
-static inline void quantize_chunk(const float* x, int8_t* q, float* step, float* sum) {
+// q = round(x * (127 / max|x|)) to nearest even, d = max|x| / 127, and q + 128 as a
+// byte; per lane of 4 inputs, its block's d and the float sum of its q.
+static inline void quantize_chunk(const float* x, int8_t* q, uint8_t* biased, float* step,
+                                  float* sum) {
   for (int block = 0; block < 2; ++block) {
     const float* in = x + 32 * block;
     float largest = 0.0f;
@@ -179,5 +191,7 @@ static inline void quantize_chunk(const float* x, int8_t* q, float* step, float*
     }
     for (int l = 0; l < 8; ++l) step[8 * block + l] = largest / 127.0f;
   }
-  for (int l = 0; l < 16; ++l) sum[l] = static_cast<float>(q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+  for (int k = 0; k < 64; ++k) biased[k] = static_cast<uint8_t>(q[k] + 128);
+  for (int l = 0; l < 16; ++l)
+    sum[l] = static_cast<float>(q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
 }

@@ -123,18 +123,19 @@ static inline void int8_output_rows(const int8_t* w, float scale, const Quantize
                                     int64_t row, int64_t inputs, float* y, int64_t y_row) {
   Floats16 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = zero16();
-  auto add = [&](int64_t c, auto dot) {
+  auto add = [&](int64_t c, const Int8Chunk& chunk) {
     for (int r = 0; r < kRows; ++r) {
       int64_t at = (row + r) * x.padded + c * 64;
-      acc[r] = fma16(to_float16(dot(w + c * 64, x.q + at)), load16(x.step + at / 4), acc[r]);
+      Ints16 dot = dot_int8(chunk, x.q + at, x.biased + at);
+      acc[r] = fma16(to_float16(dot), load16(x.step + at / 4), acc[r]);
     }
   };
   int64_t c = 0;
   for (; c < inputs / 64; ++c) {
     __builtin_prefetch(w + c * 64 + kPrefetchBytes);
-    add(c, dot_int8);
+    add(c, load_int8_chunk(w + c * 64));
   }
-  if (inputs % 64) add(c, dot_int8_tail);
+  if (inputs % 64) add(c, load_int8_tail(w + c * 64));
   for (int r = 0; r < kRows; ++r) y[r * y_row] = sum16(acc[r]) * scale;
 }
 
