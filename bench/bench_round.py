@@ -11,7 +11,9 @@ the same request each way, `--new-tokens` tokens, median of `--runs` runs:
 - in-process: the engine over the in-process backend, with timers on each phase of a
   round (`round_profile`): the table of where a round's time goes;
 - serve: the same request through gRPC to `hydra-jury serve` (a process started for the
-  benchmark once the in-process runs are done, so nothing else runs beside it).
+  benchmark, idle while the in-process runs go). In-process and serve runs alternate, so
+  that a machine whose speed drifts (a virtual machine's memory bandwidth can move by a
+  third from one minute to the next) weighs on both alike.
 
 The bytes roofline: a token must read the trunk's layers, its jury's head layers and the
 output matrix once (the checkpoint's dtype), at most as fast as the machine copies memory
@@ -139,36 +141,36 @@ def main() -> None:
         f"verifier_only, {args.new_tokens} new tokens, median of {args.runs} runs\n"
     )
     engine = Engine(LocalBackend(model, limits=SessionLimits(1, 1024)), tokenizer)
-    rows = {}
-    for jury in juries:
-        runs = [in_process(engine, jury, args.new_tokens) for _ in range(args.runs)]
-        median = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
-        raw = statistics.median(
-            raw_rate(model, prompt, len(jury), args.new_tokens) for _ in range(args.runs)
-        )
-        rows[len(jury)] = {"raw": raw, "in-process": median[0], "phases": median[1]}
-        rows[len(jury)]["tokens"] = median[2]
-    del engine
-    serve_rates(args, juries, rows)
-    report(model, bandwidth, rows)
-
-
-def serve_rates(args: argparse.Namespace, juries: list[list[str]], rows: dict) -> None:
     server = start_server(args.checkpoint)
     try:
         if not server.address:
             raise RuntimeError(server.failure)
         stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(server.address))
-        for jury in juries:
-            through_serve(stub, jury, 8)  # warm-up
-            runs = [through_serve(stub, jury, args.new_tokens) for _ in range(args.runs)]
-            for _, tokens in runs:
-                if tokens != rows[len(jury)]["tokens"]:
-                    raise AssertionError(f"serve gave other tokens than in-process ({jury})")
-            rows[len(jury)]["serve"] = statistics.median(rate for rate, _ in runs)
+        rows = {len(jury): alternated(args, engine, stub, jury) for jury in juries}
     finally:
         server.process.terminate()
         server.process.wait(timeout=30)
+    for jury in juries:
+        rows[len(jury)]["raw"] = statistics.median(
+            raw_rate(model, prompt, len(jury), args.new_tokens) for _ in range(args.runs)
+        )
+    report(model, bandwidth, rows)
+
+
+def alternated(args: argparse.Namespace, engine: Engine, stub, jury: list[str]) -> dict:
+    """`--runs` in-process runs and as many through `serve`, one after the other in turn:
+    the in-process median run's rate, phases and tokens, and serve's median rate."""
+    through_serve(stub, jury, 8)  # warm-up (in_process warms up on each call)
+    local, served = [], []
+    for _ in range(args.runs):
+        local.append(in_process(engine, jury, args.new_tokens))
+        served.append(through_serve(stub, jury, args.new_tokens))
+    median = sorted(local, key=lambda run: run[0])[len(local) // 2]
+    for _, tokens in served:
+        if tokens != median[2]:
+            raise AssertionError(f"serve gave other tokens than in-process ({jury})")
+    serve = statistics.median(rate for rate, _ in served)
+    return {"in-process": median[0], "phases": median[1], "tokens": median[2], "serve": serve}
 
 
 def report(model: HydraModel, bandwidth: float, rows: dict) -> None:
