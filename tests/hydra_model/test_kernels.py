@@ -122,39 +122,17 @@ def test_without_the_kernels_products_agree(kernels, monkeypatch):
 def test_the_kernels_refuse_what_they_cannot_compute(kernels):
     ops = native()
 
-    def float32(x, weight):
-        return ops.rows_times(x, weight, None, None, 0, None, 0.0, False, None, False)
+    def plain(x, weight, int8_activations=False):
+        return ops.rows_times(x, weight, None, None, 0, None, 0.0, False, None, int8_activations)
 
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        float32(torch.randn(1, 1, 48), torch.randn(1, 8, 48))
+        plain(torch.randn(1, 1, 48), torch.randn(1, 8, 48))
     with pytest.raises(RuntimeError, match="float32"):
-        float32(torch.randn(1, 1, 32).double(), torch.randn(1, 8, 32))
+        plain(torch.randn(1, 1, 32).double(), torch.randn(1, 8, 32))
     with pytest.raises(RuntimeError, match="scale must be"):
-        ops.rows_times(
-            torch.randn(1, 1, 32),
-            torch.zeros(1, 8, 32, dtype=torch.int8),
-            None,
-            None,
-            0,
-            None,
-            0.0,
-            False,
-            None,
-            False,
-        )
+        plain(torch.randn(1, 1, 32), torch.zeros(1, 8, 32, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="need an int8 or int4 weight"):
-        ops.rows_times(
-            torch.randn(1, 1, 32),
-            torch.randn(1, 8, 32),
-            None,
-            None,
-            0,
-            None,
-            0.0,
-            False,
-            None,
-            True,
-        )
+        plain(torch.randn(1, 1, 32), torch.randn(1, 8, 32), int8_activations=True)
     with pytest.raises(RuntimeError, match="unknown instruction set"):
         ops.kernel_isa("sse9")
 
