@@ -18,6 +18,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -214,9 +215,13 @@ QuantizedRows quantized_rows(const at::Tensor& x, int isa) {
       const float* row = in + s * x.stride(0) + r * x.stride(1);
       int64_t at = (s * rows + r) * padded;
       for (int64_t c = 0; c < padded; c += 64) {
-        float tail[64] = {};  // a last block of 32 inputs, then a block of zeros
         const float* source = row + c;
-        if (c + 64 > inputs) source = static_cast<float*>(std::memcpy(tail, row + c, 32 * sizeof(float)));
+        float tail[64];  // a last block of 32 inputs, then a block of zeros
+        if (c + 64 > inputs) {
+          std::memcpy(tail, row + c, 32 * sizeof(float));
+          std::fill(tail + 32, tail + 64, 0.0f);
+          source = tail;
+        }
         chunk(source, q.data() + at + c, biased.data() + at + c, step.data() + (at + c) / 4,
               sum.data() + (at + c) / 4);
       }
