@@ -111,11 +111,8 @@ def quantize(
     """A float weight [..., outputs, inputs] -> QuantizedWeight."""
     weight = weight.float()
     inputs = weight.shape[-1]
-    if int8_activations and inputs % ACTIVATION_BLOCK:
-        raise QuantizationError(
-            f"int8 activations come in blocks of {ACTIVATION_BLOCK}: a weight's {inputs} "
-            "inputs are not a multiple (use float activations)"
-        )
+    if int8_activations:
+        check_activation_width(inputs)
     if method == "int8":
         scale = weight.abs().amax(dim=-1) / 127
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -139,6 +136,14 @@ def check_group_size(group_size: int, inputs: int) -> None:
         raise QuantizationError(
             f"the int4 group size {group_size} does not divide a weight's {inputs} inputs "
             f"(choose a group size that divides every layer's input size)"
+        )
+
+
+def check_activation_width(inputs: int, name: str = "a weight") -> None:
+    if inputs % ACTIVATION_BLOCK:
+        raise QuantizationError(
+            f"int8 activations come in blocks of {ACTIVATION_BLOCK}: {name} has {inputs} "
+            "inputs, not a multiple (use --activations float)"
         )
 
 
@@ -271,11 +276,8 @@ class QuantizationScheme:
                 stored[name] = shape
                 continue
             outputs, inputs = shape
-            if self.int8_activations and inputs % ACTIVATION_BLOCK:
-                raise QuantizationError(
-                    f"int8 activations come in blocks of {ACTIVATION_BLOCK}: {name} has "
-                    f"{inputs} inputs (use --activations float)"
-                )
+            if self.int8_activations:
+                check_activation_width(inputs, name)
             if self.method == "int8":
                 stored[name] = shape
                 stored[name + SCALE_SUFFIX] = (outputs,)

@@ -52,13 +52,17 @@ static inline Lanes scale_shift(Lanes q, float scale, float shift) {
   return q;
 }
 
-static inline float sum(Lanes v) {
-  float t[16];
-  for (int i = 0; i < 16; ++i) t[i] = v.f[i] + v.f[i + 16];
-  for (int width = 8; width >= 1; width /= 2)
+// Lanes i + (i + kLanes / 2), then halves down to one: the order every set sums in.
+template <int kLanes>
+static inline float tree_sum(const float* v) {
+  float t[kLanes / 2];
+  for (int i = 0; i < kLanes / 2; ++i) t[i] = v[i] + v[i + kLanes / 2];
+  for (int width = kLanes / 4; width >= 1; width /= 2)
     for (int i = 0; i < width; ++i) t[i] = t[i] + t[i + width];
   return t[0];
 }
+
+static inline float sum(Lanes v) { return tree_sum<32>(v.f); }
 
 // Integer products with int8 activations (rows_times_weight.h, "Quantized activations"):
 // 16 lanes over a chunk of 64 inputs, lane l holding inputs 4l..4l+3. Integer lane sums
@@ -166,14 +170,7 @@ static inline Floats16 fma16(Floats16 a, Floats16 b, Floats16 acc) {
   return acc;
 }
 
-static inline float sum16(Floats16 v) {
-  // Lanes i + (i + 8), then halves of 4, 2 and 1.
-  float t[8];
-  for (int i = 0; i < 8; ++i) t[i] = v.f[i] + v.f[i + 8];
-  for (int width = 4; width >= 1; width /= 2)
-    for (int i = 0; i < width; ++i) t[i] = t[i] + t[i + width];
-  return t[0];
-}
+static inline float sum16(Floats16 v) { return tree_sum<16>(v.f); }
 
 // 64 activations quantized to int8, a step per block of 32 (QuantizedRows, kernels.cpp):
 // q = round(x * (127 / max|x|)) to nearest even, d = max|x| / 127, and q + 128 as a
