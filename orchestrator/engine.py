@@ -209,7 +209,7 @@ class Engine:
         )
         return self.backend.uncertainty(run.session, call)
 
-    @tracing.span("prefill")
+    @tracing.spanned("prefill")
     def _prefill(self, run: Run, start: int) -> None:
         """The committed tokens from `start` on, but the pending one, into every component
         (the position rule drops whatever the caches held from `start` on)."""

@@ -69,7 +69,7 @@ class Verdict:
     drafted: int
     accepted: int
     drafter: DrafterKind
-    target_probs: torch.Tensor | None = None  # [rows, V] unfiltered target
+    target_logprobs: torch.Tensor | None = None  # [rows, V] unfiltered target, log P
     votes: torch.Tensor | None = None  # [rows, J]
     voters: tuple[str, ...] = ()
     rejected: int | None = None  # the draft token the replacement took the place of
@@ -92,18 +92,17 @@ def token_records(
         TokenRecord(token, tokenizer.decode([token]), first_position + i, kind)
         for i, (token, kind) in enumerate(zip(tokens, verdict.kinds, strict=False))
     ]
-    if verdict.target_probs is None or not records:
+    if verdict.target_logprobs is None or not records:
         return records
     rows = len(records)
-    target = verdict.target_probs[:rows]
+    target = verdict.target_logprobs[:rows]
     votes = verdict.votes[:rows]
     entropies = entropy(target).tolist()
     margins = stability_margin(target).tolist()
-    radii = stability_radius(votes, torch.tensor(tokens)).tolist()
     vote_lists = votes.tolist()
     for i, record in enumerate(records):
         record.entropy, record.stability_margin = entropies[i], margins[i]
-        record.stability_radius = radii[i]
+        record.stability_radius = stability_radius(vote_lists[i], record.token_id)
         record.votes = dict(zip(verdict.voters, vote_lists[i], strict=True))
         if record.kind == TokenKind.REPLACEMENT:
             rejected = verdict.rejected

@@ -50,6 +50,7 @@ from hydra_jury.poe import (
     ngram_draft,
     normalise_logprobs,
     point_mass_logprobs,
+    probabilities,
     reached_positions,
     verify_coupled,
     verify_greedy,
@@ -305,7 +306,7 @@ class Rounds:
         kinds = [TokenKind.DRAFT] * gamma
         return Verdict(draft.tokens.tolist(), kinds, gamma, gamma, DrafterKind.HEAD)
 
-    @tracing.span("accept")
+    @tracing.spanned("accept")
     def _sample_target(
         self, run: Run, target_logprobs: torch.Tensor, score: ScoreResult
     ) -> Verdict:
@@ -323,13 +324,13 @@ class Rounds:
             0,
             0,
             DrafterKind.NONE,
-            target_logprobs.exp(),
+            target_logprobs,
             score.votes,
             score.voters,
         )
 
     @staticmethod
-    @tracing.span("accept")
+    @tracing.spanned("accept")
     def _verify(
         run: Run,
         draft: DraftResult,
@@ -345,8 +346,7 @@ class Rounds:
         prepared = run.prepared
         rule, lenience, seed = prepared.rule, prepared.request.lenience, prepared.seed
         k = len(draft.tokens)
-        target_probs = target_logprobs.exp()  # every row's: the metrics read them
-        probs = _distributions(run, draft, target_logprobs[:k], target_probs[:k], score)
+        probs = _distributions(run, draft, target_logprobs[:k], score)
         positions = torch.arange(run.start + 1, run.start + 1 + k)  # of the drafts
         if prepared.sampling.greedy:
             verification = verify_greedy(rule, lenience, draft.tokens, probs)
@@ -354,7 +354,7 @@ class Rounds:
             verification = verify_coupled(rule, lenience, draft.tokens, probs, seed, positions)
         else:
             verification = verify_sampled(rule, lenience, draft.tokens, probs, seed, positions)
-        return _verdict(draft, verification, target_probs, score, drafter)
+        return _verdict(draft, verification, target_logprobs, score, drafter)
 
 
 def _decides_apart(run: Run) -> bool:
@@ -372,31 +372,29 @@ def _distributions(
     run: Run,
     draft: DraftResult,
     target_logprobs: torch.Tensor,
-    target_probs: torch.Tensor,
     score: ScoreResult,
 ) -> Distributions:
     """What a verdict decides on: the draft q and the target P as sampled (tempered,
     filtered), and the decision q and P the cascade rules defer on (temperature 1,
     unfiltered; the sampled ones when the round asked for none). Greedy reads the
-    decision ones: the unfiltered draft and target (`target_probs`, the exponent of
-    `target_logprobs`)."""
-    draft_probs = draft.logprobs.exp()
+    decision ones: the unfiltered draft and target."""
+    draft_probs = probabilities(draft.logprobs)
     if run.prepared.sampling.greedy:
-        return Distributions(draft_probs, target_probs)
-    sampled_target = filter_logprobs(target_logprobs, run.prepared.sampling).exp()
+        return Distributions(draft_probs, probabilities(target_logprobs))
+    sampled_target = probabilities(filter_logprobs(target_logprobs, run.prepared.sampling))
     if draft.decision_logprobs is None:
         return Distributions(draft_probs, sampled_target)
     rows = len(draft.tokens)
-    decision_target = normalise_logprobs(score.decision_log_product[:rows]).exp()
+    decision_target = probabilities(normalise_logprobs(score.decision_log_product[:rows]))
     return Distributions(
-        draft_probs, sampled_target, draft.decision_logprobs.exp(), decision_target
+        draft_probs, sampled_target, probabilities(draft.decision_logprobs), decision_target
     )
 
 
 def _verdict(
     draft: DraftResult,
     verification: Verification,
-    target_probs: torch.Tensor,
+    target_logprobs: torch.Tensor,
     score: ScoreResult,
     drafter: DrafterKind,
 ) -> Verdict:
@@ -415,7 +413,7 @@ def _verdict(
         len(draft_tokens),
         kept,
         drafter,
-        target_probs,
+        target_logprobs,
         score.votes,
         score.voters,
         rejected,

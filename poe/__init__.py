@@ -46,6 +46,7 @@ from hydra_jury.poe.target import (
     effective_temperature,
     normalise_logprobs,
     partial_log_product,
+    probabilities,
     target_logprobs,
 )
 from hydra_jury.poe.verify import (
@@ -84,6 +85,7 @@ __all__ = [
     "normalise_logprobs",
     "partial_log_product",
     "point_mass_logprobs",
+    "probabilities",
     "random_seed",
     "reached_positions",
     "residual_probs",

@@ -28,6 +28,7 @@ from hydra_jury.poe.rules import (
     residual_probs,
     rule_target,
 )
+from hydra_jury.poe.target import probabilities
 
 
 @dataclass(frozen=True)
@@ -97,9 +98,9 @@ def draw_token(
     purpose) from the filtered distribution. Returns the token and the log-probabilities
     it was chosen from ([1, V]: filtered, unless greedy)."""
     if sampling.greedy:
-        return int(greedy_tokens(logprobs.exp())[0]), logprobs
+        return int(greedy_tokens(probabilities(logprobs))[0]), logprobs
     filtered = filter_logprobs(logprobs, sampling)
-    token = categorical(filtered.exp(), seed, torch.tensor([position]), purpose)
+    token = categorical(probabilities(filtered), seed, torch.tensor([position]), purpose)
     return int(token[0]), filtered
 
 

@@ -19,11 +19,12 @@ ids, options and counts, never a prompt, an output's text or an API key.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, nullcontext
 from typing import Any
 
 import grpc
@@ -43,6 +44,7 @@ TRACED_SERVICES = "/hydrajury."
 
 tracer = trace.get_tracer("hydra_jury")
 _enabled = False
+_NO_SPAN = nullcontext()
 
 
 def enabled() -> bool:
@@ -147,8 +149,36 @@ def current_trace_id() -> str | None:
 
 def span(name: str, **attributes: Any):
     """A child span of the current one, current inside the block, with `hydra.NAME`
-    attributes; its status is an error if the block raises."""
+    attributes; its status is an error if the block raises. With tracing off, a shared
+    empty block: OpenTelemetry's no-op spans still attach and detach a context, about
+    25 µs a span on the test machines, and a round opens four."""
+    if not _enabled:
+        return _NO_SPAN
     return tracer.start_as_current_span(name, attributes=_attributes(attributes))
+
+
+def spanned(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: every call of the function runs inside `span(name)` (whether tracing is
+    on is read at each call, not when the module defining the function is imported)."""
+
+    def decorate(function: Callable) -> Callable:
+        if asyncio.iscoroutinefunction(function):
+
+            @functools.wraps(function)
+            async def traced_coroutine(*args, **kwargs):
+                with span(name):
+                    return await function(*args, **kwargs)
+
+            return traced_coroutine
+
+        @functools.wraps(function)
+        def traced(*args, **kwargs):
+            with span(name):
+                return function(*args, **kwargs)
+
+        return traced
+
+    return decorate
 
 
 def context() -> otel_context.Context:

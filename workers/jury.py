@@ -229,9 +229,12 @@ class JuryWorker:
         """The partial product, votes (and amateur) of one call's logits by head."""
         members = self._heads(call.jury)
         rows, vocab = call.hidden.rows, self.model.config.vocab_size
-        juror_logits = (
-            torch.stack([logits[i] for i in members]) if members else torch.zeros(0, rows, vocab)
-        )  # [J, γ, V]
+        if len(members) == 1:  # a view: stacking would copy the vocabulary-wide rows
+            juror_logits = logits[members[0]][None]
+        elif members:
+            juror_logits = torch.stack([logits[i] for i in members])
+        else:
+            juror_logits = torch.zeros(0, rows, vocab)  # [J, γ, V]
         log_product = partial_log_product(juror_logits, call.temperature, call.beta)
         decision = None
         if call.with_decision:

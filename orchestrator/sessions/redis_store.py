@@ -247,7 +247,7 @@ class RedisStore(SessionStore):
     async def ping(self) -> None:
         await self._call(self._client.ping())
 
-    @tracing.span("session_store.create")
+    @tracing.spanned("session_store.create")
     async def create(self, record: SessionRecord, owner: str) -> None:
         session, _rounds, expiry = self._keys(record.session_id, record.key_name)
         reply = await self._run(
@@ -268,7 +268,7 @@ class RedisStore(SessionStore):
         record.lease_until_ms, record.created_ms = int(reply[1]), int(reply[2])
         record.updated_ms = record.created_ms
 
-    @tracing.span("session_store.acquire")
+    @tracing.spanned("session_store.acquire")
     async def acquire(self, session_id: str, owner: str, key_name: str = "") -> Acquired:
         reply = await self._run(
             "acquire",
@@ -293,7 +293,7 @@ class RedisStore(SessionStore):
         record.result = json.loads(result) if result else None
         return Acquired(record, bool(took_over))
 
-    @tracing.span("session_store.load")
+    @tracing.spanned("session_store.load")
     async def load(self, session_id: str, key_name: str = "") -> SessionRecord | None:
         fields = await self._call(self._client.hgetall(self._keys(session_id, key_name)[0]))
         if not fields:
@@ -310,7 +310,7 @@ class RedisStore(SessionStore):
         record.result = json.loads(fields[b"result"]) if fields.get(b"result") else None
         return record
 
-    @tracing.span("session_store.commit")
+    @tracing.spanned("session_store.commit")
     async def commit(
         self,
         record: SessionRecord,
@@ -346,20 +346,20 @@ class RedisStore(SessionStore):
         if release:
             record.owner = ""
 
-    @tracing.span("session_store.rounds")
+    @tracing.spanned("session_store.rounds")
     async def rounds(self, session_id: str, key_name: str = "") -> list[Any]:
         rounds = self._keys(session_id, key_name)[1]
         items = await self._call(self._client.lrange(rounds, 0, -1))
         return [json.loads(item) for item in items]
 
-    @tracing.span("session_store.delete")
+    @tracing.spanned("session_store.delete")
     async def delete(self, session_id: str, key_name: str = "") -> str | None:
         reply = await self._run("delete", self._keys(session_id, key_name), [])
         if key_name:  # at once, not after its reservation (`admit_key_session`)
             await self._call(self._client.zrem(self._key_sessions(key_name), session_id))
         return reply.decode() if reply else None
 
-    @tracing.span("session_store.admit_key_session")
+    @tracing.spanned("session_store.admit_key_session")
     async def admit_key_session(self, key_name: str, session_id: str, limit: int) -> int:
         records = self._keys("", key_name)[0]  # a session's record key: this and its id
         args = [records, session_id, limit, RESERVATION_MS]

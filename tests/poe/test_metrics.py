@@ -18,27 +18,31 @@ from hydra_jury.poe.metrics import (
 
 def test_entropy_in_nats_with_zero_probabilities():
     probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.25] * 4])
-    torch.testing.assert_close(entropy(probs), torch.tensor([math.log(2), 0.0, math.log(4)]))
+    expected = torch.tensor([math.log(2), 0.0, math.log(4)])
+    torch.testing.assert_close(entropy(probs.log()), expected)
+    # The same as −Σ P log P from the probabilities, on a vocabulary-sized row.
+    logprobs = torch.randn(3, 49152, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
+    torch.testing.assert_close(entropy(logprobs), torch.special.entr(logprobs.exp()).sum(-1))
 
 
 def test_stability_margin():
     probs = torch.tensor([[0.1, 0.6, 0.3], [0.4, 0.4, 0.2]])
-    torch.testing.assert_close(stability_margin(probs), torch.tensor([0.3, 0.0]))
-    assert stability_margin(torch.ones(2, 1)).tolist() == [0.0, 0.0]
+    torch.testing.assert_close(stability_margin(probs.log()), torch.tensor([0.3, 0.0]))
+    assert stability_margin(torch.zeros(2, 1)).tolist() == [0.0, 0.0]
 
 
-def test_stability_radius():
-    votes = torch.tensor(
-        [
-            [7, 7, 7, 7, 7, 3, 3, 9],  # n_A 5, n_B 2 → 1
-            [7, 7, 7, 7, 7, 7, 7, 7],  # n_A 8, no other → 4
-            [3, 3, 3, 7, 7, 9, 9, 9],  # n_A 2, n_B 3 → 0
-            [1, 2, 3, 4, 5, 6, 8, 9],  # n_A 0 → 0
-        ]
-    )
-    tokens = torch.tensor([7, 7, 7, 7])
-    assert stability_radius(votes, tokens).tolist() == [1, 4, 0, 0]
-    assert stability_radius(votes[:, :0], tokens).tolist() == [0, 0, 0, 0]
+@pytest.mark.parametrize(
+    ("votes", "radius"),
+    [
+        ([7, 7, 7, 7, 7, 3, 3, 9], 1),  # n_A 5, n_B 2
+        ([7] * 8, 4),  # n_A 8, no other
+        ([3, 3, 3, 7, 7, 9, 9, 9], 0),  # n_A 2, n_B 3
+        ([1, 2, 3, 4, 5, 6, 8, 9], 0),  # n_A 0
+        ([], 0),
+    ],
+)
+def test_stability_radius(votes, radius):
+    assert stability_radius(votes, 7) == radius
 
 
 @pytest.mark.parametrize(
@@ -60,20 +64,20 @@ def test_validity_radius(votes, token, radius):
 def test_suppression_score():
     probs = torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.25, 0.25]])
     torch.testing.assert_close(
-        suppression_score(probs, torch.tensor([2, 0])), torch.tensor([0.3, 0.5])
+        suppression_score(probs.log(), torch.tensor([2, 0])), torch.tensor([0.3, 0.5])
     )
 
 
 def test_logprobs_of_the_tokens_and_the_likeliest_floored_at_zero_probability():
     probs = torch.tensor([[0.1, 0.6, 0.3, 0.0], [0.5, 0.25, 0.25, 0.0]])
     torch.testing.assert_close(
-        token_logprobs(probs, torch.tensor([2, 3])),
+        token_logprobs(probs.log(), torch.tensor([2, 3])),
         torch.tensor([math.log(0.3), LOGPROB_FLOOR]),
     )
-    tokens, logprobs = top_logprobs(probs, 2)
+    tokens, logprobs = top_logprobs(probs.log(), 2)
     assert tokens.tolist() == [[1, 2], [0, 1]]
     torch.testing.assert_close(logprobs, torch.tensor([[0.6, 0.3], [0.5, 0.25]]).log())
-    tokens, logprobs = top_logprobs(probs, 0)
+    tokens, logprobs = top_logprobs(probs.log(), 0)
     assert tokens.shape == logprobs.shape == (2, 0)
 
 
