@@ -70,6 +70,7 @@ class Verdict:
     accepted: int
     drafter: DrafterKind
     target_logprobs: torch.Tensor | None = None  # [rows, V] unfiltered target, log P
+    target_probs: torch.Tensor | None = None  # [rows, V] its `probabilities`
     votes: torch.Tensor | None = None  # [rows, J]
     voters: tuple[str, ...] = ()
     rejected: int | None = None  # the draft token the replacement took the place of
@@ -97,7 +98,7 @@ def token_records(
     rows = len(records)
     target = verdict.target_logprobs[:rows]
     votes = verdict.votes[:rows]
-    entropies = entropy(target).tolist()
+    entropies = entropy(verdict.target_probs[:rows], target).tolist()
     margins = stability_margin(target).tolist()
     vote_lists = votes.tolist()
     for i, record in enumerate(records):

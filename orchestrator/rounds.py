@@ -277,10 +277,14 @@ class Rounds:
             verdict.bonus = True
         return verdict
 
-    def _draw(self, run: Run, logprobs: torch.Tensor, position: int) -> int:
-        """The token at `position` from the target row `logprobs` [1, V]."""
+    def _draw(
+        self, run: Run, logprobs: torch.Tensor, position: int, probs: torch.Tensor | None = None
+    ) -> int:
+        """The token at `position` from the target row `logprobs` [1, V] (`probs`: its
+        probabilities, where the round has them)."""
         prepared = run.prepared
-        return draw_token(logprobs, prepared.sampling, prepared.seed, position, "sample")[0]
+        sampling, seed = prepared.sampling, prepared.seed
+        return draw_token(logprobs, sampling, seed, position, "sample", probs)[0]
 
     def _score(self, run: Run, hidden: HiddenStates, with_decision: bool) -> ScoreResult:
         prepared = run.prepared
@@ -317,7 +321,9 @@ class Rounds:
         if prepared.amateur is not None:
             alpha = prepared.request.contrastive_alpha
             chosen_from = contrastive_logprobs(target_logprobs, score.amateur_logprobs, alpha)
-        token = self._draw(run, chosen_from, run.start + 1)
+        target_probs = probabilities(target_logprobs)  # read by the metrics and a greedy draw
+        own_probs = target_probs if chosen_from is target_logprobs else None
+        token = self._draw(run, chosen_from, run.start + 1, own_probs)
         return Verdict(
             [token],
             [TokenKind.SAMPLE],
@@ -325,6 +331,7 @@ class Rounds:
             0,
             DrafterKind.NONE,
             target_logprobs,
+            target_probs,
             score.votes,
             score.voters,
         )
@@ -346,7 +353,8 @@ class Rounds:
         prepared = run.prepared
         rule, lenience, seed = prepared.rule, prepared.request.lenience, prepared.seed
         k = len(draft.tokens)
-        probs = _distributions(run, draft, target_logprobs[:k], score)
+        target_probs = probabilities(target_logprobs)  # every row's: the metrics read them
+        probs = _distributions(run, draft, target_logprobs[:k], target_probs[:k], score)
         positions = torch.arange(run.start + 1, run.start + 1 + k)  # of the drafts
         if prepared.sampling.greedy:
             verification = verify_greedy(rule, lenience, draft.tokens, probs)
@@ -354,7 +362,7 @@ class Rounds:
             verification = verify_coupled(rule, lenience, draft.tokens, probs, seed, positions)
         else:
             verification = verify_sampled(rule, lenience, draft.tokens, probs, seed, positions)
-        return _verdict(draft, verification, target_logprobs, score, drafter)
+        return _verdict(draft, verification, target_logprobs, target_probs, score, drafter)
 
 
 def _decides_apart(run: Run) -> bool:
@@ -372,15 +380,17 @@ def _distributions(
     run: Run,
     draft: DraftResult,
     target_logprobs: torch.Tensor,
+    target_probs: torch.Tensor,
     score: ScoreResult,
 ) -> Distributions:
     """What a verdict decides on: the draft q and the target P as sampled (tempered,
     filtered), and the decision q and P the cascade rules defer on (temperature 1,
     unfiltered; the sampled ones when the round asked for none). Greedy reads the
-    decision ones: the unfiltered draft and target."""
+    decision ones: the unfiltered draft and target (`target_probs`, the probabilities of
+    `target_logprobs`)."""
     draft_probs = probabilities(draft.logprobs)
     if run.prepared.sampling.greedy:
-        return Distributions(draft_probs, probabilities(target_logprobs))
+        return Distributions(draft_probs, target_probs)
     sampled_target = probabilities(filter_logprobs(target_logprobs, run.prepared.sampling))
     if draft.decision_logprobs is None:
         return Distributions(draft_probs, sampled_target)
@@ -395,6 +405,7 @@ def _verdict(
     draft: DraftResult,
     verification: Verification,
     target_logprobs: torch.Tensor,
+    target_probs: torch.Tensor,
     score: ScoreResult,
     drafter: DrafterKind,
 ) -> Verdict:
@@ -414,6 +425,7 @@ def _verdict(
         kept,
         drafter,
         target_logprobs,
+        target_probs,
         score.votes,
         score.voters,
         rejected,

@@ -91,14 +91,21 @@ def verify_coupled(
 
 
 def draw_token(
-    logprobs: torch.Tensor, sampling: SamplingParams, seed: int, position: int, purpose: str
+    logprobs: torch.Tensor,
+    sampling: SamplingParams,
+    seed: int,
+    position: int,
+    purpose: str,
+    probs: torch.Tensor | None = None,
 ) -> tuple[int, torch.Tensor]:
     """One token for `position` from the row `logprobs` [1, V]: its argmax when greedy
     (`greedy_tokens`; the filters never move it), else a draw keyed by (seed, position,
     purpose) from the filtered distribution. Returns the token and the log-probabilities
-    it was chosen from ([1, V]: filtered, unless greedy)."""
+    it was chosen from ([1, V]: filtered, unless greedy). `probs`: `probabilities(logprobs)`
+    where the caller has them already."""
     if sampling.greedy:
-        return int(greedy_tokens(probabilities(logprobs))[0]), logprobs
+        probs = probabilities(logprobs) if probs is None else probs
+        return int(greedy_tokens(probs)[0]), logprobs
     filtered = filter_logprobs(logprobs, sampling)
     token = categorical(probabilities(filtered), seed, torch.tensor([position]), purpose)
     return int(token[0]), filtered

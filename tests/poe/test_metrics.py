@@ -14,15 +14,21 @@ from hydra_jury.poe.metrics import (
     top_logprobs,
     validity_radius,
 )
+from hydra_jury.poe.target import probabilities
 
 
 def test_entropy_in_nats_with_zero_probabilities():
     probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.25] * 4])
     expected = torch.tensor([math.log(2), 0.0, math.log(4)])
-    torch.testing.assert_close(entropy(probs.log()), expected)
-    # The same as −Σ P log P from the probabilities, on a vocabulary-sized row.
-    logprobs = torch.randn(3, 49152, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
-    torch.testing.assert_close(entropy(logprobs), torch.special.entr(logprobs.exp()).sum(-1))
+    torch.testing.assert_close(entropy(probs, probs.log()), expected)
+    # The same as −Σ P log P from the probabilities alone, on a vocabulary-sized row
+    # whose smallest probabilities `probabilities` reads as 0.
+    logits = torch.randn(3, 49152, generator=torch.Generator().manual_seed(0)) * 12
+    logprobs = logits.log_softmax(-1)
+    reference = torch.special.entr(logprobs.double().exp()).sum(-1).float()
+    torch.testing.assert_close(entropy(probabilities(logprobs), logprobs), reference)
+    with pytest.raises(ValueError, match="shape"):
+        entropy(probs, probs[:2].log())
 
 
 def test_stability_margin():
