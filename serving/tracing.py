@@ -151,7 +151,7 @@ def span(name: str, **attributes: Any):
     """A child span of the current one, current inside the block, with `hydra.NAME`
     attributes; its status is an error if the block raises. With tracing off, a shared
     empty block: OpenTelemetry's no-op spans still attach and detach a context, about
-    25 µs a span on the test machines, and a round opens four."""
+    20 µs a span on the AMD test machine, and a round opens four."""
     if not _enabled:
         return _NO_SPAN
     return tracer.start_as_current_span(name, attributes=_attributes(attributes))
