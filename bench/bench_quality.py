@@ -7,18 +7,23 @@ split (SmolLM2-135M-Instruct, trunk and head0).
 
 Held-out text: every fourth text of the demo corpus (`make model` writes it; SmolLM2's own
 answers to the demo prompts). The untrained split's heads are SmolLM2's own top layers, so
-no text of the corpus was ever trained on by this checkpoint. "Same argmax": on the
-held-out text (teacher-forced, every position sees the true context), how often a
-variant's most likely next token is float32's. Greedy agreement: 8 chat prompts x 128 new
-tokens, decoded by each variant; "same tokens" counts the positions where a variant's
-token equals float32's, "same prefix" the tokens before the first difference (after it,
-the contexts differ, so later positions agree only by chance).
+no text of the corpus was ever trained on by this checkpoint. That text was sampled from
+float32 at T = 0.8, sharper than float32's own distribution, and a perturbed model can fit
+it better than float32 does; so perplexity is also measured on human-written text
+(`--written`, by default licence texts that Debian and CPython install: the GPL-3 and
+Apache-2.0 texts and Python's LICENSE.txt, those present), cut into pieces of 256 tokens.
+"Same argmax": on the held-out text (teacher-forced, every position sees the true
+context), how often a variant's most likely next token is float32's. Greedy agreement: 8
+chat prompts x 128 new tokens, decoded by each variant; "same tokens" counts the positions
+where a variant's token equals float32's, "same prefix" the tokens before the first
+difference (after it, the contexts differ, so later positions agree only by chance).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -41,6 +46,13 @@ VARIANTS = {
     "int8, float acts": (("int8", 0, False, "float"), "float32"),
     "int4, float acts": (("int4", 32, False, "float"), "float32"),
 }
+WRITTEN_TEXTS = [
+    Path("/usr/share/common-licenses/GPL-3"),
+    Path("/usr/share/common-licenses/Apache-2.0"),
+    Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt",
+]
+PIECE_TOKENS = 256
+PIECES_PER_TEXT = 12
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
     "Explain why the sky is blue to a ten-year-old.",
@@ -89,6 +101,16 @@ def held_out_scores(model: HydraModel, texts: list[list[int]]) -> tuple[float, l
     return math.exp(total / count), choices
 
 
+def pieces(tokenizer, paths: list[Path]) -> list[list[int]]:
+    """Each text's first `PIECES_PER_TEXT` pieces of `PIECE_TOKENS` tokens."""
+    cut = []
+    for path in paths:
+        ids = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"))
+        ends = range(PIECE_TOKENS, min(len(ids), PIECE_TOKENS * PIECES_PER_TEXT) + 1, PIECE_TOKENS)
+        cut += [ids[end - PIECE_TOKENS : end] for end in ends]
+    return cut
+
+
 def agreement(reference: list[list[int]], tokens: list[list[int]]) -> tuple[int, int, int]:
     """(same tokens, same prefix, all tokens) summed over the prompts."""
     same = prefix = total = 0
@@ -106,10 +128,19 @@ def main() -> None:
     parser.add_argument("--variants-dir", type=Path, default=Path("var/models/quantized"))
     parser.add_argument("--corpus", type=Path, default=CORPUS_FILE)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--written",
+        type=Path,
+        action="append",
+        help="a human-written text to measure perplexity on (repeatable; default: the "
+        "licence texts of WRITTEN_TEXTS that this machine has)",
+    )
     args = parser.parse_args()
+    written_paths = args.written or [path for path in WRITTEN_TEXTS if path.is_file()]
     paths = quantized_variants(args.checkpoint, args.variants_dir)
     tokenizer = HydraModel.load(args.checkpoint, heads=["head0"]).load_tokenizer()
     held_out = [tokenizer.encode(text) for text in read_corpus(args.corpus)[3::4]]
+    written = pieces(tokenizer, written_paths)
     prompts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": p}],
@@ -121,22 +152,34 @@ def main() -> None:
     ]
     print(
         f"SmolLM2-135M-Instruct (trunk + head0), perplexity over {len(held_out)} held-out "
-        f"texts ({sum(len(t) for t in held_out)} tokens); greedy agreement with float32 over "
+        f"texts ({sum(len(t) for t in held_out)} tokens) and {len(written)} pieces of "
+        f"human-written text ({', '.join(path.name for path in written_paths)}; "
+        f"{sum(len(t) for t in written)} tokens); greedy agreement with float32 over "
         f"{len(prompts)} prompts x {args.new_tokens} tokens"
     )
-    columns = ("perplexity", "vs float32", "same argmax", "same tokens", "same prefix")
+    columns = (
+        "perplexity",
+        "vs float32",
+        "written",
+        "vs float32",
+        "same argmax",
+        "same tokens",
+        "same prefix",
+    )
     print(f"{'weights':<22}{columns[0]:>11}" + "".join(f"{c:>13}" for c in columns[1:]))
     reference = None
     for name, (_, dtype) in VARIANTS.items():
         model = HydraModel.load(paths[name], dtype=dtype, heads=["head0"])
         ppl, choices = held_out_scores(model, held_out)
+        written_ppl = held_out_scores(model, written)[0] if written else math.nan
         tokens = [ours(model, prompt, args.new_tokens)[0] for prompt in prompts]
         if reference is None:
-            reference = ppl, torch.cat(choices), tokens
+            reference = ppl, torch.cat(choices), tokens, written_ppl
         same_argmax = (torch.cat(choices) == reference[1]).float().mean().item()
         same, prefix, total = agreement(reference[2], tokens)
         print(
             f"{name:<22}{ppl:>11.3f}{(ppl / reference[0] - 1) * 100:>+12.2f}%"
+            f"{written_ppl:>13.3f}{(written_ppl / reference[3] - 1) * 100:>+12.2f}%"
             f"{same_argmax:>13.1%}{same / total:>13.1%}{prefix / total:>13.1%}"
         )
 
