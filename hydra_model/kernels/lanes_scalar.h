@@ -98,16 +98,22 @@ static inline Int8Chunk load_int8_tail(const int8_t* w) {
   return c;
 }
 
-// Per lane, the sum over its 4 inputs of w * q (`biased`, q + 128, is for the vector
-// versions).
-static inline Ints16 dot_int8(const Int8Chunk& chunk, const int8_t* q, const uint8_t*) {
+// Per lane of 16, the sum over its 4 inputs of w * q: 64 weights (int8, or int4 values
+// unpacked to bytes) against 64 quantized activations.
+template <class W>
+static inline Ints16 lane_dots(const W* w, const int8_t* q) {
   Ints16 v;
   for (int l = 0; l < 16; ++l) {
     int32_t total = 0;
-    for (int j = 0; j < 4; ++j) total += int32_t(chunk.w[4 * l + j]) * int32_t(q[4 * l + j]);
+    for (int j = 0; j < 4; ++j) total += int32_t(w[4 * l + j]) * int32_t(q[4 * l + j]);
     v.i[l] = total;
   }
   return v;
+}
+
+// An int8 chunk's lane sums (`biased`, q + 128, is for the vector versions).
+static inline Ints16 dot_int8(const Int8Chunk& chunk, const int8_t* q, const uint8_t*) {
+  return lane_dots(chunk.w, q);
 }
 
 // Two blocks of 32 packed int4 weights (16 bytes each: byte j holds input j in its low
@@ -129,15 +135,7 @@ static inline Int4Chunk unpack_int4_tail(const uint8_t* p) {
   return unpack_int4_chunk(padded);
 }
 
-static inline Ints16 dot_int4(const Int4Chunk& w, const int8_t* q) {
-  Ints16 v;
-  for (int l = 0; l < 16; ++l) {
-    int32_t total = 0;
-    for (int j = 0; j < 4; ++j) total += int32_t(w.q[4 * l + j]) * int32_t(q[4 * l + j]);
-    v.i[l] = total;
-  }
-  return v;
-}
+static inline Ints16 dot_int4(const Int4Chunk& w, const int8_t* q) { return lane_dots(w.q, q); }
 
 static inline Floats16 zero16() { return Floats16{}; }
 
