@@ -3,6 +3,9 @@ struct Lanes {
   __m256 lo0, lo1, hi0, hi1;
 };
 
+// Outputs per tile of the float products (rows_times_weight.h).
+constexpr int kTileOutputs = 1;
+
 static inline Lanes zero() {
   __m256 z = _mm256_setzero_ps();
   return {z, z, z, z};

@@ -3,6 +3,9 @@ struct Lanes {
   __m512 lo, hi;
 };
 
+// Outputs per tile of the float products (rows_times_weight.h).
+constexpr int kTileOutputs = 2;
+
 static inline Lanes zero() { return {_mm512_setzero_ps(), _mm512_setzero_ps()}; }
 
 static inline Lanes splat(float value) {

@@ -4,6 +4,9 @@ struct Lanes {
   float f[32];
 };
 
+// Outputs per tile of the float products (rows_times_weight.h).
+constexpr int kTileOutputs = 1;
+
 static inline Lanes zero() {
   Lanes v;
   for (int i = 0; i < 32; ++i) v.f[i] = 0.0f;
