@@ -99,7 +99,8 @@ def categorical(
     check_rows("positions", positions, probs.shape[0])
     cdf = torch.cumsum(probs.double(), dim=-1)  # [B, V]
     total = cdf[:, -1]  # [B]
-    if not bool(torch.isfinite(total).all()) or bool((probs < 0).any()):
+    # A NaN or an infinity makes its row's total non-finite; one pass finds a negative.
+    if not bool(torch.isfinite(total).all()) or bool(probs.min() < 0):
         raise ValueError("probs must be finite and non-negative")
     if bool((total <= 0).any()):
         raise ValueError("every row of probs needs some positive probability")
@@ -107,10 +108,14 @@ def categorical(
     # The first index whose cdf exceeds the threshold; a zero-probability token repeats
     # its predecessor's cdf and so can never be first.
     tokens = torch.searchsorted(cdf, thresholds[:, None], right=True).squeeze(1)  # [B]
-    # u · total can round up to total: clamp to the last token with positive probability.
+    # u · total can round up to total, and then no cdf exceeds it (the index is V):
+    # such a row takes its last token of positive probability.
     vocab_size = probs.shape[1]
-    last_positive = vocab_size - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)  # [B]
-    return torch.minimum(tokens, last_positive)
+    past = tokens == vocab_size
+    if bool(past.any()):
+        last_positive = vocab_size - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)  # [B]
+        tokens = torch.where(past, last_positive, tokens)
+    return tokens
 
 
 def choice(seed: int, n: int, purpose: str) -> int:

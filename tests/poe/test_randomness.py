@@ -3,6 +3,7 @@ import pytest
 import torch
 from scipy.stats import chisquare, kstest
 
+from hydra_jury.poe import randomness
 from hydra_jury.poe.randomness import PURPOSES, categorical, choice, random_seed, uniforms
 
 SEED = 20240531
@@ -85,6 +86,18 @@ def test_categorical_never_returns_trailing_zero_tokens():
     # All mass on the first token; u · total may round up to the total.
     probs = torch.tensor([[1.0, 0.0, 0.0]]).expand(10_000, -1)
     assert (categorical(probs, SEED, torch.arange(10_000), "draft") == 0).all()
+
+
+def test_categorical_threshold_at_the_total_takes_the_last_positive_token(monkeypatch):
+    # A threshold of u · total that comes out at the total finds no cdf above it: that
+    # row takes its last token of positive probability, the others their own draw.
+    monkeypatch.setattr(
+        randomness,
+        "uniforms",
+        lambda seed, positions, purpose: torch.tensor([1.0, 0.0], dtype=torch.float64),
+    )
+    probs = torch.tensor([[0.25, 0.5, 0.0, 0.25, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0, 0.0, 0.0]])
+    assert categorical(probs, SEED, torch.tensor([0, 1]), "draft").tolist() == [3, 1]
 
 
 @pytest.mark.parametrize(
