@@ -57,11 +57,13 @@ class BatchLimits:
     # A longer prefill runs in chunks of this many positions (0: whole), so that the
     # other sessions' steps run between them instead of waiting for the whole prompt.
     prefill_chunk: int = 256
-    # A batch smaller than the recent ones waits this long for more calls: sessions in
-    # a closed loop arrive a little apart, and a fuller batch costs little more (8
-    # sessions on the 2-core machine: 13% more tokens/s with 5 ms; a lone session never
-    # waits).
-    window_s: float = 0.005
+    # A batch smaller than the recent ones waits this long for more calls, while the
+    # model thread has nothing else to run: sessions in a closed loop arrive a little
+    # apart (8 sessions of `serve`, 2-core AMD EPYC: their maths between a Score and
+    # the next Draft spread over about 20 ms), and a fuller batch costs little more than
+    # a part of it. With 20 ms the Draft batches held 6.4 of 8 sessions on average,
+    # with 5 ms 4.2; a lone session never waits.
+    window_s: float = 0.020
 
 
 def run_isolated(
@@ -113,6 +115,8 @@ class CallBatcher(Generic[Request, Response]):
         self._batch_s = 0.01  # a decayed mean of batch times, for the retry hint
         self.running = 0  # calls in the batch on the model thread now
         self._recent: deque[int] = deque(maxlen=16)  # sizes of the last batches
+        self._carried = 0  # calls that go on in the next batch, waiting for the turn
+        thread.batchers.append(self)
         self.observer = observer
         if observer is not None:
             observer.watch_queue(lambda: len(self._queue))
@@ -145,56 +149,78 @@ class CallBatcher(Generic[Request, Response]):
     async def _run(self) -> None:
         carried: list[_Queued] = []  # calls that go on
         while self._queue or carried:
-            if not carried:  # calls arriving during a stepped call join its next step
-                await self._gather()
-            used = sum(self.size(entry.request) for entry in carried)
-            joined = self._take(used, first_fits=not carried)
-            batch = carried + joined
-            if not batch:
+            self._carried = len(carried)
+            async with self.thread.turn():
+                if not carried:  # calls arriving during a stepped call join its next step
+                    await self._gather()
+                carried = await self._run_batch(carried)
+        self._carried = 0
+
+    @property
+    def pending(self) -> int:
+        """Calls waiting for a batch: queued, or going on in the next one."""
+        return len(self._queue) + self._carried
+
+    async def _run_batch(self, carried: list[_Queued]) -> list[_Queued]:
+        """One batch on the model thread: the calls that go on, then those queued now;
+        the calls that go on after it."""
+        used = sum(self.size(entry.request) for entry in carried)
+        joined = self._take(used, first_fits=not carried)
+        batch = carried + joined
+        if not batch:
+            return []
+        began = time.monotonic()
+        requests = [entry.request for entry in batch]
+        self.largest = max(self.largest, len(batch))
+        self._recent.append(len(batch))
+        self.running = len(batch)
+        try:
+            results = await self.thread.run(self.handle, requests)
+        except Exception as error:  # the handler itself failed: every call fails
+            results = [error] * len(batch)
+        finally:
+            self.running = 0
+        ended = time.monotonic()
+        self._batch_s = 0.8 * self._batch_s + 0.2 * (ended - began)
+        tokens = sum(self.size(request) for request in requests)
+        if self.observer is not None:
+            self.observer.batch(
+                len(batch), tokens, [began - entry.queued for entry in joined], ended - began
+            )
+        for entry in joined:
+            tracing.describe(entry.span, queue_wait_s=round(began - entry.queued, 6))
+        for entry in batch:
+            tracing.describe(entry.span, batch_size=len(batch), batch_tokens=tokens)
+        carried = []
+        for entry, result in zip(batch, results, strict=True):
+            future = entry.future
+            if result is CONTINUE:  # (even if its caller went away: the handler
+                carried.append(entry)  # holds its state until it is done)
                 continue
-            began = time.monotonic()
-            requests = [entry.request for entry in batch]
-            self.largest = max(self.largest, len(batch))
-            self._recent.append(len(batch))
-            self.running = len(batch)
-            try:
-                results = await self.thread.run(self.handle, requests)
-            except Exception as error:  # the handler itself failed: every call fails
-                results = [error] * len(batch)
-            finally:
-                self.running = 0
-            ended = time.monotonic()
-            self._batch_s = 0.8 * self._batch_s + 0.2 * (ended - began)
-            tokens = sum(self.size(request) for request in requests)
-            if self.observer is not None:
-                self.observer.batch(
-                    len(batch), tokens, [began - entry.queued for entry in joined], ended - began
-                )
-            for entry in joined:
-                tracing.describe(entry.span, queue_wait_s=round(began - entry.queued, 6))
-            for entry in batch:
-                tracing.describe(entry.span, batch_size=len(batch), batch_tokens=tokens)
-            carried = []
-            for entry, result in zip(batch, results, strict=True):
-                future = entry.future
-                if result is CONTINUE:  # (even if its caller went away: the handler
-                    carried.append(entry)  # holds its state until it is done)
-                    continue
-                if future.done():  # the caller went away
-                    continue
-                if isinstance(result, Exception):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
+            if future.done():  # the caller went away
+                continue
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+        return carried
 
     async def _gather(self) -> None:
-        """Waits up to the window while the next batch would be smaller than the recent
-        ones (a lone session never waits)."""
+        """With the turn: waits up to the window while the next batch would be smaller
+        than the recent ones and no other batcher of the model thread has calls waiting
+        (a lone session never waits, and the model thread never idles for it while it
+        has other work). Sessions in a closed loop arrive a little apart — their previous
+        call's results in their hands first — and a batch of all of them costs little
+        more than a batch of some. A window that ends short of the recent size forgets
+        the recent sizes: a session has gone, and the next batches do not wait for it."""
         expected = max(self._recent, default=1)
         if not self.limits.window_s or len(self._queue) >= expected:
             return
         deadline = time.monotonic() + self.limits.window_s
-        while len(self._queue) < expected and time.monotonic() < deadline:
+        while len(self._queue) < expected and not self.thread.others_pending(self):
+            if time.monotonic() >= deadline:
+                self._recent.clear()
+                return
             await asyncio.sleep(0.0005)
 
     def _take(self, tokens: int = 0, first_fits: bool = True) -> list[_Queued]:

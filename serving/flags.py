@@ -136,8 +136,8 @@ def add_batching_flags(parser: argparse.ArgumentParser) -> None:
         "--batch-window-ms",
         type=float,
         default=1000 * defaults.window_s,
-        help="a batch smaller than the recent ones waits this long for more calls "
-        "(0: never; %(default)g)",
+        help="a batch smaller than the recent ones waits up to this long for more calls "
+        "while the model has nothing else to run (0: never; %(default)g)",
     )
 
 

@@ -111,6 +111,8 @@ class ModelThread:
             max_workers=1, thread_name_prefix=name, initializer=self._started
         )
         self._ident: int | None = None
+        self._turn: asyncio.Lock | None = None
+        self.batchers: list[Any] = []  # the CallBatchers that run their batches here
 
     def _started(self) -> None:
         self._ident = threading.get_ident()
@@ -119,6 +121,19 @@ class ModelThread:
         """`function(*args)` on the model thread, awaited from the event loop, in the
         caller's context (its trace span stays current)."""
         return await in_executor(self._executor, function, *args)
+
+    def turn(self) -> asyncio.Lock:
+        """The batchers' turn on this thread (they share one event loop): a batcher
+        holds it from choosing its batch until the batch has run, so that calls arriving
+        while another batch runs join the next one instead of waiting behind a batch
+        already chosen."""
+        if self._turn is None:
+            self._turn = asyncio.Lock()
+        return self._turn
+
+    def others_pending(self, batcher: Any) -> bool:
+        """Whether a batcher other than `batcher` has calls waiting for this thread."""
+        return any(other.pending for other in self.batchers if other is not batcher)
 
     def call(self, function: Callable[..., T], *args: Any) -> T:
         """`function(*args)` on the model thread, waited for by a plain thread (or run

@@ -222,9 +222,10 @@ def test_a_session_drafting_is_held_and_its_release_fails_only_its_call(start_tr
     # A new session needs a slot: "b" (idle) is reclaimed, never "a" (drafting).
     newcomer = trunk.stub.Prefill.future(prefill_request("c"), timeout=10)
     wait_until(lambda: trunk.servicer.batchers["Draft"].queued == 2)
-    # The newcomer waits on the held model thread ahead of the drafts' next step, in
+    # The newcomer waits for the model thread's turn ahead of the drafts' next step, in
     # which "b" would be drafting (held, so not reclaimable).
-    wait_until(lambda: trunk.servicer.batchers["Prefill"].running == 1)
+    wait_until(lambda: trunk.servicer.batchers["Prefill"].queued == 1)
+    time.sleep(0.05)  # its batcher in line for the turn
     blocked.release.set()
     newcomer.result()
     assert len(long.result().tokens) == 6
@@ -322,7 +323,8 @@ def test_a_long_trunk_prefill_runs_in_chunks_with_other_sessions_between(start_t
     wait_until(lambda: trunk.servicer.batchers["Prefill"].running == 1)
     step = trunk.stub.Draft.future(draft_request("other", draft_head="", gamma=1), timeout=10)
     step.add_done_callback(lambda _: finished.append("step"))
-    wait_until(lambda: trunk.servicer.batchers["Draft"].running == 1)
+    wait_until(lambda: trunk.servicer.batchers["Draft"].queued == 1)
+    time.sleep(0.05)  # its batcher in line for the model thread's turn
     blocked.release.set()
     hidden = decoded(prefill.result().hidden)
     step.result()
@@ -386,3 +388,42 @@ def test_a_batch_smaller_than_the_recent_ones_waits_for_more_calls(start_jury):
     second = jury.stub.Score(score_request("b", 3), timeout=10)
     assert first.result().log_product.shape == second.log_product.shape
     assert batches("hydrajury_batch_calls_count", {"rpc": "Score"}) == before + 1
+
+
+def test_calls_arriving_while_another_kind_runs_join_one_batch(start_trunk):
+    """A batcher chooses its batch when the model thread is its: the draft calls that
+    arrive while a prefill batch runs go into one batch, not one chosen early and the
+    rest after it."""
+    trunk = start_trunk(max_sessions=4)
+    for session in ("a", "b"):
+        trunk.stub.Prefill(prefill_request(session), timeout=10)
+    drafts = trunk.servicer.batchers["Draft"]
+    blocked = Blocked(trunk.servicer)
+    prefill = trunk.stub.Prefill.future(prefill_request("c"), timeout=10)
+    wait_until(lambda: trunk.servicer.batchers["Prefill"].running == 1)
+    steps = [
+        trunk.stub.Draft.future(draft_request(session, draft_head="", gamma=1), timeout=10)
+        for session in ("a", "b")
+    ]
+    wait_until(lambda: drafts.queued == 2)
+    time.sleep(0.05)  # their batcher in line for the model thread's turn
+    blocked.release.set()
+    prefill.result()
+    for step in steps:
+        assert step.result().trunk_steps == 1
+    assert drafts.largest == 2 and drafts.running == 0
+
+
+def test_a_window_that_ends_short_forgets_the_recent_batch_sizes(start_jury):
+    """After a session has gone, the next batches do not wait for it: one window is
+    spent, then a lone call runs at once."""
+    jury = start_jury(max_sessions=4, batch_limits=BatchLimits(window_s=0.3))
+    for session in ("a", "b", "c"):
+        jury.stub.Prefill(jury_prefill_request(session, 0, positions=3), timeout=10)
+    batched(jury, "Score", score_request("a", 3), [score_request("b", 3), score_request("c", 3)])
+    began = time.monotonic()
+    jury.stub.Score(score_request("a", 3), timeout=10)
+    waited = time.monotonic() - began
+    began = time.monotonic()
+    jury.stub.Score(score_request("b", 3), timeout=10)
+    assert waited >= 0.3 and time.monotonic() - began < 0.2
