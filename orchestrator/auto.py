@@ -10,6 +10,15 @@ Inputs
   fitted by exponentially decayed least squares over recent rounds, so it follows the
   machine as load changes; until a kind has been measured at two sizes its line is a
   prior scaled from what is known.
+- load (where the backend batches sessions' calls, as `serve` does): a round is
+  measured by what it costs the server's throughput, not by its wall time — its time
+  outside the model calls plus its share of the batches they ran in
+  (`backend.ModelShare`): each batch's fixed cost divided among its calls, and what the
+  round's own positions add to the batch, which every call of it waits for
+  (`serving.cost_line.batch_shares`). With many sessions the fixed cost is spread thin
+  and a verified position costs about what a whole plain step's share does, so drafts
+  that are mostly rejected stop paying and the mode stops speculating; alone, the share
+  is the round's time and nothing changes.
 - acceptance (measured): how often a draft token is kept, per drafter — decayed counts
   over the request's rounds, starting from the engine's pooled counts over earlier
   requests (how well a head or a draft model drafts is mostly a property of the
@@ -33,6 +42,7 @@ import threading
 from dataclasses import dataclass, field
 
 from hydra_jury.orchestrator.request import DrafterKind
+from hydra_jury.serving.cost_line import LinearCost
 
 HEAD, MODEL, NGRAM, NONE = DrafterKind.HEAD, DrafterKind.MODEL, DrafterKind.NGRAM, DrafterKind.NONE
 
@@ -46,42 +56,6 @@ PRIOR_WEIGHT = 2.0  # pseudo-positions behind the acceptance prior
 ACCEPTANCE_DECAY = 0.9  # per round: recent rounds count more
 EXPLORE_EVERY = 16  # rounds: a request measures each kind of round this often
 EXPLORE_AT = {NGRAM: 4, HEAD: 8, MODEL: 12}  # at these rounds of every EXPLORE_EVERY
-
-
-class LinearCost:
-    """seconds ≈ fixed + per_position · positions, by decayed least squares."""
-
-    def __init__(self, decay: float = 0.95) -> None:
-        self.decay = decay
-        self.w = self.x = self.y = self.xx = self.xy = 0.0
-        self.sizes: set[int] = set()
-
-    def observe(self, positions: int, seconds: float) -> None:
-        d = self.decay
-        self.w = d * self.w + 1
-        self.x = d * self.x + positions
-        self.y = d * self.y + seconds
-        self.xx = d * self.xx + positions * positions
-        self.xy = d * self.xy + positions * seconds
-        self.sizes.add(positions)
-
-    @property
-    def known(self) -> bool:
-        return bool(self.sizes)
-
-    def line(self) -> tuple[float, float] | None:
-        """(fixed, per_position), once two sizes were seen; None before."""
-        if len(self.sizes) < 2:
-            return None
-        variance = self.xx / self.w - (self.x / self.w) ** 2
-        if variance <= 1e-12:
-            return None
-        slope = (self.xy / self.w - (self.x / self.w) * (self.y / self.w)) / variance
-        slope = max(slope, 0.0)
-        return max(self.y / self.w - slope * self.x / self.w, 1e-6), slope
-
-    def mean(self) -> float:
-        return self.y / self.w
 
 
 class CostModel:

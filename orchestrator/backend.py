@@ -45,6 +45,21 @@ class ModelInfo:
     uncertainty_head: bool = False  # the trunk answers `uncertainty` calls
 
 
+@dataclass
+class ModelShare:
+    """A round's model calls, batched with other sessions': the seconds it waited for
+    them, and its share of their batches (`serving.cost_line.batch_shares`)."""
+
+    waited: float = 0.0
+    share: float = 0.0
+
+    def cost(self, wall: float) -> float:
+        """What a round of `wall` seconds cost the server's throughput: its time outside
+        the model calls, plus its share of their batches instead of the whole batches it
+        waited for. (Alone, the share is the wait, and the cost the wall time.)"""
+        return wall - self.waited + self.share
+
+
 class DecodingBackend(ABC):
     info: ModelInfo
     trunk_address: str  # where the trunk runs ("in-process" for the local backend)
@@ -73,6 +88,25 @@ class DecodingBackend(ABC):
             yield
         finally:
             self._scope.deadline = None
+
+    @contextmanager
+    def sharing(self) -> Iterator[ModelShare]:
+        """What this thread's model calls inside the scope cost (`ModelShare`), where
+        the backend batches them with other sessions' (the single-process server);
+        elsewhere the share stays empty and a round's cost is its time."""
+        share = ModelShare()
+        self._scope.share = share
+        try:
+            yield share
+        finally:
+            self._scope.share = None
+
+    def _shared(self, waited: float, share: float) -> None:
+        """A batched call of this thread: `waited` seconds for it, `share` of its batches."""
+        current = getattr(self._scope, "share", None)
+        if current is not None:
+            current.waited += waited
+            current.share += share
 
     def time_left(self) -> float | None:
         """Seconds to the deadline of this thread's scope (None: no deadline); raises

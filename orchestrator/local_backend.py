@@ -13,6 +13,7 @@ thread. Without it a whole round runs on the model thread, one round at a time.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -120,9 +121,12 @@ class LocalBackend(DecodingBackend):
     def _batched(self, rpc: str, calls: list[Any]) -> list[Any]:
         """Each call's result from the batcher of `rpc` (submitted together, so that they
         may share a batch), within the request's deadline."""
+        began = time.perf_counter()
         futures = [self.batchers.submit(rpc, call) for call in calls]
         try:
-            return [self._wait(future) for future in futures]
+            outcomes = [self._wait(future) for future in futures]
+            self._shared(time.perf_counter() - began, sum(share for _, share in outcomes))
+            return [result for result, _ in outcomes]
         finally:
             for future in futures:
                 future.cancel()  # (a no-op once done) nothing left queued for a caller gone

@@ -31,7 +31,7 @@ from contextlib import nullcontext
 
 import torch
 
-from hydra_jury.orchestrator.auto import CostModel
+from hydra_jury.orchestrator.auto import Choice, CostModel
 from hydra_jury.orchestrator.backend import DecodingBackend
 from hydra_jury.orchestrator.beam_search import BeamRun
 from hydra_jury.orchestrator.draft_ahead import AheadPolicy, DraftAhead
@@ -119,8 +119,19 @@ class Rounds:
     def _auto_round(self, run: Run, remaining: int) -> Verdict:
         """The round the automatic mode chooses (`orchestrator.auto`), measured for the
         next choices."""
+        with self.backend.sharing() as share:
+            began = time.perf_counter()
+            choice, verdict, kind, positions = self._chosen_round(run, remaining)
+            cost = share.cost(time.perf_counter() - began)
+        self.costs.observe(kind, positions, cost)
+        reached = reached_positions(verdict.drafted, verdict.accepted)
+        run.auto.observe(self.costs, choice, reached, verdict.accepted)
+        return verdict
+
+    def _chosen_round(self, run: Run, remaining: int) -> tuple[Choice, Verdict, DrafterKind, int]:
+        """The round the automatic mode chooses, run: the choice, its verdict, and the
+        kind and positions its cost is measured against."""
         prepared = run.prepared
-        began = time.perf_counter()
         drafts = ngram_draft(run.committed, min(prepared.gamma, remaining - 1))
         head_cap = min(prepared.gamma, remaining) if prepared.draft_head else 0
         model_cap = min(prepared.gamma, remaining - 1) if self.backend.info.draft_model else 0
@@ -137,10 +148,7 @@ class Rounds:
         else:  # n-gram drafts or none: a one-pass round over the pending token and k drafts
             verdict = self._ngram_round(run, drafts[: choice.drafts])
             kind, positions = DrafterKind.NGRAM, choice.drafts + 1
-        self.costs.observe(kind, positions, time.perf_counter() - began)
-        reached = reached_positions(verdict.drafted, verdict.accepted)
-        run.auto.observe(self.costs, choice, reached, verdict.accepted)
-        return verdict
+        return choice, verdict, kind, positions
 
     def _beam_round(self, run: Run, remaining: int) -> Verdict:
         """The whole beam search as one round: its best hypothesis (`orchestrator.beam_search`)."""

@@ -20,11 +20,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, NamedTuple, TypeVar
+from typing import Generic, TypeVar
 
 from opentelemetry.trace import Span
 
 from hydra_jury.serving import tracing
+from hydra_jury.serving.cost_line import LinearCost, batch_shares
 from hydra_jury.serving.metrics import BatchObserver
 from hydra_jury.serving.model_thread import ModelThread
 from hydra_jury.workers.errors import CapacityError
@@ -38,11 +39,13 @@ Result = TypeVar("Result")
 CONTINUE = object()  # a handler's result for a call that goes on in the next batch
 
 
-class _Queued(NamedTuple):
+@dataclass
+class _Queued:
     request: object
-    future: asyncio.Future
+    future: asyncio.Future  # of (response, share)
     queued: float  # time.monotonic() when it arrived
     span: Span | None  # its call's trace span, told the batches it ran in
+    share: float = 0.0  # seconds of the batches it ran in that are its own (`batch_shares`)
 
 
 class QueueFull(CapacityError):
@@ -116,6 +119,7 @@ class CallBatcher(Generic[Request, Response]):
         self.running = 0  # calls in the batch on the model thread now
         self._recent: deque[int] = deque(maxlen=16)  # sizes of the last batches
         self._carried = 0  # calls that go on in the next batch, waiting for the turn
+        self.cost = LinearCost()  # a batch's seconds against its positions
         thread.batchers.append(self)
         self.observer = observer
         if observer is not None:
@@ -126,6 +130,13 @@ class CallBatcher(Generic[Request, Response]):
         return len(self._queue)
 
     async def submit(self, request: Request) -> Response:
+        return (await self.submit_shared(request))[0]
+
+    async def submit_shared(self, request: Request) -> tuple[Response, float]:
+        """The call's response and its share of the batches it ran in, in seconds: the
+        fixed cost of each batch divided among its calls, plus what the call's own
+        positions cost it (`cost_line.batch_shares`, from this batcher's cost line) —
+        what the call cost the server's throughput, where its wait is the whole batch."""
         if len(self._queue) >= self.limits.max_queue:
             self._refused("queue_full")
             raise QueueFull(
@@ -182,7 +193,12 @@ class CallBatcher(Generic[Request, Response]):
             self.running = 0
         ended = time.monotonic()
         self._batch_s = 0.8 * self._batch_s + 0.2 * (ended - began)
-        tokens = sum(self.size(request) for request in requests)
+        sizes = [self.size(request) for request in requests]
+        tokens = sum(sizes)
+        shares = batch_shares(ended - began, sizes, self.cost.line())
+        for entry, share in zip(batch, shares, strict=True):
+            entry.share += share
+        self.cost.observe(tokens, ended - began)
         if self.observer is not None:
             self.observer.batch(
                 len(batch), tokens, [began - entry.queued for entry in joined], ended - began
@@ -202,7 +218,7 @@ class CallBatcher(Generic[Request, Response]):
             if isinstance(result, Exception):
                 future.set_exception(result)
             else:
-                future.set_result(result)
+                future.set_result((result, entry.share))
         return carried
 
     async def _gather(self) -> None:

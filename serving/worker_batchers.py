@@ -97,8 +97,9 @@ class WorkerBatchers:
         }
 
     def submit(self, rpc: str, call: Any) -> Future:
-        """Queues `call` for the batcher of `rpc`; the future of its result."""
-        return asyncio.run_coroutine_threadsafe(self.batchers[rpc].submit(call), self._loop)
+        """Queues `call` for the batcher of `rpc`; the future of its result and its share
+        of the batches it ran in (`CallBatcher.submit_shared`)."""
+        return asyncio.run_coroutine_threadsafe(self.batchers[rpc].submit_shared(call), self._loop)
 
     def chunks(self, call: PrefillCall) -> list[PrefillCall]:
         """A prefill as its batches will run it: the whole call checked first, so that no

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from hydra_jury.orchestrator.auto import AutoState, Choice, CostModel, LinearCost, expected_tokens
+from hydra_jury.orchestrator.auto import AutoState, Choice, CostModel, expected_tokens
 from hydra_jury.orchestrator.request import DrafterKind, GenerationRequest
+from hydra_jury.serving.cost_line import LinearCost
 from tests.orchestrator.test_engine import REPEATING
 
 

@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.serving.batcher import BatchLimits, QueueFull
 from hydra_jury.serving.metrics import ServiceMetrics
 from hydra_jury.serving.model_thread import ModelThread
@@ -67,8 +68,15 @@ def test_concurrent_prefills_share_a_forward_and_fill_what_they_fill_alone(start
     futures = [batchers.submit("Prefill", call) for call in calls]
     assert wait_for(lambda: batchers.batchers["Prefill"].queued == 4)
     blocked.set()
-    assert [future.result(timeout=30) for future in futures] == [None] * 4
+    outcomes = [future.result(timeout=30) for future in futures]
+    assert [result for result, _ in outcomes] == [None] * 4
     assert batchers.batchers["Prefill"].largest == 4  # one batch of the four
+    # Before the batcher has a cost line, a call's share of the batch is in proportion
+    # to its positions (2, 3, 4 and 5).
+    shares = [share for _, share in outcomes]
+    assert shares[0] > 0
+    for positions, share in zip([2, 3, 4, 5], shares, strict=True):
+        assert share == pytest.approx(shares[0] * positions / 2, rel=1e-9)
     # Each session's trunk hidden states are the ones a lone forward gives.
     for call in calls:
         alone = jury_model.trunk.forward(call.tokens, jury_model.trunk_cache(len(call.tokens)), 0)
@@ -88,7 +96,7 @@ def test_a_full_queue_refuses_at_once_with_a_retry_hint(start):
     with pytest.raises(QueueFull, match=r"2 calls are queued \(the most is 2\); retry in about"):
         refused.result(timeout=10)
     blocked.set()
-    assert running.result(timeout=30) is None and waiting.result(timeout=30) is None
+    assert running.result(timeout=30)[0] is None and waiting.result(timeout=30)[0] is None
     assert sample(metrics, "hydrajury_refused_calls_total", rpc="Prefill", reason="queue_full") == 1
 
 
@@ -99,7 +107,7 @@ def test_a_bad_call_fails_alone(start):
     bad = batchers.submit("Prefill", trunk_prefill("bad", [3, 10_000]))  # not in the vocabulary
     assert wait_for(lambda: batchers.batchers["Prefill"].queued == 2)
     blocked.set()
-    assert good.result(timeout=30) is None
+    assert good.result(timeout=30)[0] is None
     with pytest.raises(Exception, match="tokens"):
         bad.result(timeout=30)
     assert batchers.trunk.sessions.peek("bad") is None  # a refused call opens no session
@@ -126,3 +134,25 @@ def hold_model_thread(batchers: WorkerBatchers) -> threading.Event:
 def sample(metrics: ServiceMetrics, name: str, **labels: str) -> float:
     value = metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
+
+
+def test_a_batched_backend_tells_a_round_its_share_of_the_batches(jury_model):
+    """The automatic drafter measures a round by its share (`LocalBackend` batched, as in
+    `serve`): a call alone bears its whole batch, less than the time it waited for it."""
+    thread = ModelThread("test-model")
+    backend = LocalBackend(
+        jury_model,
+        limits=SessionLimits(max_sessions=4, max_session_tokens=64),
+        thread=thread,
+        batching=BatchLimits(),
+    )
+    try:
+        with backend.sharing() as share:
+            backend.prefill(trunk_prefill("s", [3, 4, 5]))
+        assert 0 < share.share <= share.waited
+        measured = (share.waited, share.share)
+        backend.prefill(trunk_prefill("t", [3, 4, 5]))  # outside the scope: not counted
+        assert (share.waited, share.share) == measured
+    finally:
+        backend.batchers.close()
+        thread.shutdown()
