@@ -16,6 +16,7 @@ the others.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -145,6 +146,7 @@ class CallBatcher(Generic[Request, Response]):
             )
         future = asyncio.get_running_loop().create_future()
         self._queue.append(_Queued(request, future, time.monotonic(), tracing.current_span()))
+        self.thread.arrivals().set()
         if self._runner is None or self._runner.done():
             self._runner = asyncio.create_task(self._run())
         return await future
@@ -233,11 +235,17 @@ class CallBatcher(Generic[Request, Response]):
         if not self.limits.window_s or len(self._queue) >= expected:
             return
         deadline = time.monotonic() + self.limits.window_s
+        arrivals = self.thread.arrivals()
         while len(self._queue) < expected and not self.thread.others_pending(self):
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 self._recent.clear()
                 return
-            await asyncio.sleep(0.0005)
+            # Woken by the next call of any batcher of the thread, not by polling: the
+            # sessions on their way here need the interpreter more than this loop does.
+            arrivals.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(arrivals.wait(), left)
 
     def _take(self, tokens: int = 0, first_fits: bool = True) -> list[_Queued]:
         """Queued calls in order while the token budget (`tokens` of it used) lasts, the

@@ -112,6 +112,7 @@ class ModelThread:
         )
         self._ident: int | None = None
         self._turn: asyncio.Lock | None = None
+        self._arrivals: asyncio.Event | None = None
         self.batchers: list[Any] = []  # the CallBatchers that run their batches here
 
     def _started(self) -> None:
@@ -130,6 +131,12 @@ class ModelThread:
         if self._turn is None:
             self._turn = asyncio.Lock()
         return self._turn
+
+    def arrivals(self) -> asyncio.Event:
+        """Set when a call arrives at any of the batchers (the batch window waits on it)."""
+        if self._arrivals is None:
+            self._arrivals = asyncio.Event()
+        return self._arrivals
 
     def others_pending(self, batcher: Any) -> bool:
         """Whether a batcher other than `batcher` has calls waiting for this thread."""
