@@ -262,7 +262,20 @@ class GrpcBackend(DecodingBackend):
         responses = self._send_all(targets, method, requests)
         if self.hop_delay_s:
             time.sleep(self.hop_delay_s / 2)
+        self._share_of(responses)
         return responses
+
+    def _share_of(self, responses: list) -> None:
+        """The calls' share of the services' batches, for the round that made them
+        (`DecodingBackend.sharing`): the services' time on the calls (`total_ns`, the
+        slowest replica's: they run side by side) is replaced by their share of it
+        (`share_ns`); the hops stay what they took. Responses without timings (a
+        service from before `share_ns`) leave the round's cost its time."""
+        timings = [getattr(response, "timings", None) for response in responses]
+        if not timings or any(t is None or t.share_ns <= 0 for t in timings):
+            return
+        total = max(t.total_ns for t in timings) / 1e9
+        self._shared(total, max(t.share_ns for t in timings) / 1e9)
 
     def _send_all(self, targets: list[tuple[_Component, _Replica]], method: str, requests: list):
         timeout = self.time_left()

@@ -121,22 +121,26 @@ class WorkerServicer:
         never converted on the event loop, and a call costs one thread hop. The response
         carries the epoch and the timings: `forward_ns` is the worker call, including the
         copy of its outputs to the host (so on a GPU it waits for the device),
-        `total_ns` the whole handler."""
+        `total_ns` the whole handler, `share_ns` its time on the model thread (a call
+        that runs alone costs the service all of it)."""
         began_ns = time.perf_counter_ns()
 
-        def run() -> tuple[Response, int]:
+        def run() -> tuple[Response, int, int]:
+            started = time.perf_counter_ns()
             call = decode()
             began = time.perf_counter_ns()
             result = function(call)
             if result is not None:  # a result, or hidden states: tensors to the host
                 result = result.on_host()
             forward_ns = time.perf_counter_ns() - began
-            return encode(result), forward_ns
+            response = encode(result)
+            return response, forward_ns, time.perf_counter_ns() - started
 
-        response, forward_ns = await self.thread.run(run)
+        response, forward_ns, share_ns = await self.thread.run(run)
         response.epoch = self.epoch
         response.timings.forward_ns = forward_ns
         response.timings.total_ns = time.perf_counter_ns() - began_ns
+        response.timings.share_ns = max(1, share_ns)
         return response
 
     def batcher(
@@ -201,13 +205,15 @@ class WorkerServicer:
         """The response to a request sent as `requests` (one, or the chunks of a long
         prefill, each in its own batch after the one before): their responses joined,
         with the epoch and the timings (`forward_ns`: the worker calls of their
-        batches)."""
+        batches; `share_ns`: the call's share of them, `CallBatcher.submit_shared`)."""
         began_ns = time.perf_counter_ns()
-        responses = [await batcher.submit(request) for request in requests]
+        outcomes = [await batcher.submit_shared(request) for request in requests]
+        responses = [response for response, _ in outcomes]
         response = join(responses)
         response.epoch = self.epoch
         response.timings.forward_ns = sum(part.timings.forward_ns for part in responses)
         response.timings.total_ns = time.perf_counter_ns() - began_ns
+        response.timings.share_ns = max(1, round(1e9 * sum(share for _, share in outcomes)))
         return response
 
     def limits_to_pb(self) -> internal_pb2.ServiceLimits:

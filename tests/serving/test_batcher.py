@@ -427,3 +427,27 @@ def test_a_window_that_ends_short_forgets_the_recent_batch_sizes(start_jury):
     began = time.monotonic()
     jury.stub.Score(score_request("b", 3), timeout=10)
     assert waited >= 0.3 and time.monotonic() - began < 0.2
+
+
+def test_a_call_tells_its_share_of_the_batches_and_the_grpc_backend_counts_it(
+    start_trunk, start_jury
+):
+    """A batched call's response carries its share of the batches it ran in (at most
+    what it waited there); an unbatched one its time on the model thread. The gRPC
+    backend hands them to the round that made the calls (the automatic drafter's cost)."""
+    from hydra_jury.orchestrator.grpc_backend import GrpcBackend
+    from hydra_jury.workers.calls import PrefillCall
+
+    trunk, jury = start_trunk(max_sessions=4), start_jury()
+    prefilled = trunk.stub.Prefill(prefill_request("a"), timeout=10).timings
+    assert 0 < prefilled.share_ns <= prefilled.total_ns
+    batch = internal_pb2.TrunkPrefillBatchRequest(calls=[prefill_request("b")])
+    unbatched = trunk.stub.PrefillBatch(batch, timeout=10).timings
+    assert 0 < unbatched.share_ns <= unbatched.total_ns
+    backend = GrpcBackend.static(f"127.0.0.1:{trunk.port}", [f"127.0.0.1:{jury.port}"])
+    try:
+        with backend.sharing() as share:
+            backend.prefill(PrefillCall("c", 0, torch.tensor(LONG_PROMPT), ("head0",)))
+        assert 0 < share.share <= share.waited
+    finally:
+        backend.close()
