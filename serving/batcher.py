@@ -70,6 +70,14 @@ class BatchLimits:
     window_s: float = 0.020
 
 
+def _callers(requests: list) -> frozenset | int:
+    """The sessions `requests` belong to, or their number where one names none."""
+    sessions = [getattr(request, "session", None) for request in requests]
+    if any(not isinstance(session, str) for session in sessions):
+        return len(requests)
+    return frozenset(sessions)
+
+
 def run_isolated(
     calls: list[Call],
     run_batch: Callable[[list[Call]], list[Result]],
@@ -118,7 +126,9 @@ class CallBatcher(Generic[Request, Response]):
         self._runner: asyncio.Task | None = None
         self._batch_s = 0.01  # a decayed mean of batch times, for the retry hint
         self.running = 0  # calls in the batch on the model thread now
-        self._recent: deque[int] = deque(maxlen=16)  # sizes of the last batches
+        # The callers of the last batches: sessions where the calls name one, else a
+        # batch's size (`_expected`).
+        self._recent: deque[frozenset | int] = deque(maxlen=8)
         self._carried = 0  # calls that go on in the next batch, waiting for the turn
         self.cost = LinearCost()  # a batch's seconds against its positions
         thread.batchers.append(self)
@@ -185,7 +195,7 @@ class CallBatcher(Generic[Request, Response]):
         began = time.monotonic()
         requests = [entry.request for entry in batch]
         self.largest = max(self.largest, len(batch))
-        self._recent.append(len(batch))
+        self._recent.append(_callers(requests))
         self.running = len(batch)
         try:
             results = await self.thread.run(self.handle, requests)
@@ -229,9 +239,11 @@ class CallBatcher(Generic[Request, Response]):
         (a lone session never waits, and the model thread never idles for it while it
         has other work). Sessions in a closed loop arrive a little apart — their previous
         call's results in their hands first — and a batch of all of them costs little
-        more than a batch of some. A window that ends short of the recent size forgets
-        the recent sizes: a session has gone, and the next batches do not wait for it."""
-        expected = max(self._recent, default=1)
+        more than a batch of some. The expected size is the number of sessions the last
+        batches served together, so that sessions split over two batches meet again in
+        the next. A window that ends short forgets them but for those waiting now: a
+        session has gone, and the next batches do not wait for it."""
+        expected = self._expected()
         if not self.limits.window_s or len(self._queue) >= expected:
             return
         deadline = time.monotonic() + self.limits.window_s
@@ -240,12 +252,22 @@ class CallBatcher(Generic[Request, Response]):
             left = deadline - time.monotonic()
             if left <= 0:
                 self._recent.clear()
+                self._recent.append(_callers([entry.request for entry in self._queue]))
                 return
             # Woken by the next call of any batcher of the thread, not by polling: the
             # sessions on their way here need the interpreter more than this loop does.
             arrivals.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(arrivals.wait(), left)
+
+    def _expected(self) -> int:
+        """The calls the next batch waits for: the distinct sessions of the last batches
+        (the largest of them, where calls name no session)."""
+        if not self._recent:
+            return 1
+        if all(isinstance(callers, frozenset) for callers in self._recent):
+            return max(1, len(frozenset().union(*self._recent)))
+        return max(len(c) if isinstance(c, frozenset) else c for c in self._recent)
 
     def _take(self, tokens: int = 0, first_fits: bool = True) -> list[_Queued]:
         """Queued calls in order while the token budget (`tokens` of it used) lasts, the

@@ -451,3 +451,19 @@ def test_a_call_tells_its_share_of_the_batches_and_the_grpc_backend_counts_it(
         assert 0 < share.share <= share.waited
     finally:
         backend.close()
+
+
+def test_sessions_split_over_two_batches_meet_again_in_the_next(start_jury):
+    """The window waits for the sessions the last batches served together, not for the
+    largest of those batches: a session that ran alone once is waited for again."""
+    jury = start_jury(max_sessions=4, batch_limits=BatchLimits(window_s=1.0))
+    for session in ("a", "b"):
+        jury.stub.Prefill(jury_prefill_request(session, 0, positions=3), timeout=10)
+    batched(jury, "Score", score_request("a", 3), [score_request("b", 3)])  # {a}, then {b}
+    batches = jury.servicer.metrics.registry.get_sample_value
+    before = batches("hydrajury_batch_calls_count", {"rpc": "Score"})
+    first = jury.stub.Score.future(score_request("a", 3), timeout=10)
+    time.sleep(0.1)  # "b" arrives inside the window "a" waits in
+    jury.stub.Score(score_request("b", 3), timeout=10)
+    first.result()
+    assert batches("hydrajury_batch_calls_count", {"rpc": "Score"}) == before + 1
