@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from hydra_jury.serving.errors import DeadlineExceeded
@@ -48,16 +48,29 @@ class ModelInfo:
 @dataclass
 class ModelShare:
     """A round's model calls, batched with other sessions': the seconds it waited for
-    them, and its share of their batches (`serving.cost_line.batch_shares`)."""
+    them, and its share of their batches (`serving.cost_line.batch_shares`); and the
+    CPU time of the round's own thread since the scope began."""
 
     waited: float = 0.0
     share: float = 0.0
+    cpu_began: float = field(default_factory=time.thread_time)
 
-    def cost(self, wall: float) -> float:
-        """What a round of `wall` seconds cost the server's throughput: its time outside
-        the model calls, plus its share of their batches instead of the whole batches it
-        waited for. (Alone, the share is the wait, and the cost the wall time.)"""
-        return wall - self.waited + self.share
+    def cost(self, wall: float, cpu: float | None = None) -> float:
+        """What a round of `wall` seconds (`cpu` of them on its thread's CPU; default:
+        measured now) cost the server's throughput: its share of the batches instead
+        of the whole batches it waited for, plus its own work outside them. That work is
+        its CPU time, plus the rest of its time outside the model calls (hops, waits for
+        the interpreter or a core held by other sessions) in the measure the round ran
+        alone — share / waited: alone, that rest is its latency and counts in full; among
+        many sessions it is their work, counted in theirs. Alone, the cost is the wall
+        time; with no batched call, too."""
+        if self.waited <= 0:
+            return wall
+        own = (time.thread_time() - self.cpu_began) if cpu is None else cpu
+        outside = max(wall - self.waited, 0.0)
+        own = min(own, outside)
+        alone = min(self.share / self.waited, 1.0)
+        return self.share + own + (outside - own) * alone
 
 
 class DecodingBackend(ABC):

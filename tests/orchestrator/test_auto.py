@@ -40,7 +40,6 @@ def test_expected_tokens():
 
 def test_the_choice_follows_costs_and_acceptance():
     costs, state = measured(), AutoState()
-    state.rounds = 1  # past the first measurements
     # Cheap extra positions and a fair acceptance (0.5): draft, but not all 6 on offer —
     # the 5th and later would almost never be reached.
     assert state.choose(costs, ngram_drafts=6, head_cap=0, greedy=False) == Choice("ngram", 4)
@@ -53,9 +52,10 @@ def test_the_choice_follows_costs_and_acceptance():
     assert state.choose(expensive, ngram_drafts=6, head_cap=0, greedy=False) == Choice("none", 0)
     # Head drafts only under greedy decoding, and only when they pay.
     cheap_heads = measured(head=(0.01, 0.002))
-    greedy_state = AutoState(rounds=1)
+    greedy_state = AutoState()
     for _ in range(30):
         greedy_state.observe(cheap_heads, Choice("head", 4), reached=4, kept=4)
+    cheap_heads.rounds = 1  # between two measuring rounds: chosen on merit
     assert greedy_state.choose(cheap_heads, 0, head_cap=8, greedy=True).drafter == "head"
     assert greedy_state.choose(cheap_heads, 0, head_cap=8, greedy=False).drafter == "none"
 
@@ -72,7 +72,8 @@ def test_a_new_request_starts_from_the_pooled_acceptance():
 
 def test_each_kind_of_round_is_measured_first_and_now_and_then():
     """One-pass rounds first (every other cost is predicted against them), then head and
-    draft-model rounds; then each again every 16 rounds, however it is predicted."""
+    draft-model rounds; then each again once every 16 rounds of the engine's requests
+    together, however it is predicted: under load, measuring costs no more than alone."""
     costs, state = CostModel(), AutoState()
     assert state.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == Choice("ngram", 3)
     assert state.choose(costs, 0, head_cap=4, greedy=True, model_cap=4) == Choice("none", 0)
@@ -85,18 +86,51 @@ def test_each_kind_of_round_is_measured_first_and_now_and_then():
     costs = measured(verify=(1.0, 1.0), head=(10.0, 10.0))
     for size in (2, 4):
         costs.observe("model", size, 10.0 * size)
-    state = AutoState(rounds=1)
+    state = AutoState()
     for _ in range(30):
         state.observe(costs, Choice("ngram", 3), reached=1, kept=0)
-    state.rounds = 1
+    assert costs.rounds == 30  # every request's rounds count
+    costs.rounds = 1
     assert state.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == Choice("none", 0)
+    other = AutoState.starting(costs)  # another request of the same engine
     for round_, expected in (
         (4, Choice("ngram", 3)),
+        (5, Choice("none", 0)),  # measured in this period already, by the other request
         (8, Choice("head", 4)),
         (12, Choice("model", 4)),
+        (20, Choice("ngram", 3)),  # the next period
     ):
-        state.rounds = round_
+        costs.rounds = round_
         assert state.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == expected
+        if round_ == 4:
+            assert other.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == Choice("none", 0)
+    # A request with no n-gram drafts on offer leaves the measuring round to one with some.
+    costs.rounds = 36
+    assert state.choose(costs, 0, head_cap=0, greedy=False) == Choice("none", 0)
+    assert other.choose(costs, 3, head_cap=0, greedy=False) == Choice("ngram", 3)
+
+
+def test_the_engine_measures_as_often_whatever_the_number_of_requests():
+    """Four requests running: one measuring round in 4 x 16 of their rounds together."""
+    costs = measured(verify=(1.0, 1.0))
+    requests = [AutoState() for _ in range(4)]
+    for request in requests:
+        for _ in range(30):
+            request.observe(costs, Choice("ngram", 3), reached=1, kept=0)  # never kept
+
+    def rounds(count: int) -> None:
+        for _ in range(count):
+            for request in requests:
+                request.observe(costs, Choice("none", 0), reached=0, kept=0)
+
+    rounds(16)
+    assert requests[0].choose(costs, 3, head_cap=0, greedy=False) == Choice("ngram", 3)
+    rounds(15)  # 60 rounds since
+    assert [r.choose(costs, 3, head_cap=0, greedy=False) for r in requests] == [
+        Choice("none", 0)
+    ] * 4
+    rounds(1)  # 64
+    assert requests[2].choose(costs, 3, head_cap=0, greedy=False) == Choice("ngram", 3)
 
 
 class FixedCosts(CostModel):

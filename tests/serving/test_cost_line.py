@@ -38,6 +38,11 @@ def test_a_line_follows_its_batches():
     assert fixed == pytest.approx(0.03) and per_position == pytest.approx(0.002)
 
 
-def test_a_rounds_cost_is_its_time_outside_the_model_plus_its_share():
+def test_a_rounds_cost_is_its_share_plus_its_own_work():
     assert ModelShare().cost(0.05) == 0.05  # no batched call: its time
-    assert ModelShare(waited=0.04, share=0.01).cost(0.05) == pytest.approx(0.02)
+    # Alone (the share is the wait): the wall time, hops and all.
+    assert ModelShare(waited=0.04, share=0.04).cost(0.05, cpu=0.002) == pytest.approx(0.05)
+    # Among many (a tenth of its wait its own): its share, its CPU time, and a tenth of
+    # the rest of its time outside the model calls (0.010 s, 0.002 s of it CPU).
+    shared = ModelShare(waited=0.04, share=0.004).cost(0.05, cpu=0.002)
+    assert shared == pytest.approx(0.004 + 0.002 + 0.008 * 0.1)
