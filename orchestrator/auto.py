@@ -10,12 +10,12 @@ Inputs
   fitted by exponentially decayed least squares over recent rounds, so it follows the
   machine as load changes; until a kind has been measured at two sizes its line is a
   prior scaled from what is known.
-- load (where the backend batches sessions' calls, as `serve` does): a round is
-  measured by what it costs the server's throughput, not by its wall time — its time
-  outside the model calls plus its share of the batches they ran in
-  (`backend.ModelShare`): each batch's fixed cost divided among its calls, and what the
-  round's own positions add to the batch, which every call of it waits for
-  (`serving.cost_line.batch_shares`). With many sessions the fixed cost is spread thin
+- load (where sessions' calls are batched: `serve`, and the services of the split
+  stack, which tell each call's share in `Timings.share_ns`): a round is measured by
+  what it costs the server's throughput, not by its wall time — its share of the
+  batches its calls ran in plus its own work (`backend.ModelShare`): each batch's fixed
+  cost divided among its calls, and what the round's own positions add to the batch,
+  which every call of it waits for (`serving.cost_line.batch_shares`). With many sessions the fixed cost is spread thin
   and a verified position costs about what a whole plain step's share does, so drafts
   that are mostly rejected stop paying and the mode stops speculating; alone, the share
   is the round's time and nothing changes.
