@@ -15,10 +15,10 @@ Inputs
   what it costs the server's throughput, not by its wall time — its share of the
   batches its calls ran in plus its own work (`backend.ModelShare`): each batch's fixed
   cost divided among its calls, and what the round's own positions add to the batch,
-  which every call of it waits for (`serving.cost_line.batch_shares`). With many sessions the fixed cost is spread thin
-  and a verified position costs about what a whole plain step's share does, so drafts
-  that are mostly rejected stop paying and the mode stops speculating; alone, the share
-  is the round's time and nothing changes.
+  which every call of it waits for (`serving.cost_line.batch_shares`). With many
+  sessions the fixed cost is spread thin and a verified position costs about what a
+  whole plain step's share does, so drafts that are mostly rejected stop paying and the
+  mode stops speculating; alone, the share is the round's time and nothing changes.
 - acceptance (measured): how often a draft token is kept, per drafter — decayed counts
   over the request's rounds, starting from the engine's pooled counts over earlier
   requests (how well a head or a draft model drafts is mostly a property of the
