@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -239,10 +239,10 @@ class CallBatcher(Generic[Request, Response]):
         (a lone session never waits, and the model thread never idles for it while it
         has other work). Sessions in a closed loop arrive a little apart — their previous
         call's results in their hands first — and a batch of all of them costs little
-        more than a batch of some. The expected size is the number of sessions the last
-        batches served together, so that sessions split over two batches meet again in
-        the next. A window that ends short forgets them but for those waiting now: a
-        session has gone, and the next batches do not wait for it."""
+        more than a batch of some. The expected size counts the sessions that came back
+        in the last batches, so that sessions split over two batches meet again in the
+        next. A window that ends short forgets them but for those waiting now: a session
+        has gone, and the next batches do not wait for it."""
         expected = self._expected()
         if not self.limits.window_s or len(self._queue) >= expected:
             return
@@ -261,13 +261,16 @@ class CallBatcher(Generic[Request, Response]):
                 await asyncio.wait_for(arrivals.wait(), left)
 
     def _expected(self) -> int:
-        """The calls the next batch waits for: the distinct sessions of the last batches
-        (the largest of them, where calls name no session)."""
+        """The calls the next batch waits for: as many as the largest of the last
+        batches, or as many sessions as came back in them (twice or more: sessions in a
+        closed loop, not the one-off calls of sessions that come and go, as prefills)."""
         if not self._recent:
             return 1
-        if all(isinstance(callers, frozenset) for callers in self._recent):
-            return max(1, len(frozenset().union(*self._recent)))
-        return max(len(c) if isinstance(c, frozenset) else c for c in self._recent)
+        largest = max(len(c) if isinstance(c, frozenset) else c for c in self._recent)
+        if not all(isinstance(callers, frozenset) for callers in self._recent):
+            return largest
+        seen = Counter(session for callers in self._recent for session in callers)
+        return max(largest, sum(1 for count in seen.values() if count > 1))
 
     def _take(self, tokens: int = 0, first_fits: bool = True) -> list[_Queued]:
         """Queued calls in order while the token budget (`tokens` of it used) lasts, the

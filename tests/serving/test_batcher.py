@@ -454,12 +454,14 @@ def test_a_call_tells_its_share_of_the_batches_and_the_grpc_backend_counts_it(
 
 
 def test_sessions_split_over_two_batches_meet_again_in_the_next(start_jury):
-    """The window waits for the sessions the last batches served together, not for the
-    largest of those batches: a session that ran alone once is waited for again."""
+    """The window waits for the sessions that keep coming back, not only for as many
+    calls as the largest of the last batches: two sessions that ran apart, each in a
+    batch of its own, are waited for together."""
     jury = start_jury(max_sessions=4, batch_limits=BatchLimits(window_s=1.0))
     for session in ("a", "b"):
         jury.stub.Prefill(jury_prefill_request(session, 0, positions=3), timeout=10)
-    batched(jury, "Score", score_request("a", 3), [score_request("b", 3)])  # {a}, then {b}
+    for _ in range(2):  # {a}, {b}, {a}, {b}
+        batched(jury, "Score", score_request("a", 3), [score_request("b", 3)])
     batches = jury.servicer.metrics.registry.get_sample_value
     before = batches("hydrajury_batch_calls_count", {"rpc": "Score"})
     first = jury.stub.Score.future(score_request("a", 3), timeout=10)
@@ -467,3 +469,14 @@ def test_sessions_split_over_two_batches_meet_again_in_the_next(start_jury):
     jury.stub.Score(score_request("b", 3), timeout=10)
     first.result()
     assert batches("hydrajury_batch_calls_count", {"rpc": "Score"}) == before + 1
+
+
+def test_sessions_that_come_once_are_not_waited_for(start_jury):
+    """Prefills of sessions that each come once (one-off requests) do not make the next
+    prefill wait for more: the window waits for sessions that came back."""
+    jury = start_jury(max_sessions=8, batch_limits=BatchLimits(window_s=1.0))
+    for session in ("a", "b", "c"):
+        jury.stub.Prefill(jury_prefill_request(session, 0, positions=3), timeout=10)
+    began = time.monotonic()
+    jury.stub.Prefill(jury_prefill_request("d", 0, positions=3), timeout=10)
+    assert time.monotonic() - began < 0.5
