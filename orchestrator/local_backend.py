@@ -176,6 +176,25 @@ class LocalBackend(DecodingBackend):
             return self._batched("Draft", [call])[0]
         return self._run(lambda: self.trunk.draft(call).on_host())
 
+    def draft_ahead(self, call: DraftCall) -> Future[DraftResult] | None:
+        """Batched (the single-process server), `call` goes to the Draft batcher now and
+        runs with the other sessions' steps while this thread goes on; else None."""
+        if self.batchers is None:
+            return None
+        submitted = self.batchers.submit("Draft", call)
+        result: Future[DraftResult] = Future()
+
+        def done(future: Future) -> None:
+            if future.cancelled():
+                result.cancel()
+            elif future.exception() is not None:
+                result.set_exception(future.exception())
+            else:
+                result.set_result(future.result()[0])
+
+        submitted.add_done_callback(done)
+        return result
+
     def score(self, call: ScoreCall) -> ScoreResult:
         return self.score_batch([call])[0]
 

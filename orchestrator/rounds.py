@@ -94,9 +94,12 @@ class Rounds:
             )
         if prepared.drafter == DrafterKind.MODEL:
             return self._model_round(run, min(prepared.gamma, remaining - 1), coupled=False)
-        if prepared.rule in (Rule.VERIFIER_ONLY, Rule.DRAFTER_ONLY):
-            gamma = 1 if prepared.rule == Rule.VERIFIER_ONLY else min(prepared.gamma, remaining)
-            return self._head_round(run, gamma)
+        if prepared.rule == Rule.VERIFIER_ONLY:
+            # A plain step: the next one's trunk step can go as soon as this one's token
+            # is drawn (`_head_round`).
+            return self._head_round(run, 1, ahead, next_gamma=int(remaining > 1))
+        if prepared.rule == Rule.DRAFTER_ONLY:
+            return self._head_round(run, min(prepared.gamma, remaining))
         gamma = min(prepared.gamma, remaining)
         # What the next round drafts if this one keeps all γ: its draft can go ahead.
         next_gamma = min(prepared.gamma, remaining - gamma)
@@ -189,13 +192,27 @@ class Rounds:
         drafted = time.perf_counter()
         if rule == Rule.DRAFTER_ONLY:
             return self._keep_draft(draft)
-        sent_ahead = next_gamma > 0 and policy.pays() and self._send_ahead(run, draft, next_gamma)
+        plain = rule == Rule.VERIFIER_ONLY
+        sent_ahead = (
+            not plain
+            and next_gamma > 0
+            and policy.pays()
+            and self._send_ahead(run, draft, next_gamma)
+        )
         sent = time.perf_counter()
         score = self._score(run, draft.hidden, draft.decision_logprobs is not None)
         scored = time.perf_counter()
         target_logprobs = normalise_logprobs(score.log_product)  # [γ, V]
-        if rule == Rule.VERIFIER_ONLY:
-            return self._sample_target(run, target_logprobs, score)
+        if plain:
+            verdict = self._sample_target(run, target_logprobs, score)
+            # The next step's trunk call needs only this token: sent now, it runs while
+            # this round's metrics, commit and stream are done (where the backend
+            # batches sessions, beside theirs; never discarded but at the end).
+            verdict.sent_ahead = next_gamma > 0 and self._send_ahead_from(
+                run, verdict.tokens[-1], 1, next_gamma
+            )
+            verdict.used_ahead = used_ahead
+            return verdict
         verdict = self._verify(run, draft, target_logprobs, score, DrafterKind.HEAD, coupled=False)
         verdict.sent_ahead, verdict.used_ahead = sent_ahead, used_ahead
         policy.observe_draft(ahead.seconds if used_ahead else drafted - began)
@@ -207,7 +224,12 @@ class Rounds:
         """Sends the draft the next round makes if every token of `draft` is kept: from
         its last token, at the position after them. Whether the backend took it."""
         tokens = draft.tokens.tolist()
-        call = self._draft_call(run, gamma, run.start + len(tokens), tokens[-1])
+        return self._send_ahead_from(run, tokens[-1], len(tokens), gamma)
+
+    def _send_ahead_from(self, run: Run, token: int, emitted: int, gamma: int) -> bool:
+        """Sends the draft call of the round after this one, if this one emits `emitted`
+        tokens ending with `token`. Whether the backend took it."""
+        call = self._draft_call(run, gamma, run.start + emitted, token)
         future = self.backend.draft_ahead(call)
         if future is None:
             return False

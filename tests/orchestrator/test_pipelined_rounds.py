@@ -119,7 +119,10 @@ def test_greedy_pipelined_speculation_gives_the_non_speculative_tokens(stack):
             timeout=30,
         )
         assert list(speculative.token_ids) == list(plain_step.token_ids)
-        assert plain_step.stats.drafts_ahead == 0  # nothing to send ahead of a plain step
+        # A plain step sends the next one's trunk step once its token is drawn: every
+        # round but the last, and every one is used (no draft to reject).
+        stats = plain_step.stats
+        assert stats.drafts_ahead == stats.drafts_ahead_used == stats.rounds - 1
 
 
 def test_sessions_running_together_give_their_tokens_alone(stack):
