@@ -240,7 +240,7 @@ class LayerStack:
             rows = slice(offset, offset + segment.length)
             plans.append(_SegmentPlan(segment, rows, rope.rotation(segment.start, segment.length)))
             offset += segment.length
-        decoded = self._decode_natively(x, plans) if len(plans) == 1 else None
+        decoded = self._decode_natively(x, plans)
         if decoded is not None:
             x = decoded
         else:
@@ -251,9 +251,10 @@ class LayerStack:
         return x
 
     def _decode_natively(self, x: torch.Tensor, plans: list[_SegmentPlan]) -> torch.Tensor | None:
-        """One session's new positions through every layer in one native call, when the
-        layers are plain pre-norm ones (no biases, no q/k norms); else None."""
-        config, plan = self.config, plans[0]
+        """The sessions' new positions through every layer in one native call, when the
+        layers are plain pre-norm ones (no biases, no q/k norms) and every segment has a
+        cache; else None."""
+        config = self.config
         plain = not (
             config.post_norms
             or config.qk_norm
@@ -261,7 +262,7 @@ class LayerStack:
             or config.o_proj_bias
             or config.mlp_bias
         )
-        if not plain or plan.segment.cache is None or not self.layers:
+        if not plain or any(plan.segment.cache is None for plan in plans) or not self.layers:
             return None
         if self._native is None:
             weights = [layer.qkv_weight for layer in self.layers]
@@ -278,9 +279,9 @@ class LayerStack:
             group,
             quantized_input,
             config.rms_norm_eps,
-            plan.segment.cache,
-            plan.segment.start,
-            plan.rotation,
+            [plan.segment.cache for plan in plans],
+            [plan.segment.start for plan in plans],
+            [plan.rotation for plan in plans],
             config.num_attention_heads,
             config.num_key_value_heads,
         )

@@ -123,31 +123,31 @@ def decoded_layers(
     group: int,
     quantized_input: bool,
     eps: float,
-    cache: KVCache,
-    start: int,
-    rotation: tuple[torch.Tensor, torch.Tensor],
+    caches: list[KVCache],
+    starts: list[int],
+    rotations: list[tuple[torch.Tensor, torch.Tensor]],
     heads: int,
     kv_heads: int,
 ) -> torch.Tensor | None:
-    """Every layer of a pre-norm stack without biases over one session's new positions,
-    in one native call (`LayerStack`; `entries`: 14 per layer, `_Layer.native_entries`;
-    `quantized_input`: the weights' `int8_activations`). None when the kernels cannot
-    take it."""
-    ops = native() if _attention_fits(x, cache) else None
+    """Every layer of a pre-norm stack without biases over the new positions of one or
+    more sessions (x: their rows one session after the other; per session its cache, its
+    start and the rotation of its positions), in one native call (`LayerStack`;
+    `entries`: 14 per layer, `_Layer.native_entries`; `quantized_input`: the weights'
+    `int8_activations`). None when the kernels cannot take it."""
+    ops = native() if all(_attention_fits(x, cache) for cache in caches) else None
     if ops is None:
         return None
-    cos, sin = rotation
     return ops.decode_layers(
         x,
         entries,
         group,
         quantized_input,
         eps,
-        cache.keys,
-        cache.values,
-        start,
-        cos,
-        sin,
+        [cache.keys for cache in caches],
+        [cache.values for cache in caches],
+        starts,
+        [cos for cos, _ in rotations],
+        [sin for _, sin in rotations],
         heads,
         kv_heads,
     )

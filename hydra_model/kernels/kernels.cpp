@@ -344,21 +344,37 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& keys_all, const at::T
   return out;
 }
 
-// Every layer of a pre-norm decoder stack (Llama, Qwen2 without biases) over one session's
-// new positions, in one call: what a Python loop of five calls per layer would do, without
-// the interpreter and the dispatcher between them. `weights` holds, per layer, 14 entries:
-// the q/k/v, o, gate/up and down weights, each as (values, scale, minimum), then the
-// attention and MLP norms.
+// Every layer of a pre-norm decoder stack (Llama, Qwen2 without biases) over the new
+// positions of one or more sessions (a ragged batch: x holds their rows one session after
+// the other), in one call: what a Python loop of five calls per layer and one attention
+// call per session would do, without the interpreter and the dispatcher between them.
+// `weights` holds, per layer, 14 entries: the q/k/v, o, gate/up and down weights, each as
+// (values, scale, minimum), then the attention and MLP norms. Per session: its cache's keys
+// and values, its start, and the cos and sin of its positions (their first dimension: its
+// length).
 constexpr int64_t kLayerEntries = 14;
 
 at::Tensor decode_layers(const at::Tensor& x_given, const c10::List<std::optional<at::Tensor>>& weights,
-                         int64_t group, bool int8_activations, double eps, const at::Tensor& keys,
-                         const at::Tensor& values, int64_t start, const at::Tensor& cos,
-                         const at::Tensor& sin, int64_t heads, int64_t kv_heads) {
+                         int64_t group, bool int8_activations, double eps, at::TensorList keys,
+                         at::TensorList values, at::IntArrayRef starts, at::TensorList cos,
+                         at::TensorList sin, int64_t heads, int64_t kv_heads) {
   TORCH_CHECK(weights.size() % kLayerEntries == 0, "weights: ", kLayerEntries, " per layer");
   int64_t layers = weights.size() / kLayerEntries;
-  TORCH_CHECK(keys.dim() == 5 && keys.size(1) == layers, "the cache holds ", keys.size(1),
-              " layers, the weights ", layers);
+  size_t sessions = keys.size();
+  TORCH_CHECK(sessions >= 1 && values.size() == sessions && starts.size() == sessions &&
+                  cos.size() == sessions && sin.size() == sessions,
+              "keys, values, starts, cos and sin: one of each per session");
+  std::vector<int64_t> lengths(sessions);
+  int64_t rows = 0;
+  for (size_t i = 0; i < sessions; ++i) {
+    TORCH_CHECK(keys[i].dim() == 5 && keys[i].size(1) == layers, "a cache holds ",
+                keys[i].size(1), " layers, the weights ", layers);
+    TORCH_CHECK(cos[i].dim() >= 1, "cos and sin must be [T, ..., head_dim] per session");
+    lengths[i] = cos[i].size(0);  // (RotaryTable.rotation's [T, 1, head_dim])
+    rows += lengths[i];
+  }
+  TORCH_CHECK(x_given.dim() == 3 && x_given.size(1) == rows, "x has ", x_given.size(1),
+              " rows, the sessions ", rows);
   auto entry = [&](int64_t layer, int64_t index) -> std::optional<at::Tensor> {
     return weights.get(layer * kLayerEntries + index);
   };
@@ -371,9 +387,21 @@ at::Tensor decode_layers(const at::Tensor& x_given, const c10::List<std::optiona
                       norm, eps, glu, residual, int8_activations);
   };
   at::Tensor x = x_given;
+  std::vector<at::Tensor> parts(sessions);
   for (int64_t layer = 0; layer < layers; ++layer) {
     at::Tensor qkv = product(x, layer, 0, entry(layer, 12), false, std::nullopt);
-    at::Tensor attended = attend(qkv, keys, values, layer, start, cos, sin, heads, kv_heads);
+    at::Tensor attended;
+    if (sessions == 1) {
+      attended = attend(qkv, keys[0], values[0], layer, starts[0], cos[0], sin[0], heads, kv_heads);
+    } else {
+      int64_t offset = 0;
+      for (size_t i = 0; i < sessions; ++i) {
+        parts[i] = attend(qkv.narrow(1, offset, lengths[i]), keys[i], values[i], layer, starts[i],
+                          cos[i], sin[i], heads, kv_heads);
+        offset += lengths[i];
+      }
+      attended = at::cat(parts, 1);
+    }
     x = product(attended, layer, 3, std::nullopt, false, x);
     at::Tensor gate_up = product(x, layer, 6, entry(layer, 13), false, std::nullopt);
     x = product(gate_up, layer, 9, std::nullopt, true, x);
@@ -391,8 +419,8 @@ TORCH_LIBRARY(hydra_jury, m) {
         "Tensor sin, int heads, int kv_heads) -> Tensor",
         attend);
   m.def("decode_layers(Tensor x, Tensor?[] weights, int group, bool int8_activations, float eps, "
-        "Tensor keys, "
-        "Tensor values, int start, Tensor cos, Tensor sin, int heads, int kv_heads) -> Tensor",
+        "Tensor[] keys, Tensor[] values, int[] starts, Tensor[] cos, Tensor[] sin, int heads, "
+        "int kv_heads) -> Tensor",
         decode_layers);
   m.def("kernel_isa(str requested) -> str", kernel_isa);
 }

@@ -339,3 +339,52 @@ def test_one_call_for_every_layer_gives_the_bits_of_a_call_per_step(kernels, wid
         stepwise = decode(jury_model)
     for one, other in zip(fused, stepwise, strict=True):
         assert torch.equal(one, other)
+
+
+def test_one_call_for_several_sessions_gives_the_bits_of_a_call_per_step(
+    kernels, wide_jury_checkpoint
+):
+    """A ragged batch of sessions (a step of `serve` or of the services) goes through
+    every layer in one native call too, each session's attention over its own cache:
+    the same bits as the per-operation path, and as each session alone."""
+    import hydra_jury.hydra_model.layers as layers
+    from hydra_jury.hydra_model import HydraModel
+    from hydra_jury.hydra_model.layers import Segment
+
+    model = HydraModel.load(wide_jury_checkpoint)
+    prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5]]
+    steps = [[7, 8], [1], [2, 7, 1]]  # a step of one session may hold several positions
+
+    def batched_step() -> torch.Tensor:
+        caches = [model.trunk_cache(16) for _ in prompts]
+        for prompt, cache in zip(prompts, caches, strict=True):
+            model.trunk.forward(torch.tensor(prompt), cache, 0)
+        segments = [
+            Segment(cache, len(prompt), len(step))
+            for prompt, step, cache in zip(prompts, steps, caches, strict=True)
+        ]
+        tokens = torch.tensor([token for step in steps for token in step])
+        return model.trunk.forward_ragged(tokens, segments)
+
+    calls = []
+    original = layers.decoded_layers
+
+    def counted(*args, **kwargs):
+        result = original(*args, **kwargs)
+        calls.append((len(args[5]), result is not None))
+        return result
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layers, "decoded_layers", counted)
+        fused = batched_step()
+    assert (3, True) in calls  # the three sessions' step was one native call
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layers, "decoded_layers", lambda *args, **kwargs: None)
+        stepwise = batched_step()
+    assert torch.equal(fused, stepwise)
+    alone = []
+    for prompt, step in zip(prompts, steps, strict=True):
+        cache = model.trunk_cache(16)
+        model.trunk.forward(torch.tensor(prompt), cache, 0)
+        alone.append(model.trunk.forward(torch.tensor(step), cache, len(prompt)))
+    assert torch.equal(fused, torch.cat(alone))
