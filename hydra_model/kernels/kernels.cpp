@@ -390,18 +390,13 @@ at::Tensor decode_layers(const at::Tensor& x_given, const c10::List<std::optiona
   std::vector<at::Tensor> parts(sessions);
   for (int64_t layer = 0; layer < layers; ++layer) {
     at::Tensor qkv = product(x, layer, 0, entry(layer, 12), false, std::nullopt);
-    at::Tensor attended;
-    if (sessions == 1) {
-      attended = attend(qkv, keys[0], values[0], layer, starts[0], cos[0], sin[0], heads, kv_heads);
-    } else {
-      int64_t offset = 0;
-      for (size_t i = 0; i < sessions; ++i) {
-        parts[i] = attend(qkv.narrow(1, offset, lengths[i]), keys[i], values[i], layer, starts[i],
-                          cos[i], sin[i], heads, kv_heads);
-        offset += lengths[i];
-      }
-      attended = at::cat(parts, 1);
+    int64_t offset = 0;
+    for (size_t i = 0; i < sessions; ++i) {  // each session's rows: a view, no copy
+      parts[i] = attend(qkv.narrow(1, offset, lengths[i]), keys[i], values[i], layer, starts[i],
+                        cos[i], sin[i], heads, kv_heads);
+      offset += lengths[i];
     }
+    at::Tensor attended = sessions == 1 ? parts[0] : at::cat(parts, 1);
     x = product(attended, layer, 3, std::nullopt, false, x);
     at::Tensor gate_up = product(x, layer, 6, entry(layer, 13), false, std::nullopt);
     x = product(gate_up, layer, 9, std::nullopt, true, x);
