@@ -12,8 +12,9 @@ and the engine path, each as a fraction of the bytes roofline.
   generation only). Bytes per token: the trunk's and one head's layers and the output
   matrix, as stored (quantized values and their scales).
 - engine: `generate --local --rule verifier_only --jury head0` in-process (the engine, the
-  round, metrics and detokenizer), prompt included, beside the bare loop with its prompt
-  included too (`bench_round.raw_rate`): the ratio is the engine's own cost.
+  round, metrics and detokenizer, with no timer patched in), prompt included, beside the
+  bare loop with its prompt included too (`bench_round.raw_rate`), runs of the two taken
+  turn about: the ratio is the engine's own cost.
 - Each hydra_model row's note splits a decode step: the products alone (every weight
   times one row, nothing else: how fast the kernels stream) against the whole step.
 - A second table: every projection of a step times 1 to 16 rows (what a speculative
@@ -39,7 +40,7 @@ from bench_round import (
     bytes_per_token,
     copy_bandwidth,
     cpu_model,
-    in_process,
+    engine_rate,
     raw_rate,
 )
 
@@ -152,6 +153,14 @@ def median_of(runs: int, measure) -> float:
     return statistics.median(measure() for _ in range(runs))
 
 
+def interleaved(runs: int, first, second) -> tuple[float, float]:
+    """The medians of `runs` runs of two measures taken turn about (after a warm-up of
+    each), so that a slow spell of the machine weighs on both alike."""
+    first(), second()
+    pairs = [(first(), second()) for _ in range(runs)]
+    return statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=Path, default=Path("var/models/smollm2-base"))
@@ -190,12 +199,13 @@ def main() -> None:
         rows.append(("hydra_model", label, size, rate, note))
         if variant in ENGINE_ROWS:
             engine = Engine(LocalBackend(model, limits=SessionLimits(1, 4096)), tokenizer)
-            engine_rate = median_of(
-                args.runs, lambda e=engine: in_process(e, ["head0"], args.new_tokens)[0]
+            through_engine, raw = interleaved(
+                args.runs,
+                lambda e=engine: engine_rate(e, ["head0"], args.new_tokens),
+                lambda m=model: raw_rate(m, prompt, 1, args.new_tokens),
             )
-            raw = median_of(args.runs, lambda m=model: raw_rate(m, prompt, 1, args.new_tokens))
-            note = f"{engine_rate / raw:.2f}x the bare loop with its prompt ({raw:.1f})"
-            rows.append(("engine", label, bytes_per_token(model, 1), engine_rate, note))
+            note = f"{through_engine / raw:.2f}x the bare loop with its prompt ({raw:.1f})"
+            rows.append(("engine", label, bytes_per_token(model, 1), through_engine, note))
     kernels = instruction_set() if native() is not None else "off"
     print(
         f"{cpu_model()}, {args.threads} threads, copy bandwidth {bandwidth / 1e9:.1f} GB/s; "

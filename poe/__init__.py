@@ -5,6 +5,7 @@ Modules
 - filters: sampling options and the top-k / top-p / min-p filters.
 - rules: acceptance rules (exact, lenient, speculative cascades, baselines).
 - verify: verification of a draft (greedy, sampled, coupled) and single-token draws.
+- maxima: argmax and the two largest values along the last axis, vectorised.
 - metrics: per-token metrics (entropy, stability, validity, suppression, log-probabilities)
   and request counters.
 - randomness: counter-based draws keyed by (seed, position, purpose).
@@ -17,6 +18,7 @@ from hydra_jury.poe.beam import BeamSearch, Hypothesis
 from hydra_jury.poe.contrastive import contrastive_logprobs
 from hydra_jury.poe.drafting import ngram_draft, point_mass_logprobs
 from hydra_jury.poe.filters import SamplingParams, filter_logprobs
+from hydra_jury.poe.maxima import first_argmax, top_two_values
 from hydra_jury.poe.metrics import (
     RequestStats,
     entropy,
@@ -78,6 +80,7 @@ __all__ = [
     "effective_temperature",
     "entropy",
     "filter_logprobs",
+    "first_argmax",
     "greedy_tokens",
     "greedy_verdict",
     "leading_true",
@@ -96,6 +99,7 @@ __all__ = [
     "target_logprobs",
     "token_logprobs",
     "top_logprobs",
+    "top_two_values",
     "uniforms",
     "validate_rule",
     "validity_radius",

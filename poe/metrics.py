@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from hydra_jury.poe._checks import check_float, check_long, check_rows, check_same_shape
+from hydra_jury.poe.maxima import top_two_values
 
 
 def entropy(probs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
@@ -45,7 +46,7 @@ def stability_margin(logprobs: torch.Tensor) -> torch.Tensor:
     check_float("logprobs", logprobs, dims=2)
     if logprobs.shape[1] < 2:
         return torch.zeros(logprobs.shape[0], dtype=torch.float32, device=logprobs.device)
-    top_two = logprobs.float().topk(2, dim=-1).values.exp()  # [B, 2]
+    top_two = top_two_values(logprobs.float()).exp()  # [B, 2]
     return top_two[:, 0] - top_two[:, 1]
 
 

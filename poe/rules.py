@@ -46,6 +46,7 @@ from enum import StrEnum
 import torch
 
 from hydra_jury.poe._checks import check_float, check_long, check_rows, check_same_shape
+from hydra_jury.poe.maxima import first_argmax
 
 
 class Rule(StrEnum):
@@ -261,4 +262,4 @@ def greedy_tokens(target_probs: torch.Tensor) -> torch.Tensor:
     two log-probabilities a hair apart can round to the same float32 probability, and
     every greedy path must break that tie the same way."""
     check_float("target_probs", target_probs, dims=2)
-    return target_probs.argmax(dim=-1)
+    return first_argmax(target_probs)

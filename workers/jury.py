@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from hydra_jury.hydra_model import HeadRun, HydraModel, KVCache, Segment
-from hydra_jury.poe import draft_logprobs, partial_log_product
+from hydra_jury.poe import draft_logprobs, first_argmax, partial_log_product
 from hydra_jury.workers.calls import HiddenStates, JuryPrefillCall, ScoreCall, ScoreResult
 from hydra_jury.workers.errors import InvalidArgument
 from hydra_jury.workers.sessions import (
@@ -249,7 +249,7 @@ class JuryWorker:
         return ScoreResult(
             log_product,
             decision,
-            juror_logits.argmax(-1).T,  # [γ, J]
+            first_argmax(juror_logits).T,  # [γ, J]
             tuple(self.hosted[i] for i in members),
             head_evaluations=rows * len(logits),
             amateur_logprobs=amateur,
