@@ -49,14 +49,11 @@ class ModelInfo:
 class ModelShare:
     """A round's model calls, batched with other sessions': the seconds it waited for
     them, and its share of their batches (`serving.cost_line.batch_shares`); and the
-    CPU time of the round's own thread since the scope began. A call the round used but
-    the round before sent ahead ran before this round began: its share counts, its
-    seconds are `overlapped`, not waited."""
+    CPU time of the round's own thread since the scope began."""
 
     waited: float = 0.0
     share: float = 0.0
     cpu_began: float = field(default_factory=time.thread_time)
-    overlapped: float = 0.0
 
     def cost(self, wall: float, cpu: float | None = None) -> float:
         """What a round of `wall` seconds (`cpu` of them on its thread's CPU; default:
@@ -64,15 +61,15 @@ class ModelShare:
         of the whole batches it waited for, plus its own work outside them. That work is
         its CPU time, plus the rest of its time outside the model calls (hops, waits for
         the interpreter or a core held by other sessions) in the measure the round ran
-        alone — share / (waited + overlapped): alone, that rest is its latency and counts
-        in full; among many sessions it is their work, counted in theirs. Alone, the cost
-        is the wall time; with no batched call, too."""
+        alone — share / waited: alone, that rest is its latency and counts in full; among
+        many sessions it is their work, counted in theirs. Alone, the cost is the wall
+        time; with no batched call, too."""
         if self.waited <= 0:
             return wall
         own = (time.thread_time() - self.cpu_began) if cpu is None else cpu
         outside = max(wall - self.waited, 0.0)
         own = min(own, outside)
-        alone = min(self.share / (self.waited + self.overlapped), 1.0)
+        alone = min(self.share / self.waited, 1.0)
         return self.share + own + (outside - own) * alone
 
 
@@ -117,14 +114,13 @@ class DecodingBackend(ABC):
         finally:
             self._scope.share = None
 
-    def record_share(self, waited: float, share: float, overlapped: float = 0.0) -> None:
+    def record_share(self, waited: float, share: float) -> None:
         """A batched call of this thread's round: `waited` seconds for it, `share` of its
-        batches; a call sent ahead by the round before, `overlapped` seconds."""
+        batches (a call sent ahead counts in the round that uses it)."""
         current = getattr(self._scope, "share", None)
         if current is not None:
             current.waited += waited
             current.share += share
-            current.overlapped += overlapped
 
     def time_left(self) -> float | None:
         """Seconds to the deadline of this thread's scope (None: no deadline); raises
@@ -182,9 +178,8 @@ class DecodingBackend(ABC):
         call beside this round's score and bookkeeping), or None where this backend does
         not pipeline rounds (the default). Its future gives what `draft` or
         `trunk_forward` would. Before the future is done, the
-        call's share of the batches it ran in and the seconds it took are added to
-        `share` (`share` and `waited`; 0 where calls are not batched), for the round
-        that uses it. The caller
+        call's share of the batches it ran in is added to `share.share`, for the round
+        that uses it (0 where calls are not batched). The caller
         waits for the future before it calls the trunk about the session again: the
         position rule holds only for one call of a session at a time."""
         return None

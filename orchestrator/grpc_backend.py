@@ -382,7 +382,6 @@ class GrpcBackend(DecodingBackend):
     ) -> DraftResult | HiddenStates:
         with self.call_scope(deadline), self.sharing() as measured:
             result = self.draft(call) if isinstance(call, DraftCall) else self.trunk_forward(call)
-        share.waited += measured.waited
         share.share += measured.share
         return result
 

@@ -190,7 +190,6 @@ class LocalBackend(DecodingBackend):
         if isinstance(call, DraftCall) and (call.draft_head is not None or call.draft_model):
             return None
         rpc = "Draft" if isinstance(call, DraftCall) else "TrunkForward"
-        began = time.perf_counter()
         submitted = self.batchers.submit(rpc, call)
         result: Future[DraftResult | HiddenStates] = Future()
 
@@ -201,7 +200,6 @@ class LocalBackend(DecodingBackend):
                 result.set_exception(future.exception())
             else:
                 value, call_share = future.result()
-                share.waited += time.perf_counter() - began
                 share.share += call_share
                 result.set_result(value)
 

@@ -258,7 +258,7 @@ class Rounds:
         if ahead is None or not _same_call(ahead.call, call):
             return None
         done = ahead.future.result()
-        self.backend.record_share(0.0, ahead.share.share, overlapped=ahead.share.waited)
+        self.backend.record_share(0.0, ahead.share.share)
         return done
 
     def _draft_or_ahead(

@@ -46,14 +46,3 @@ def test_a_rounds_cost_is_its_share_plus_its_own_work():
     # the rest of its time outside the model calls (0.010 s, 0.002 s of it CPU).
     shared = ModelShare(waited=0.04, share=0.004).cost(0.05, cpu=0.002)
     assert shared == pytest.approx(0.004 + 0.002 + 0.008 * 0.1)
-
-
-def test_a_call_sent_ahead_counts_its_share_in_the_round_that_used_it():
-    """The plain step's trunk call ran during the round before (0.03 s, a tenth of it this
-    session's): its share counts; its seconds are not this round's wait, but they tell
-    how alone the round ran."""
-    used = ModelShare(waited=0.02, share=0.002 + 0.003, overlapped=0.03)
-    assert used.cost(0.03, cpu=0.002) == pytest.approx(0.005 + 0.002 + 0.008 * 0.1)
-    # Alone, the round costs its time and the call it used.
-    alone = ModelShare(waited=0.02, share=0.02 + 0.03, overlapped=0.03)
-    assert alone.cost(0.03, cpu=0.002) == pytest.approx(0.05 + 0.002 + 0.008)
