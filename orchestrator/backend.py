@@ -170,14 +170,10 @@ class DecodingBackend(ABC):
         """γ trunk + draft-head steps from the pending token (`workers.trunk`). The
         result's tensors are on the host; its hidden states are an opaque handle."""
 
-    def call_ahead(
-        self, call: DraftCall | PrefillCall, share: ModelShare
-    ) -> Future[DraftResult | HiddenStates] | None:
-        """Starts `call` (a draft, or a one-pass round's trunk forward) so that it runs
-        while this thread makes its next calls (pipelined rounds: the next round's trunk
-        call beside this round's score and bookkeeping), or None where this backend does
-        not pipeline rounds (the default). Its future gives what `draft` or
-        `trunk_forward` would. Before the future is done, the
+    def draft_ahead(self, call: DraftCall, share: ModelShare) -> Future[DraftResult] | None:
+        """Starts `call` so that it runs while this thread makes its next calls (pipelined
+        rounds: the next round's draft beside this round's score), or None where this
+        backend does not pipeline rounds (the default). Before the future is done, the
         call's share of the batches it ran in is added to `share.share`, for the round
         that uses it (0 where calls are not batched). The caller
         waits for the future before it calls the trunk about the session again: the

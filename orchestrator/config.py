@@ -88,7 +88,7 @@ class OrchestratorConfig:
     # ran on other machines (`GrpcBackend`).
     inject_hop_delay_ms: float = 0.0
     # Speculative head rounds send the next round's draft while the jury scores
-    # (`orchestrator.rounds`, `GrpcBackend.call_ahead`).
+    # (`orchestrator.rounds`, `GrpcBackend.draft_ahead`).
     pipeline_rounds: bool = False
     grace_s: float = GRACE_S
     redis_url: str = ""

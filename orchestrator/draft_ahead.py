@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from hydra_jury.orchestrator.backend import ModelShare
-from hydra_jury.workers.calls import DraftCall, DraftResult, HiddenStates, PrefillCall
+from hydra_jury.workers.calls import DraftCall, DraftResult
 
 DECAY = 0.8  # per round: a request's last few rounds decide
 POOLED_DECAY = 0.98  # per round: the engine's pooled measurements, over many requests
@@ -38,12 +38,10 @@ KEPT_ALL_PRIOR = (1.0, 2.0)  # rounds that kept every draft token, of rounds: 1 
 class DraftAhead:
     """The next round's draft, sent before this round's verdict."""
 
-    # As the next round makes it if every draft token of this one is kept: a draft call,
-    # or a one-pass plain step's trunk forward.
-    call: DraftCall | PrefillCall
-    future: Future[DraftResult | HiddenStates]
+    call: DraftCall  # as the next round makes it if every draft token of this one is kept
+    future: Future[DraftResult]
     # Its share of the batches it ran in, set by the backend before the future is done:
-    # the round that uses it counts it as its own (`DecodingBackend.call_ahead`).
+    # the round that uses it counts it as its own (`DecodingBackend.draft_ahead`).
     share: ModelShare = field(default_factory=ModelShare)
     sent_at: float = field(default_factory=time.perf_counter)
     answered_at: float | None = None  # set when the future is done

@@ -9,7 +9,7 @@ called concurrently and their partial log-products added in shard order. Hidden 
 travel from the trunk's response to the shards' requests as they came, without being
 decoded. The loop is the same as in-process; only the transport differs.
 
-With `pipeline_rounds` the loop may send the next round's trunk call ahead (`call_ahead`): it
+With `pipeline_rounds` the loop may send the next round's draft ahead (`draft_ahead`): it
 runs on a thread of this backend's pool, with the caller's deadline and trace context,
 while the caller's thread waits for the shards' scores, so one round's two hops overlap
 with the next round's.
@@ -120,7 +120,7 @@ class GrpcBackend(DecodingBackend):
         """`hop_delay_s` (benchmarks): every call to the services waits this long, half
         before it is sent and half after its answer (the calls of one `_call_all`
         together, as they travel together), as if the services ran on other machines.
-        `pipeline_rounds`: `call_ahead` sends trunk calls ahead (else it declines)."""
+        `pipeline_rounds`: `draft_ahead` sends drafts ahead (else it declines)."""
         names = list(discovery.targets)
         if len(names) < 2:
             raise LayoutError("at least one jury shard address is needed")
@@ -365,23 +365,21 @@ class GrpcBackend(DecodingBackend):
             targets[0][1], lambda: wire.draft_result_from_pb(response, call, self.info.vocab_size)
         )
 
-    def call_ahead(
-        self, call: DraftCall | PrefillCall, share: ModelShare
-    ) -> Future[DraftResult | HiddenStates] | None:
+    def draft_ahead(self, call: DraftCall, share: ModelShare) -> Future[DraftResult] | None:
         if self._ahead is None:
             return None
         deadline = getattr(self._scope, "deadline", None)
         context = contextvars.copy_context()  # the round's trace span is the call's parent
         try:
-            return self._ahead.submit(context.run, self._call_before, deadline, call, share)
-        except RuntimeError:  # closing: the round makes its call itself
+            return self._ahead.submit(context.run, self._draft_before, deadline, call, share)
+        except RuntimeError:  # closing: the round makes its draft call itself
             return None
 
-    def _call_before(
-        self, deadline: float | None, call: DraftCall | PrefillCall, share: ModelShare
-    ) -> DraftResult | HiddenStates:
+    def _draft_before(
+        self, deadline: float | None, call: DraftCall, share: ModelShare
+    ) -> DraftResult:
         with self.call_scope(deadline), self.sharing() as measured:
-            result = self.draft(call) if isinstance(call, DraftCall) else self.trunk_forward(call)
+            result = self.draft(call)
         share.share += measured.share
         return result
 

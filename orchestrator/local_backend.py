@@ -176,22 +176,16 @@ class LocalBackend(DecodingBackend):
             return self._batched("Draft", [call])[0]
         return self._run(lambda: self.trunk.draft(call).on_host())
 
-    def call_ahead(
-        self, call: DraftCall | PrefillCall, share: ModelShare
-    ) -> Future[DraftResult | HiddenStates] | None:
-        """Batched (the single-process server), a plain step's `call` (a draft call
-        without a head, or a trunk forward) goes to its batcher now and runs with the
-        other sessions' steps while this thread goes on; else None. Not a head draft:
-        sent before the verdict, it would be wasted work whenever a draft token is
-        rejected, and in one process it has no jury on other cores to overlap with — the
-        model thread is the same."""
-        if self.batchers is None:
+    def draft_ahead(self, call: DraftCall, share: ModelShare) -> Future[DraftResult] | None:
+        """Batched (the single-process server), a plain step's `call` goes to the Draft
+        batcher now and runs with the other sessions' steps while this thread goes on;
+        else None. Not a head draft: sent before the verdict, it would be wasted work
+        whenever a draft token is rejected, and in one process it has no jury on other
+        cores to overlap with — the model thread is the same."""
+        if self.batchers is None or call.draft_head is not None or call.draft_model:
             return None
-        if isinstance(call, DraftCall) and (call.draft_head is not None or call.draft_model):
-            return None
-        rpc = "Draft" if isinstance(call, DraftCall) else "TrunkForward"
-        submitted = self.batchers.submit(rpc, call)
-        result: Future[DraftResult | HiddenStates] = Future()
+        submitted = self.batchers.submit("Draft", call)
+        result: Future[DraftResult] = Future()
 
         def done(future: Future) -> None:
             if future.cancelled():
@@ -199,9 +193,9 @@ class LocalBackend(DecodingBackend):
             elif future.exception() is not None:
                 result.set_exception(future.exception())
             else:
-                value, call_share = future.result()
+                draft, call_share = future.result()
                 share.share += call_share
-                result.set_result(value)
+                result.set_result(draft)
 
         submitted.add_done_callback(done)
         return result

@@ -11,7 +11,7 @@ Kinds of round
 - auto: the automatic mode picks one of the above per round (`orchestrator.auto`).
 - beam: a whole beam search as one round (`orchestrator.beam_search`).
 
-Pipelined head rounds (a backend whose `call_ahead` accepts): once a round's draft is
+Pipelined head rounds (a backend whose `draft_ahead` accepts): once a round's draft is
 back, the next round's draft call is sent as that round would make it if every draft
 token is kept (from the last draft token, γ positions on) while this round's jury
 scores, when the request's measurements say it pays (`orchestrator.draft_ahead`). The
@@ -162,7 +162,7 @@ class Rounds:
                 greedy = prepared.sampling.greedy
                 return run.auto.best(self.costs, ngram, head, greedy, model).drafter == NONE
 
-            verdict = self._plain_step(run, ahead, next_plain, one_pass=True)
+            verdict = self._plain_step(run, ahead, next_plain)
             kind, positions = DrafterKind.NGRAM, 1
         else:  # n-gram drafts: a one-pass round over the pending token and k drafts
             verdict = self._ngram_round(run, drafts[: choice.drafts])
@@ -236,79 +236,49 @@ class Rounds:
         tokens = draft.tokens.tolist()
         return self._send_ahead_from(run, tokens[-1], len(tokens), gamma)
 
-    def _send_ahead_from(self, run: Run, token: int, emitted: int, gamma: int) -> bool:
-        """Sends the draft call of the round after this one, if this one emits `emitted`
-        tokens ending with `token`. Whether the backend took it."""
-        return self._call_ahead(run, self._draft_call(run, gamma, run.start + emitted, token))
-
-    def _call_ahead(self, run: Run, call: DraftCall | PrefillCall) -> bool:
-        """Sends the next round's trunk call now. Whether the backend took it."""
+    def _send_ahead_from(
+        self, run: Run, token: int, emitted: int, gamma: int, plain: bool = False
+    ) -> bool:
+        """Sends the draft call of the round after this one (with `plain`, a plain step's
+        trunk call), if this one emits `emitted` tokens ending with `token`. Whether the
+        backend took it."""
+        call = self._draft_call(run, gamma, run.start + emitted, token, plain=plain)
         share = ModelShare()
-        future = self.backend.call_ahead(call, share)
+        future = self.backend.draft_ahead(call, share)
         if future is None:
             return False
         run.ahead = DraftAhead(call, future, share)
         return True
 
-    def _ahead_result(
-        self, ahead: DraftAhead | None, call: DraftCall | PrefillCall
-    ) -> DraftResult | HiddenStates | None:
-        """The result of `call` if the last round sent it ahead (its share of the batches
-        it ran in then counts in this round's), else None."""
-        if ahead is None or not _same_call(ahead.call, call):
-            return None
-        done = ahead.future.result()
-        self.backend.record_share(0.0, ahead.share.share)
-        return done
-
     def _draft_or_ahead(
         self, run: Run, call: DraftCall, ahead: DraftAhead | None
     ) -> tuple[DraftResult, bool]:
-        """The result of `call`, and whether it is the one the last round sent ahead."""
-        done = self._ahead_result(ahead, call)
-        return self._draft(run, call, done), done is not None
-
-    def _plain_call(
-        self, run: Run, start: int, pending: int, one_pass: bool
-    ) -> DraftCall | PrefillCall:
-        """A plain step's trunk call: a draft call without a head, or (`one_pass`) the
-        trunk forward of a one-pass round with no draft, which batches with the one-pass
-        rounds of other sessions."""
-        if one_pass:
-            return PrefillCall(run.session, start, torch.tensor([pending]))
-        return self._draft_call(run, 1, start, pending, plain=True)
+        """The result of `call`, and whether it is the one the last round sent ahead
+        (whose share of the batches it ran in then counts in this round's)."""
+        if ahead is None or ahead.call != call:
+            return self._draft(run, call), False
+        done = ahead.future.result()
+        self.backend.record_share(0.0, ahead.share.share)
+        return self._draft(run, call, done), True
 
     def _plain_step(
-        self,
-        run: Run,
-        ahead: DraftAhead | None,
-        next_plain: Callable[[int], bool],
-        one_pass: bool = False,
+        self, run: Run, ahead: DraftAhead | None, next_plain: Callable[[int], bool]
     ) -> Verdict:
         """One trunk step and one jury call, no draft; one token drawn from the target.
         `ahead`: this step's trunk call, if the last round sent it. When `next_plain` says
         the next round is a plain step too (given this one's token), its trunk call needs
         only that token: sent now, it runs while this round's metrics, commit and stream
         are done (where the backend batches sessions, beside theirs; discarded when the
-        next round is something else, or there is none). `one_pass`: the trunk call is
-        the one-pass rounds' (`_plain_call`)."""
-        call = self._plain_call(run, run.start, run.committed[-1], one_pass)
-        done = self._ahead_result(ahead, call)
-        if isinstance(call, PrefillCall):
-            hidden = done
-            if hidden is None:
-                with run.timer.phase("draft_s"):
-                    hidden = self.backend.trunk_forward(call)
-            _count_work(run.progress.stats, 1, 0)
-        else:
-            hidden = self._draft(run, call, done).hidden
-        score = self._score(run, hidden, with_decision=False)
+        next round is something else, or there is none)."""
+        call = self._draft_call(run, 1, run.start, run.committed[-1], plain=True)
+        draft, used_ahead = self._draft_or_ahead(run, call, ahead)
+        score = self._score(run, draft.hidden, with_decision=False)
         verdict = self._sample_target(run, normalise_logprobs(score.log_product), score)
         token = verdict.tokens[-1]
-        verdict.sent_ahead = next_plain(token) and self._call_ahead(
-            run, self._plain_call(run, run.start + 1, token, one_pass)
+        verdict.sent_ahead = next_plain(token) and self._send_ahead_from(
+            run, token, 1, 1, plain=True
         )
-        verdict.used_ahead = done is not None
+        verdict.used_ahead = used_ahead
         return verdict
 
     def _draft_call(
@@ -475,16 +445,6 @@ class Rounds:
         else:
             verification = verify_sampled(rule, lenience, draft.tokens, probs, seed, positions)
         return _verdict(draft, verification, target_logprobs, target_probs, score, drafter)
-
-
-def _same_call(sent: DraftCall | PrefillCall, call: DraftCall | PrefillCall) -> bool:
-    """Whether the call sent ahead is `call` (a trunk forward's tokens compared by value)."""
-    if isinstance(sent, PrefillCall) and isinstance(call, PrefillCall):
-        place = (sent.session, sent.start, sent.heads)
-        return place == (call.session, call.start, call.heads) and torch.equal(
-            sent.tokens, call.tokens
-        )
-    return sent == call
 
 
 def _decides_apart(run: Run) -> bool:

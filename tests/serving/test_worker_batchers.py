@@ -176,14 +176,14 @@ def test_a_plain_step_goes_ahead_through_the_draft_batcher(jury_model):
             local.prefill(trunk_prefill("s", [3, 4, 5]))
             call = DraftCall("s", 3, 6, 1, None, SamplingParams(temperature=0.0), 0)
             shares.append(ModelShare())
-            future = local.call_ahead(call, shares[-1])
+            future = local.draft_ahead(call, shares[-1])
             assert (future is not None) == ahead
             steps.append(future.result(timeout=30) if ahead else local.draft(call))
         torch.testing.assert_close(steps[0].hidden.tensor(), steps[1].hidden.tensor())
         # Batched, the step's share of its batch (alone in it: all of it) comes with it.
         assert shares[0].share > 0 and shares[1].share == 0
         head = DraftCall("s", 4, 7, 2, "head0", SamplingParams(temperature=0.0), 0)
-        assert backend.call_ahead(head, ModelShare()) is None
+        assert backend.draft_ahead(head, ModelShare()) is None
     finally:
         backend.batchers.close()
         thread.shutdown()
