@@ -110,30 +110,6 @@ def test_each_kind_of_round_is_measured_first_and_now_and_then():
     assert other.choose(costs, 3, head_cap=0, greedy=False) == Choice("ngram", 3)
 
 
-def test_the_best_round_is_the_choice_without_measuring():
-    """`best` (which decides whether a plain step's successor goes ahead) is what `choose`
-    picks between measuring rounds, and asking it never takes a measuring round."""
-    costs = measured(verify=(1.0, 1.0), head=(10.0, 10.0))
-    for size in (2, 4):
-        costs.observe("model", size, 10.0 * size)
-    state = AutoState()
-    for _ in range(30):
-        state.observe(costs, Choice("ngram", 3), reached=1, kept=0)
-    costs.rounds = 4  # the one-pass rounds' measuring round is due
-    for _ in range(3):
-        assert state.best(costs, 3, head_cap=4, greedy=True, model_cap=4) == Choice("none", 0)
-    assert state.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == Choice("ngram", 3)
-    costs.rounds = 5
-    assert state.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == Choice("none", 0)
-    # Where drafting pays, `best` drafts as `choose` does.
-    cheap = measured()
-    assert AutoState().best(cheap, 6, head_cap=0, greedy=False) == Choice("ngram", 4)
-    # Until a one-pass round is measured: n-gram drafts when offered, else a plain step.
-    fresh = CostModel()
-    assert AutoState().best(fresh, 2, head_cap=4, greedy=True) == Choice("ngram", 2)
-    assert AutoState().best(fresh, 0, head_cap=4, greedy=True) == Choice("none", 0)
-
-
 def test_the_engine_measures_as_often_whatever_the_number_of_requests():
     """Four requests running: one measuring round in 4 x 16 of their rounds together."""
     costs = measured(verify=(1.0, 1.0))
