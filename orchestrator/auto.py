@@ -159,13 +159,6 @@ class Acceptance:
         return min(self.kept / self.reached, 0.999)
 
 
-def _drafted(head_cap: int, greedy: bool, model_cap: int) -> list[tuple[DrafterKind, int, bool]]:
-    """The drafters on offer: (drafter, the most it may draft, whether its rounds end with
-    a bonus token). Head drafts only under greedy decoding."""
-    offered = [(HEAD, head_cap if greedy else 0, False), (MODEL, model_cap, True)]
-    return [(drafter, cap, bonus) for drafter, cap, bonus in offered if cap > 0]
-
-
 def expected_tokens(acceptance: float, drafts: int, bonus: bool) -> float:
     """Tokens a round commits on average: drafts kept left to right, then one more
     (a replacement, or the bonus when every draft was kept and `bonus`)."""
@@ -194,34 +187,28 @@ class AutoState:
     def choose(
         self, costs: CostModel, ngram_drafts: int, head_cap: int, greedy: bool, model_cap: int = 0
     ) -> Choice:
-        """The round to run: `ngram_drafts` tokens are on offer from prompt lookup; head
+        """The best round: `ngram_drafts` tokens are on offer from prompt lookup; head
         drafts (greedy only) up to `head_cap`; draft-model drafts up to `model_cap` (0:
-        no draft model). Now and then a kind is measured whatever it is predicted to
-        cost; otherwise the `best`."""
-        if costs.known(NGRAM):
-            if ngram_drafts and costs.explores(NGRAM):
-                return Choice(NGRAM, ngram_drafts)  # and now and then
-            for drafter, cap, _bonus in _drafted(head_cap, greedy, model_cap):
-                if not costs.known(drafter) or costs.explores(drafter):
-                    return Choice(drafter, cap)  # measure it now and then
-        return self.best(costs, ngram_drafts, head_cap, greedy, model_cap)
-
-    def best(
-        self, costs: CostModel, ngram_drafts: int, head_cap: int, greedy: bool, model_cap: int = 0
-    ) -> Choice:
-        """The round of the most expected tokens per predicted second among those on
-        offer (as `choose`, without measuring any kind now and then)."""
+        no draft model)."""
         if not costs.known(NGRAM):
             # Every other cost is predicted against a one-pass round (a plain step is
             # one): measure that first, or the predictions mix units.
             return Choice(NGRAM, ngram_drafts) if ngram_drafts else Choice(NONE, 0)
+        if ngram_drafts and costs.explores(NGRAM):
+            return Choice(NGRAM, ngram_drafts)  # and now and then
         best, best_rate = Choice(NONE, 0), 1.0 / costs.predict(NGRAM, 1)
         alpha = self.acceptance[NGRAM].rate
         for k in range(1, ngram_drafts + 1):
             rate = expected_tokens(alpha, k, bonus=True) / costs.predict(NGRAM, k + 1)
             if rate > best_rate:
                 best, best_rate = Choice(NGRAM, k), rate
-        for drafter, cap, bonus in _drafted(head_cap, greedy, model_cap):
+        # (drafter, the most it may draft, whether its rounds end with a bonus token)
+        drafted = [(HEAD, head_cap if greedy else 0, False), (MODEL, model_cap, True)]
+        for drafter, cap, bonus in drafted:
+            if cap <= 0:
+                continue
+            if not costs.known(drafter) or costs.explores(drafter):
+                return Choice(drafter, cap)  # measure it now and then
             alpha = self.acceptance[drafter].rate
             for gamma in range(1, cap + 1):
                 rate = expected_tokens(alpha, gamma, bonus) / costs.predict(drafter, gamma)

@@ -33,7 +33,7 @@ from contextlib import nullcontext
 
 import torch
 
-from hydra_jury.orchestrator.auto import NONE, Choice, CostModel
+from hydra_jury.orchestrator.auto import Choice, CostModel
 from hydra_jury.orchestrator.backend import DecodingBackend, ModelShare
 from hydra_jury.orchestrator.beam_search import BeamRun
 from hydra_jury.orchestrator.draft_ahead import AheadPolicy, DraftAhead
@@ -138,7 +138,9 @@ class Rounds:
         """The round the automatic mode chooses, run: the choice, its verdict, and the
         kind and positions its cost is measured against."""
         prepared = run.prepared
-        drafts, head_cap, model_cap = self._on_offer(run, run.committed, remaining)
+        drafts = ngram_draft(run.committed, min(prepared.gamma, remaining - 1))
+        head_cap = min(prepared.gamma, remaining) if prepared.draft_head else 0
+        model_cap = min(prepared.gamma, remaining - 1) if self.backend.info.draft_model else 0
         choice = run.auto.choose(
             self.costs, len(drafts), head_cap, prepared.sampling.greedy, model_cap
         )
@@ -150,17 +152,12 @@ class Rounds:
             verdict = self._model_round(run, choice.drafts, coupled=True)
             kind, positions = DrafterKind.MODEL, choice.drafts
         elif choice.drafts == 0:
-            # A plain step, measured as a one-pass round of one position. When the costs
-            # say the next round is one too (as they do under load), its trunk call goes
-            # as soon as this one's token is drawn. (It is discarded when the next round
-            # measures another kind instead, one in EXPLORE_EVERY per request running.)
+            # A plain step, measured as a one-pass round of one position. While plain steps
+            # are what pays (many sessions), the next one goes ahead as soon as this one's
+            # token is drawn, unless prompt lookup will offer drafts to choose from.
             def next_plain(token: int) -> bool:
-                if remaining <= 1:
-                    return False
-                offer = self._on_offer(run, [*run.committed, token], remaining - 1)
-                ngram, head, model = len(offer[0]), offer[1], offer[2]
-                greedy = prepared.sampling.greedy
-                return run.auto.best(self.costs, ngram, head, greedy, model).drafter == NONE
+                offered = min(prepared.gamma, remaining - 2)
+                return remaining > 1 and not ngram_draft([*run.committed, token], offered)
 
             verdict = self._plain_step(run, ahead, next_plain)
             kind, positions = DrafterKind.NGRAM, 1
@@ -168,18 +165,6 @@ class Rounds:
             verdict = self._ngram_round(run, drafts[: choice.drafts])
             kind, positions = DrafterKind.NGRAM, choice.drafts + 1
         return choice, verdict, kind, positions
-
-    def _on_offer(
-        self, run: Run, committed: list[int], remaining: int
-    ) -> tuple[list[int], int, int]:
-        """What a round of the automatic mode may choose from, after `committed` with
-        `remaining` tokens to go: the prompt-lookup drafts, and the most head and
-        draft-model drafts (0: none). One-pass rounds leave room for their bonus token."""
-        prepared = run.prepared
-        drafts = ngram_draft(committed, min(prepared.gamma, remaining - 1))
-        head_cap = min(prepared.gamma, remaining) if prepared.draft_head else 0
-        model_cap = min(prepared.gamma, remaining - 1) if self.backend.info.draft_model else 0
-        return drafts, head_cap, model_cap
 
     def _beam_round(self, run: Run, remaining: int) -> Verdict:
         """The whole beam search as one round: its best hypothesis (`orchestrator.beam_search`)."""
