@@ -114,9 +114,8 @@ class DecodingBackend(ABC):
         finally:
             self._scope.share = None
 
-    def record_share(self, waited: float, share: float) -> None:
-        """A batched call of this thread's round: `waited` seconds for it, `share` of its
-        batches (a call sent ahead counts in the round that uses it)."""
+    def _shared(self, waited: float, share: float) -> None:
+        """A batched call of this thread: `waited` seconds for it, `share` of its batches."""
         current = getattr(self._scope, "share", None)
         if current is not None:
             current.waited += waited
@@ -170,14 +169,12 @@ class DecodingBackend(ABC):
         """γ trunk + draft-head steps from the pending token (`workers.trunk`). The
         result's tensors are on the host; its hidden states are an opaque handle."""
 
-    def draft_ahead(self, call: DraftCall, share: ModelShare) -> Future[DraftResult] | None:
+    def draft_ahead(self, call: DraftCall) -> Future[DraftResult] | None:
         """Starts `call` so that it runs while this thread makes its next calls (pipelined
         rounds: the next round's draft beside this round's score), or None where this
-        backend does not pipeline rounds (the default). Before the future is done, the
-        call's share of the batches it ran in is added to `share.share`, for the round
-        that uses it (0 where calls are not batched). The caller
-        waits for the future before it calls the trunk about the session again: the
-        position rule holds only for one call of a session at a time."""
+        backend does not pipeline rounds (the default). The caller waits for the future
+        before it calls the trunk about the session again: the position rule holds only
+        for one call of a session at a time."""
         return None
 
     @abstractmethod

@@ -26,7 +26,6 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from hydra_jury.orchestrator.backend import ModelShare
 from hydra_jury.workers.calls import DraftCall, DraftResult
 
 DECAY = 0.8  # per round: a request's last few rounds decide
@@ -40,9 +39,6 @@ class DraftAhead:
 
     call: DraftCall  # as the next round makes it if every draft token of this one is kept
     future: Future[DraftResult]
-    # Its share of the batches it ran in, set by the backend before the future is done:
-    # the round that uses it counts it as its own (`DecodingBackend.draft_ahead`).
-    share: ModelShare = field(default_factory=ModelShare)
     sent_at: float = field(default_factory=time.perf_counter)
     answered_at: float | None = None  # set when the future is done
 

@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from hydra_jury.orchestrator.backend import DecodingBackend, ModelShare
+from hydra_jury.orchestrator.backend import DecodingBackend
 from hydra_jury.orchestrator.discovery import Discovery, StaticDiscovery
 from hydra_jury.orchestrator.layout import Layout, LayoutError, check_layout
 from hydra_jury.orchestrator.placement import Placements
@@ -275,7 +275,7 @@ class GrpcBackend(DecodingBackend):
         if not timings or any(t is None or t.share_ns <= 0 for t in timings):
             return
         total = max(t.total_ns for t in timings) / 1e9
-        self.record_share(total, max(t.share_ns for t in timings) / 1e9)
+        self._shared(total, max(t.share_ns for t in timings) / 1e9)
 
     def _send_all(self, targets: list[tuple[_Component, _Replica]], method: str, requests: list):
         timeout = self.time_left()
@@ -365,23 +365,19 @@ class GrpcBackend(DecodingBackend):
             targets[0][1], lambda: wire.draft_result_from_pb(response, call, self.info.vocab_size)
         )
 
-    def draft_ahead(self, call: DraftCall, share: ModelShare) -> Future[DraftResult] | None:
+    def draft_ahead(self, call: DraftCall) -> Future[DraftResult] | None:
         if self._ahead is None:
             return None
         deadline = getattr(self._scope, "deadline", None)
         context = contextvars.copy_context()  # the round's trace span is the call's parent
         try:
-            return self._ahead.submit(context.run, self._draft_before, deadline, call, share)
+            return self._ahead.submit(context.run, self._draft_before, deadline, call)
         except RuntimeError:  # closing: the round makes its draft call itself
             return None
 
-    def _draft_before(
-        self, deadline: float | None, call: DraftCall, share: ModelShare
-    ) -> DraftResult:
-        with self.call_scope(deadline), self.sharing() as measured:
-            result = self.draft(call)
-        share.share += measured.share
-        return result
+    def _draft_before(self, deadline: float | None, call: DraftCall) -> DraftResult:
+        with self.call_scope(deadline):
+            return self.draft(call)
 
     def uncertainty(self, session: str, call: UncertaintyCall) -> UncertaintyResult:
         targets = self._targets([self.trunk], session)

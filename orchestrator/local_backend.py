@@ -20,7 +20,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from hydra_jury.hydra_model import DraftModel, HydraModel
-from hydra_jury.orchestrator.backend import DecodingBackend, ModelInfo, ModelShare
+from hydra_jury.orchestrator.backend import DecodingBackend, ModelInfo
 from hydra_jury.serving.batcher import BatchLimits
 from hydra_jury.serving.errors import CallCancelled, DeadlineExceeded, InternalServiceError
 from hydra_jury.serving.metrics import ServiceMetrics
@@ -125,7 +125,7 @@ class LocalBackend(DecodingBackend):
         futures = [self.batchers.submit(rpc, call) for call in calls]
         try:
             outcomes = [self._wait(future) for future in futures]
-            self.record_share(time.perf_counter() - began, sum(share for _, share in outcomes))
+            self._shared(time.perf_counter() - began, sum(share for _, share in outcomes))
             return [result for result, _ in outcomes]
         finally:
             for future in futures:
@@ -176,7 +176,7 @@ class LocalBackend(DecodingBackend):
             return self._batched("Draft", [call])[0]
         return self._run(lambda: self.trunk.draft(call).on_host())
 
-    def draft_ahead(self, call: DraftCall, share: ModelShare) -> Future[DraftResult] | None:
+    def draft_ahead(self, call: DraftCall) -> Future[DraftResult] | None:
         """Batched (the single-process server), a plain step's `call` goes to the Draft
         batcher now and runs with the other sessions' steps while this thread goes on;
         else None. Not a head draft: sent before the verdict, it would be wasted work
@@ -193,9 +193,7 @@ class LocalBackend(DecodingBackend):
             elif future.exception() is not None:
                 result.set_exception(future.exception())
             else:
-                draft, call_share = future.result()
-                share.share += call_share
-                result.set_result(draft)
+                result.set_result(future.result()[0])
 
         submitted.add_done_callback(done)
         return result

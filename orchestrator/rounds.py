@@ -19,22 +19,20 @@ next round uses it when its own call is that one; otherwise (a rejection, a stop
 discarded, and the next call to the trunk starts at the committed position (the
 position rule), so the trunk's cache never keeps a discarded draft. Draws are keyed
 by position, so a draft sent ahead is the draft the next round would make: pipelining
-never changes a token. Plain steps (verifier_only, and the automatic mode's while it
-chooses them) send the next step's trunk call as soon as their token is drawn; the
-automatic mode's other rounds are chosen after the last verdict and are not sent ahead.
+never changes a token. The automatic mode does not pipeline: it chooses each round's
+drafter after the last verdict.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from concurrent.futures import CancelledError
 from contextlib import nullcontext
 
 import torch
 
 from hydra_jury.orchestrator.auto import Choice, CostModel
-from hydra_jury.orchestrator.backend import DecodingBackend, ModelShare
+from hydra_jury.orchestrator.backend import DecodingBackend
 from hydra_jury.orchestrator.beam_search import BeamRun
 from hydra_jury.orchestrator.draft_ahead import AheadPolicy, DraftAhead
 from hydra_jury.orchestrator.output import TokenKind, Verdict
@@ -88,7 +86,7 @@ class Rounds:
         if prepared.request.num_beams > 1:
             return self._beam_round(run, remaining)
         if prepared.drafter == DrafterKind.AUTO:
-            return self._auto_round(run, remaining, ahead)
+            return self._auto_round(run, remaining)
         # One-pass rounds commit up to k + 1 tokens: room for the bonus under the limit.
         if prepared.drafter == DrafterKind.NGRAM:
             return self._ngram_round(
@@ -97,7 +95,9 @@ class Rounds:
         if prepared.drafter == DrafterKind.MODEL:
             return self._model_round(run, min(prepared.gamma, remaining - 1), coupled=False)
         if prepared.rule == Rule.VERIFIER_ONLY:
-            return self._plain_step(run, ahead, lambda token: remaining > 1)
+            # A plain step: the next one's trunk step can go as soon as this one's token
+            # is drawn (`_head_round`).
+            return self._head_round(run, 1, ahead, next_gamma=int(remaining > 1))
         if prepared.rule == Rule.DRAFTER_ONLY:
             return self._head_round(run, min(prepared.gamma, remaining))
         gamma = min(prepared.gamma, remaining)
@@ -119,22 +119,19 @@ class Rounds:
             failed = True
         return None if failed else ahead
 
-    def _auto_round(self, run: Run, remaining: int, ahead: DraftAhead | None) -> Verdict:
+    def _auto_round(self, run: Run, remaining: int) -> Verdict:
         """The round the automatic mode chooses (`orchestrator.auto`), measured for the
-        next choices. `ahead`: a plain step sent ahead by the last round, used if this
-        round is one."""
+        next choices."""
         with self.backend.sharing() as share:
             began = time.perf_counter()
-            choice, verdict, kind, positions = self._chosen_round(run, remaining, ahead)
+            choice, verdict, kind, positions = self._chosen_round(run, remaining)
             cost = share.cost(time.perf_counter() - began)
         self.costs.observe(kind, positions, cost)
         reached = reached_positions(verdict.drafted, verdict.accepted)
         run.auto.observe(self.costs, choice, reached, verdict.accepted)
         return verdict
 
-    def _chosen_round(
-        self, run: Run, remaining: int, ahead: DraftAhead | None
-    ) -> tuple[Choice, Verdict, DrafterKind, int]:
+    def _chosen_round(self, run: Run, remaining: int) -> tuple[Choice, Verdict, DrafterKind, int]:
         """The round the automatic mode chooses, run: the choice, its verdict, and the
         kind and positions its cost is measured against."""
         prepared = run.prepared
@@ -151,17 +148,7 @@ class Rounds:
             # Coupled under sampling: every choice gives the tokens of a plain step.
             verdict = self._model_round(run, choice.drafts, coupled=True)
             kind, positions = DrafterKind.MODEL, choice.drafts
-        elif choice.drafts == 0:
-            # A plain step, measured as a one-pass round of one position. While plain steps
-            # are what pays (many sessions), the next one goes ahead as soon as this one's
-            # token is drawn, unless prompt lookup will offer drafts to choose from.
-            def next_plain(token: int) -> bool:
-                offered = min(prepared.gamma, remaining - 2)
-                return remaining > 1 and not ngram_draft([*run.committed, token], offered)
-
-            verdict = self._plain_step(run, ahead, next_plain)
-            kind, positions = DrafterKind.NGRAM, 1
-        else:  # n-gram drafts: a one-pass round over the pending token and k drafts
+        else:  # n-gram drafts or none: a one-pass round over the pending token and k drafts
             verdict = self._ngram_round(run, drafts[: choice.drafts])
             kind, positions = DrafterKind.NGRAM, choice.drafts + 1
         return choice, verdict, kind, positions
@@ -193,21 +180,39 @@ class Rounds:
     def _head_round(
         self, run: Run, gamma: int, ahead: DraftAhead | None = None, next_gamma: int = 0
     ) -> Verdict:
-        """γ draft tokens from the draft head (γ trunk steps), one jury call over them.
-        `ahead`: a draft sent ahead by the last round, used if it is this round's;
-        `next_gamma` > 0: the next round's draft may be sent ahead."""
+        """γ draft tokens from the draft head (γ trunk steps), one jury call over them;
+        verifier_only: one trunk step and one jury call, no draft. `ahead`: a draft sent
+        ahead by the last round, used if it is this round's; `next_gamma` > 0: the next
+        round's draft may be sent ahead."""
         rule, policy = run.prepared.rule, run.ahead_policy
         call = self._draft_call(run, gamma, run.start, run.committed[-1])
+        used_ahead = ahead is not None and ahead.call == call
         began = time.perf_counter()
-        draft, used_ahead = self._draft_or_ahead(run, call, ahead)
+        draft = self._draft(run, call, ahead.future.result() if used_ahead else None)
         drafted = time.perf_counter()
         if rule == Rule.DRAFTER_ONLY:
             return self._keep_draft(draft)
-        sent_ahead = next_gamma > 0 and policy.pays() and self._send_ahead(run, draft, next_gamma)
+        plain = rule == Rule.VERIFIER_ONLY
+        sent_ahead = (
+            not plain
+            and next_gamma > 0
+            and policy.pays()
+            and self._send_ahead(run, draft, next_gamma)
+        )
         sent = time.perf_counter()
         score = self._score(run, draft.hidden, draft.decision_logprobs is not None)
         scored = time.perf_counter()
         target_logprobs = normalise_logprobs(score.log_product)  # [γ, V]
+        if plain:
+            verdict = self._sample_target(run, target_logprobs, score)
+            # The next step's trunk call needs only this token: sent now, it runs while
+            # this round's metrics, commit and stream are done (where the backend
+            # batches sessions, beside theirs; never discarded but at the end).
+            verdict.sent_ahead = next_gamma > 0 and self._send_ahead_from(
+                run, verdict.tokens[-1], 1, next_gamma
+            )
+            verdict.used_ahead = used_ahead
+            return verdict
         verdict = self._verify(run, draft, target_logprobs, score, DrafterKind.HEAD, coupled=False)
         verdict.sent_ahead, verdict.used_ahead = sent_ahead, used_ahead
         policy.observe_draft(ahead.seconds if used_ahead else drafted - began)
@@ -221,64 +226,22 @@ class Rounds:
         tokens = draft.tokens.tolist()
         return self._send_ahead_from(run, tokens[-1], len(tokens), gamma)
 
-    def _send_ahead_from(
-        self, run: Run, token: int, emitted: int, gamma: int, plain: bool = False
-    ) -> bool:
-        """Sends the draft call of the round after this one (with `plain`, a plain step's
-        trunk call), if this one emits `emitted` tokens ending with `token`. Whether the
-        backend took it."""
-        call = self._draft_call(run, gamma, run.start + emitted, token, plain=plain)
-        share = ModelShare()
-        future = self.backend.draft_ahead(call, share)
+    def _send_ahead_from(self, run: Run, token: int, emitted: int, gamma: int) -> bool:
+        """Sends the draft call of the round after this one, if this one emits `emitted`
+        tokens ending with `token`. Whether the backend took it."""
+        call = self._draft_call(run, gamma, run.start + emitted, token)
+        future = self.backend.draft_ahead(call)
         if future is None:
             return False
-        run.ahead = DraftAhead(call, future, share)
+        run.ahead = DraftAhead(call, future)
         return True
 
-    def _draft_or_ahead(
-        self, run: Run, call: DraftCall, ahead: DraftAhead | None
-    ) -> tuple[DraftResult, bool]:
-        """The result of `call`, and whether it is the one the last round sent ahead
-        (whose share of the batches it ran in then counts in this round's)."""
-        if ahead is None or ahead.call != call:
-            return self._draft(run, call), False
-        done = ahead.future.result()
-        self.backend.record_share(0.0, ahead.share.share)
-        return self._draft(run, call, done), True
-
-    def _plain_step(
-        self, run: Run, ahead: DraftAhead | None, next_plain: Callable[[int], bool]
-    ) -> Verdict:
-        """One trunk step and one jury call, no draft; one token drawn from the target.
-        `ahead`: this step's trunk call, if the last round sent it. When `next_plain` says
-        the next round is a plain step too (given this one's token), its trunk call needs
-        only that token: sent now, it runs while this round's metrics, commit and stream
-        are done (where the backend batches sessions, beside theirs; discarded when the
-        next round is something else, or there is none)."""
-        call = self._draft_call(run, 1, run.start, run.committed[-1], plain=True)
-        draft, used_ahead = self._draft_or_ahead(run, call, ahead)
-        score = self._score(run, draft.hidden, with_decision=False)
-        verdict = self._sample_target(run, normalise_logprobs(score.log_product), score)
-        token = verdict.tokens[-1]
-        verdict.sent_ahead = next_plain(token) and self._send_ahead_from(
-            run, token, 1, 1, plain=True
-        )
-        verdict.used_ahead = used_ahead
-        return verdict
-
     def _draft_call(
-        self,
-        run: Run,
-        gamma: int,
-        start: int,
-        pending: int,
-        draft_model: bool = False,
-        plain: bool = False,
+        self, run: Run, gamma: int, start: int, pending: int, draft_model: bool = False
     ) -> DraftCall:
-        """The draft call of a round starting at `start` from the token `pending` (with
-        `plain`, a plain step's: the trunk alone, no draft head)."""
+        """The draft call of a round starting at `start` from the token `pending`."""
         prepared = run.prepared
-        plain = plain or prepared.rule == Rule.VERIFIER_ONLY or draft_model
+        plain = prepared.rule == Rule.VERIFIER_ONLY or draft_model
         return DraftCall(
             run.session,
             start,

@@ -16,7 +16,6 @@ import grpc
 import pytest
 
 from hydra_jury.orchestrator.__main__ import build_parser
-from hydra_jury.orchestrator.auto import NONE, AutoState, Choice
 from hydra_jury.orchestrator.config import ConfigFileError, OrchestratorConfig
 from hydra_jury.orchestrator.draft_ahead import AheadPolicy
 from tests.grpc_stack import Stack, wait_for
@@ -33,7 +32,6 @@ CASES = {
     "lenient-gamma-2": {"rule": "lenient", "gamma": 2, "temperature": 0.0, "lenience": 0.3},
 }
 SEEDS = range(4)
-JURY = ["head0", "head1", "head2", "head3"]
 # The work a response reports: equal with and without pipelining (a discarded draft is
 # counted apart, in drafts_ahead).
 WORK = ("rounds", "drafted", "accepted", "emitted", "trunk_steps", "head_evaluations")
@@ -125,43 +123,6 @@ def test_greedy_pipelined_speculation_gives_the_non_speculative_tokens(stack):
         # round but the last, and every one is used (no draft to reject).
         stats = plain_step.stats
         assert stats.drafts_ahead == stats.drafts_ahead_used == stats.rounds - 1
-
-
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_the_automatic_mode_s_plain_steps_go_ahead_and_change_no_token(
-    stack, monkeypatch, temperature
-):
-    """While the automatic mode chooses plain steps (as it does under load), each sends
-    the next one's trunk call once its token is drawn, unless prompt lookup will offer
-    the next round drafts. Pipelined or not, whatever it chooses, the tokens are those of
-    non-speculative PoE."""
-    options = dict(max_new_tokens=16, ignore_eos=True, temperature=temperature, jury=JURY)
-    requests = [
-        (
-            to_pb(prompt, rule="verifier_only", seed=seed, **options),
-            to_pb(prompt, seed=seed, **options),
-        )
-        for seed, prompt in enumerate(PROMPTS[:3])
-    ]
-    expected = [
-        list(stack.generation().Generate(plain, timeout=30).token_ids) for plain, _ in requests
-    ]
-    pipelined = stack.generation("pipelined")
-    for (_, auto), tokens in zip(requests, expected, strict=True):
-        response = pipelined.Generate(auto, timeout=30)
-        assert list(response.token_ids) == tokens
-        assert response.stats.drafts_ahead_used <= response.stats.drafts_ahead
-    # Every round a plain step: every step sent ahead is used.
-    monkeypatch.setattr(AutoState, "choose", lambda state, *args, **kwargs: Choice(NONE, 0))
-    sent = 0
-    for (_, auto), tokens in zip(requests, expected, strict=True):
-        response = pipelined.Generate(auto, timeout=30)
-        assert list(response.token_ids) == tokens
-        stats = response.stats
-        assert stats.rounds == 16 and stats.drafted == 0
-        assert stats.drafts_ahead == stats.drafts_ahead_used <= stats.rounds - 1
-        sent += stats.drafts_ahead
-    assert sent > 0
 
 
 def test_sessions_running_together_give_their_tokens_alone(stack):

@@ -162,7 +162,6 @@ def test_a_plain_step_goes_ahead_through_the_draft_batcher(jury_model):
     """`serve`'s backend sends a plain step ahead (the next step of a non-speculative
     round, once its token is drawn) to the Draft batcher: the same hidden state as the
     step made in turn. Head drafts, and a backend that does not batch, send nothing."""
-    from hydra_jury.orchestrator.backend import ModelShare
     from hydra_jury.poe import SamplingParams
     from hydra_jury.workers.calls import DraftCall
 
@@ -171,19 +170,16 @@ def test_a_plain_step_goes_ahead_through_the_draft_batcher(jury_model):
     backend = LocalBackend(jury_model, limits=limits, thread=thread, batching=BatchLimits())
     alone = LocalBackend(jury_model, limits=limits)
     try:
-        steps, shares = [], []
+        steps = []
         for local, ahead in ((backend, True), (alone, False)):
             local.prefill(trunk_prefill("s", [3, 4, 5]))
             call = DraftCall("s", 3, 6, 1, None, SamplingParams(temperature=0.0), 0)
-            shares.append(ModelShare())
-            future = local.draft_ahead(call, shares[-1])
+            future = local.draft_ahead(call)
             assert (future is not None) == ahead
             steps.append(future.result(timeout=30) if ahead else local.draft(call))
         torch.testing.assert_close(steps[0].hidden.tensor(), steps[1].hidden.tensor())
-        # Batched, the step's share of its batch (alone in it: all of it) comes with it.
-        assert shares[0].share > 0 and shares[1].share == 0
         head = DraftCall("s", 4, 7, 2, "head0", SamplingParams(temperature=0.0), 0)
-        assert backend.draft_ahead(head, ModelShare()) is None
+        assert backend.draft_ahead(head) is None
     finally:
         backend.batchers.close()
         thread.shutdown()
