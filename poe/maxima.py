@@ -30,7 +30,8 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     view = _numpy_view(x)
     if view is None:
         return x.argmax(dim=-1)
-    return torch.from_numpy(view.argmax(axis=-1).astype(np.int64, copy=False))
+    # (np.asarray: a 1-D row's argmax is a NumPy scalar, not an array)
+    return torch.from_numpy(np.asarray(view.argmax(axis=-1), dtype=np.int64))
 
 
 def top_two_values(x: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,8 @@ def test_first_argmax_is_torch_argmax():
     small, wide = awkward_rows()
     for rows in (small, wide, wide.log_softmax(-1), wide[:, ::3], wide.double()):
         assert torch.equal(first_argmax(rows), rows.argmax(dim=-1))
+    row = wide[0]
+    assert torch.equal(first_argmax(row), row.argmax(dim=-1))  # one row: a 0-d tensor
     stacked = wide.reshape(3, 2, -1)  # [J, γ, V]: votes
     assert torch.equal(first_argmax(stacked), stacked.argmax(dim=-1))
     assert first_argmax(stacked).dtype == torch.long
