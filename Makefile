@@ -24,7 +24,7 @@ LATEST_VENV := var/latest-venv
 # The native kernels are built (or found in their cache) on every `make setup`: a second
 # run costs the import of torch.
 setup: $(STAMP)
-	$(PY) -m hydra_jury.hydra_model.kernels
+	$(PY) -m hydra_jury.kernels
 
 # Reinstalls only when pyproject.toml or the lock changes, so a second `make setup` is
 # instant. The build tools come first, from the lock, and the project builds without

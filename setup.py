@@ -24,6 +24,7 @@ NAMESPACE = "hydra_jury"
 # The folders that make up the installed package; bench/ and tests/ are not installed.
 FOLDERS = (
     "protos",
+    "kernels",
     "poe",
     "hydra_model",
     "workers",

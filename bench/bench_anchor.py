@@ -45,8 +45,8 @@ from bench_round import (
 )
 
 from hydra_jury.hydra_model import HydraModel
-from hydra_jury.hydra_model.kernels.native import instruction_set, native
 from hydra_jury.hydra_model.products import product
+from hydra_jury.kernels.native import instruction_set, native
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.workers.sessions import SessionLimits

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hydra_jury.hydra_model.kernels.native import native
 from hydra_jury.hydra_model.kv_cache import KVCache
 from hydra_jury.hydra_model.quantization import QuantizedWeight, int8_activations
+from hydra_jury.kernels.native import native
 
 Weight = torch.Tensor | QuantizedWeight
 # Up to this many rows go to the kernels: a decode step, the verify of a speculative

@@ -12,8 +12,7 @@ import torch
 from hydra_jury.orchestrator.request import DrafterKind
 from hydra_jury.poe import (
     RequestStats,
-    entropy,
-    stability_margin,
+    TargetRows,
     stability_radius,
     suppression_score,
     token_logprobs,
@@ -69,8 +68,7 @@ class Verdict:
     drafted: int
     accepted: int
     drafter: DrafterKind
-    target_logprobs: torch.Tensor | None = None  # [rows, V] unfiltered target, log P
-    target_probs: torch.Tensor | None = None  # [rows, V] its `probabilities`
+    target: TargetRows | None = None  # the unfiltered target's rows and their metrics
     votes: torch.Tensor | None = None  # [rows, J]
     voters: tuple[str, ...] = ()
     rejected: int | None = None  # the draft token the replacement took the place of
@@ -93,13 +91,13 @@ def token_records(
         TokenRecord(token, tokenizer.decode([token]), first_position + i, kind)
         for i, (token, kind) in enumerate(zip(tokens, verdict.kinds, strict=False))
     ]
-    if verdict.target_logprobs is None or not records:
+    if verdict.target is None or not records:
         return records
     rows = len(records)
-    target = verdict.target_logprobs[:rows]
+    target = verdict.target.logprobs[:rows]
     votes = verdict.votes[:rows]
-    entropies = entropy(verdict.target_probs[:rows], target).tolist()
-    margins = stability_margin(target).tolist()
+    entropies = verdict.target.entropy[:rows].tolist()
+    margins = verdict.target.margin[:rows].tolist()
     vote_lists = votes.tolist()
     for i, record in enumerate(records):
         record.entropy, record.stability_margin = entropies[i], margins[i]

@@ -43,6 +43,7 @@ from hydra_jury.poe import (
     Distributions,
     RequestStats,
     Rule,
+    TargetRows,
     Verification,
     contrastive_logprobs,
     draw_token,
@@ -52,6 +53,7 @@ from hydra_jury.poe import (
     point_mass_logprobs,
     probabilities,
     reached_positions,
+    target_rows,
     verify_coupled,
     verify_greedy,
     verify_sampled,
@@ -202,9 +204,9 @@ class Rounds:
         sent = time.perf_counter()
         score = self._score(run, draft.hidden, draft.decision_logprobs is not None)
         scored = time.perf_counter()
-        target_logprobs = normalise_logprobs(score.log_product)  # [γ, V]
+        target = target_rows(score.log_product)  # [γ, V]
         if plain:
-            verdict = self._sample_target(run, target_logprobs, score)
+            verdict = self._sample_target(run, target, score)
             # The next step's trunk call needs only this token: sent now, it runs while
             # this round's metrics, commit and stream are done (where the backend
             # batches sessions, beside theirs; never discarded but at the end).
@@ -213,7 +215,7 @@ class Rounds:
             )
             verdict.used_ahead = used_ahead
             return verdict
-        verdict = self._verify(run, draft, target_logprobs, score, DrafterKind.HEAD, coupled=False)
+        verdict = self._verify(run, draft, target, score, DrafterKind.HEAD, coupled=False)
         verdict.sent_ahead, verdict.used_ahead = sent_ahead, used_ahead
         policy.observe_draft(ahead.seconds if used_ahead else drafted - began)
         policy.observe_score(scored - sent)
@@ -295,14 +297,15 @@ class Rounds:
         token is drawn from the target at the last position. No draft: a plain step that
         samples from the target."""
         score = self._score(run, draft.hidden, draft.decision_logprobs is not None)
-        target_logprobs = normalise_logprobs(score.log_product)  # [k + 1, V]
+        target = target_rows(score.log_product)  # [k + 1, V]
         k = len(draft.tokens)
         if k == 0:
-            return self._sample_target(run, target_logprobs, score)
+            return self._sample_target(run, target, score)
         # Every row's target, the bonus's too, is kept for the metrics.
-        verdict = self._verify(run, draft, target_logprobs, score, drafter, coupled)
+        verdict = self._verify(run, draft, target, score, drafter, coupled)
         if verdict.accepted == k:
-            verdict.tokens.append(self._draw(run, target_logprobs[k:], run.start + 1 + k))
+            bonus = self._draw(run, target.logprobs[k:], run.start + 1 + k, target.probs[k:])
+            verdict.tokens.append(bonus)
             verdict.kinds.append(TokenKind.BONUS)
             verdict.bonus = True
         return verdict
@@ -341,27 +344,27 @@ class Rounds:
         return Verdict(draft.tokens.tolist(), kinds, gamma, gamma, DrafterKind.HEAD)
 
     @tracing.spanned("accept")
-    def _sample_target(
-        self, run: Run, target_logprobs: torch.Tensor, score: ScoreResult
-    ) -> Verdict:
+    def _sample_target(self, run: Run, target: TargetRows, score: ScoreResult) -> Verdict:
         """A plain step: one token from the target (or, contrastive, from the contrastive
         distribution of the target and the amateur), nothing drafted."""
         prepared = run.prepared
-        chosen_from = target_logprobs
+        chosen_from = target.logprobs
         if prepared.amateur is not None:
             alpha = prepared.request.contrastive_alpha
-            chosen_from = contrastive_logprobs(target_logprobs, score.amateur_logprobs, alpha)
-        target_probs = probabilities(target_logprobs)  # read by the metrics and a greedy draw
-        own_probs = target_probs if chosen_from is target_logprobs else None
-        token = self._draw(run, chosen_from, run.start + 1, own_probs)
+            chosen_from = contrastive_logprobs(target.logprobs, score.amateur_logprobs, alpha)
+        if chosen_from is not target.logprobs:
+            token = self._draw(run, chosen_from, run.start + 1)
+        elif prepared.sampling.greedy:
+            token = int(target.greedy[0])  # the draw's greedy choice, made with the rows
+        else:
+            token = self._draw(run, chosen_from, run.start + 1, target.probs)
         return Verdict(
             [token],
             [TokenKind.SAMPLE],
             0,
             0,
             DrafterKind.NONE,
-            target_logprobs,
-            target_probs,
+            target,
             score.votes,
             score.voters,
         )
@@ -371,20 +374,19 @@ class Rounds:
     def _verify(
         run: Run,
         draft: DraftResult,
-        target_logprobs: torch.Tensor,
+        target: TargetRows,
         score: ScoreResult,
         drafter: DrafterKind,
         coupled: bool,
     ) -> Verdict:
-        """The k draft tokens checked against the target rows `target_logprobs[:k]`:
+        """The k draft tokens checked against the target's first k rows:
         greedy, by coupling (`coupled`: outside drafts, whose kept tokens are then the
         draws of a plain step — for the draft model, the automatic mode's choice so that
         it never changes a seeded request's tokens), else by speculative sampling."""
         prepared = run.prepared
         rule, lenience, seed = prepared.rule, prepared.request.lenience, prepared.seed
         k = len(draft.tokens)
-        target_probs = probabilities(target_logprobs)  # every row's: the metrics read them
-        probs = _distributions(run, draft, target_logprobs[:k], target_probs[:k], score)
+        probs = _distributions(run, draft, target.logprobs[:k], target.probs[:k], score)
         positions = torch.arange(run.start + 1, run.start + 1 + k)  # of the drafts
         if prepared.sampling.greedy:
             verification = verify_greedy(rule, lenience, draft.tokens, probs)
@@ -392,7 +394,7 @@ class Rounds:
             verification = verify_coupled(rule, lenience, draft.tokens, probs, seed, positions)
         else:
             verification = verify_sampled(rule, lenience, draft.tokens, probs, seed, positions)
-        return _verdict(draft, verification, target_logprobs, target_probs, score, drafter)
+        return _verdict(draft, verification, target, score, drafter)
 
 
 def _decides_apart(run: Run) -> bool:
@@ -434,8 +436,7 @@ def _distributions(
 def _verdict(
     draft: DraftResult,
     verification: Verification,
-    target_logprobs: torch.Tensor,
-    target_probs: torch.Tensor,
+    target: TargetRows,
     score: ScoreResult,
     drafter: DrafterKind,
 ) -> Verdict:
@@ -454,8 +455,7 @@ def _verdict(
         len(draft_tokens),
         kept,
         drafter,
-        target_logprobs,
-        target_probs,
+        target,
         score.votes,
         score.voters,
         rejected,

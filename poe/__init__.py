@@ -2,6 +2,9 @@
 
 Modules
 - target: the PoE target log-probabilities (per-shard partials, their sum) and the draft's.
+- target_rows: what a round reads of its target rows (log P, P, entropy, margin, greedy
+  token), computed together.
+- row_kernels: which vocabulary-wide passes run in the native kernels.
 - filters: sampling options and the top-k / top-p / min-p filters.
 - rules: acceptance rules (exact, lenient, speculative cascades, baselines).
 - verify: verification of a draft (greedy, sampled, coupled) and single-token draws.
@@ -46,11 +49,14 @@ from hydra_jury.poe.target import (
     combine_partials,
     draft_logprobs,
     effective_temperature,
+    log_softmax,
     normalise_logprobs,
     partial_log_product,
+    partial_log_product_and_votes,
     probabilities,
     target_logprobs,
 )
+from hydra_jury.poe.target_rows import TargetRows, target_rows
 from hydra_jury.poe.verify import (
     Verification,
     draw_token,
@@ -69,6 +75,7 @@ __all__ = [
     "RequestStats",
     "Rule",
     "SamplingParams",
+    "TargetRows",
     "Verification",
     "acceptance_probs",
     "categorical",
@@ -84,9 +91,11 @@ __all__ = [
     "greedy_tokens",
     "greedy_verdict",
     "leading_true",
+    "log_softmax",
     "ngram_draft",
     "normalise_logprobs",
     "partial_log_product",
+    "partial_log_product_and_votes",
     "point_mass_logprobs",
     "probabilities",
     "random_seed",
@@ -97,6 +106,7 @@ __all__ = [
     "stability_radius",
     "suppression_score",
     "target_logprobs",
+    "target_rows",
     "token_logprobs",
     "top_logprobs",
     "top_two_values",

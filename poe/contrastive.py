@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from hydra_jury.poe._checks import check_float, check_same_shape
+from hydra_jury.poe.target import log_softmax
 
 
 def validate_alpha(alpha: float) -> None:
@@ -43,4 +43,4 @@ def contrastive_logprobs(
     expert, amateur = expert_logprobs.float(), amateur_logprobs.float()
     plausible = expert >= expert.amax(dim=-1, keepdim=True) + math.log(alpha)  # [N, V]
     scores = (expert - amateur).masked_fill(~plausible, -math.inf)
-    return F.log_softmax(scores, dim=-1)
+    return log_softmax(scores)

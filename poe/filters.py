@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hydra_jury.poe._checks import check_float
+from hydra_jury.poe.target import log_softmax
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def filter_logprobs(logprobs: torch.Tensor, params: SamplingParams) -> torch.Ten
     if params.epsilon > 0:
         keep &= (_renormalised(sorted_logprobs, keep) >= params.epsilon) | (ranks == 0)
     keep_by_token = torch.zeros_like(keep).scatter(1, order, keep)
-    return F.log_softmax(logprobs.masked_fill(~keep_by_token, -math.inf), dim=-1)
+    return log_softmax(logprobs.masked_fill(~keep_by_token, -math.inf))
 
 
 def _renormalised(sorted_logprobs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

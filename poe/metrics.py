@@ -26,6 +26,7 @@ import torch
 
 from hydra_jury.poe._checks import check_float, check_long, check_rows, check_same_shape
 from hydra_jury.poe.maxima import top_two_values
+from hydra_jury.poe.row_kernels import row_kernels
 
 
 def entropy(probs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
@@ -33,17 +34,24 @@ def entropy(probs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
     [B] float32 entropy in nats. A token of probability 0 adds 0 · log P = 0, or NaN
     where log P = −inf, which the NaN-skipping sum leaves out: 0 log 0 = 0. Not
     `special.entr(P)`: it takes a logarithm of every P in a scalar loop, 10× the time of
-    this product and sum over a 49,152-token row."""
+    this product and sum over a 49,152-token row. By the kernels where they take both."""
     check_float("probs", probs, dims=2)
     check_float("logprobs", logprobs, dims=2)
     check_same_shape("probs", probs, logprobs=logprobs)
+    ops = row_kernels(probs, logprobs)
+    if ops is not None:
+        return ops.vocab_entropy(probs, logprobs)
     return -(probs.float() * logprobs.float()).nansum(dim=-1)
 
 
 def stability_margin(logprobs: torch.Tensor) -> torch.Tensor:
     """logprobs: [B, V] log P → [B] float32, the largest probability minus the second
-    largest (0 when V < 2). The two largest log P are those of the two largest P."""
+    largest (0 when V < 2). The two largest log P are those of the two largest P. By the
+    kernels where they take the rows (their exp, within an ulp of PyTorch's)."""
     check_float("logprobs", logprobs, dims=2)
+    ops = row_kernels(logprobs)
+    if ops is not None:
+        return ops.vocab_margin(logprobs)
     if logprobs.shape[1] < 2:
         return torch.zeros(logprobs.shape[0], dtype=torch.float32, device=logprobs.device)
     top_two = top_two_values(logprobs.float()).exp()  # [B, 2]

@@ -15,6 +15,9 @@ target alike. Everything here works on log-probabilities so that logits of ±1e4
 large β and many heads stay finite: every term is a log_softmax (≤ 0, max 0), and the
 final normalisation is another log_softmax.
 
+Every log-softmax and exp here runs in the native kernels where they take the tensors
+(`poe.row_kernels`).
+
 Shapes: H heads, N positions, V vocabulary.
 """
 
@@ -27,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from hydra_jury.poe._checks import check_float, check_same_shape
+from hydra_jury.poe.maxima import first_argmax
+from hydra_jury.poe.row_kernels import row_kernels
 
 
 def effective_temperature(temperature: float) -> float:
@@ -46,6 +51,15 @@ def partial_log_product(
     a partial of zeros.
     Returns [N, V] float32: Σ_h β · log_softmax(verifier_logits[h] / T).
     """
+    return partial_log_product_and_votes(verifier_logits, temperature, beta)[0]
+
+
+def partial_log_product_and_votes(
+    verifier_logits: torch.Tensor, temperature: float, beta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`partial_log_product`, and each verifier's vote: the first argmax of its logits
+    ([H, N] long). A jury's call needs both; at T = 1 the kernels give them in one pass
+    over each row."""
     check_float("verifier_logits", verifier_logits, dims=3)
     if not math.isfinite(beta) or beta <= 0:
         raise ValueError(f"beta must be finite and > 0, got {beta}")
@@ -53,9 +67,14 @@ def partial_log_product(
     # Dividing by 1, multiplying by 1 and summing one term change no bit: skipped, as
     # each is a pass over the vocabulary (the default greedy jury of one does none).
     logits = verifier_logits.float()
-    head_logprobs = F.log_softmax(logits if scale == 1 else logits / scale, dim=-1)  # [H, N, V]
+    ops = row_kernels(logits)
+    if ops is not None and scale == 1:
+        head_logprobs, votes = ops.juror_rows(logits)  # [H, N, V], [H, N]
+    else:
+        head_logprobs = log_softmax(logits if scale == 1 else logits / scale)
+        votes = first_argmax(logits)
     total = head_logprobs[0] if len(head_logprobs) == 1 else head_logprobs.sum(dim=0)
-    return total if beta == 1 else beta * total
+    return (total if beta == 1 else beta * total), votes
 
 
 def combine_partials(partials: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -75,10 +94,17 @@ def combine_partials(partials: Sequence[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the last dimension, by the kernels where they take x (a row with
+    a NaN gives NaNs, one of only -inf NaNs, as PyTorch's does)."""
+    ops = row_kernels(x)
+    return ops.vocab_log_softmax(x) if ops is not None else F.log_softmax(x, dim=-1)
+
+
 def normalise_logprobs(log_product: torch.Tensor) -> torch.Tensor:
     """log_product: [N, V], unnormalised log-probabilities → [N, V] float32 log P."""
     check_float("log_product", log_product, dims=2)
-    return F.log_softmax(log_product.float(), dim=-1)
+    return log_softmax(log_product.float())
 
 
 def probabilities(logprobs: torch.Tensor) -> torch.Tensor:
@@ -89,6 +115,9 @@ def probabilities(logprobs: torch.Tensor) -> torch.Tensor:
     alone). Such a token is never a row's argmax and had less than a 1e−38 chance per
     draw. Every path that turns the target or a draft into probabilities calls this, so
     non-speculative and speculative decoding read one distribution."""
+    ops = row_kernels(logprobs)
+    if ops is not None:
+        return ops.vocab_probabilities(logprobs)
     smallest_normal = math.log(torch.finfo(logprobs.dtype).tiny)
     return F.threshold(logprobs, smallest_normal, -math.inf).exp()
 
@@ -103,4 +132,4 @@ def target_logprobs(verifier_logits: torch.Tensor, temperature: float, beta: flo
 def draft_logprobs(draft_logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """log q: draft_logits [N, V] → [N, V] float32 log_softmax(draft_logits / T)."""
     check_float("draft_logits", draft_logits, dims=2)
-    return F.log_softmax(draft_logits.float() / effective_temperature(temperature), dim=-1)
+    return log_softmax(draft_logits.float() / effective_temperature(temperature))

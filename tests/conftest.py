@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from hydra_jury.kernels.native import INSTRUCTION_SETS, instruction_set, native
 from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
 from tests.environment import THREADS_VARIABLE, describe
 from tests.models import build_draft_checkpoint, build_hydra, build_jury_checkpoint, save_hf_model
@@ -23,6 +25,25 @@ torch.set_num_threads(int(os.environ.get(THREADS_VARIABLE, "1")))
 def pytest_report_header() -> list[str]:
     """The CPU, float path and package versions, at the top of every run's output."""
     return describe()
+
+
+@pytest.fixture
+def kernels() -> Iterator[list[str]]:
+    """The instruction sets the native kernels can run here (a test switches between
+    them with `instruction_set`; the one in use is put back after it)."""
+    if native() is None:
+        pytest.skip("no native kernels on this machine")
+    chosen = instruction_set()
+    yield [name for name in INSTRUCTION_SETS if _supported(name)]
+    instruction_set(chosen)
+
+
+def _supported(name: str) -> bool:
+    try:
+        instruction_set(name)
+    except RuntimeError:
+        return False
+    return True
 
 
 FAMILY_VARIANTS = {
@@ -72,7 +93,7 @@ def jury_checkpoint(tmp_path_factory) -> Path:
 def wide_jury_checkpoint(tmp_path_factory) -> Path:
     """The jury checkpoint with attention heads 32 wide (2 query heads, 1 key/value head):
     the shapes the native attention and the one-call decode of every layer take
-    (`hydra_model/kernels`), which the 16-wide heads of `jury_checkpoint` leave to
+    (`kernels/`), which the 16-wide heads of `jury_checkpoint` leave to
     PyTorch's attention."""
     root = tmp_path_factory.mktemp("wide-jury")
     return build_jury_checkpoint(

@@ -1,4 +1,4 @@
-"""Imports go one way (docs/design.md, "The rules of the code"): poe ← hydra_model ←
+"""Imports go one way (docs/design.md, "The rules of the code"): kernels ← poe ← hydra_model ←
 workers ← serving ← {trunk_service, jury_service, orchestrator} ← cli; protos is data
 only; the orchestrator imports no service package, only the command line (cli) imports
 them all; no server imports the offline tooling in hydra_model.build; every folder is
@@ -14,6 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "hydra_jury"
 PROJECT = {
+    "kernels",
     "poe",
     "hydra_model",
     "workers",
@@ -26,14 +27,15 @@ PROJECT = {
 }
 # package → the project packages it may import (besides itself)
 ALLOWED = {
-    "poe": set(),
-    "hydra_model": {"poe"},
+    "kernels": set(),
+    "poe": {"kernels"},
+    "hydra_model": {"kernels", "poe"},
     "protos": set(),
-    "workers": {"poe", "hydra_model"},
-    "serving": {"poe", "hydra_model", "workers", "protos"},
-    "trunk_service": {"poe", "hydra_model", "workers", "protos", "serving"},
-    "jury_service": {"poe", "hydra_model", "workers", "protos", "serving"},
-    "orchestrator": {"poe", "hydra_model", "workers", "protos", "serving"},
+    "workers": {"kernels", "poe", "hydra_model"},
+    "serving": {"kernels", "poe", "hydra_model", "workers", "protos"},
+    "trunk_service": {"kernels", "poe", "hydra_model", "workers", "protos", "serving"},
+    "jury_service": {"kernels", "poe", "hydra_model", "workers", "protos", "serving"},
+    "orchestrator": {"kernels", "poe", "hydra_model", "workers", "protos", "serving"},
     "cli": PROJECT - {"cli"},
 }
 # modules that may use the offline tooling: the tooling itself, the CLI's build, inspect

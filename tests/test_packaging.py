@@ -63,10 +63,10 @@ def test_the_wheel_carries_protos_and_generated_code(wheel):
 
 def test_the_wheel_carries_the_kernels_sources(wheel):
     """The native kernels are compiled where they run: the wheel carries their sources."""
-    from hydra_jury.hydra_model.kernels.native import SOURCES
+    from hydra_jury.kernels.native import SOURCES
 
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {f"{NAMESPACE}/hydra_model/kernels/{source}" for source in SOURCES}
+    expected = {f"{NAMESPACE}/kernels/{source}" for source in SOURCES}
     assert expected <= names, sorted(expected - names)
 
 
@@ -75,8 +75,10 @@ def test_the_wheel_claims_one_top_level_name(wheel):
     site-packages."""
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert {top for top in tops if not top.endswith(".dist-info")} == {NAMESPACE}
-    folders = {name.split("/")[1] for name in zipfile.ZipFile(wheel).namelist()}
-    assert {"protos", "poe", "hydra_model", "workers", "serving", "orchestrator", "cli"} <= folders
+    names = [name for name in zipfile.ZipFile(wheel).namelist() if name.startswith(f"{NAMESPACE}/")]
+    # Every package folder of the checkout but the tests and the tooling.
+    packages = {path.parent.name for path in REPO.glob("*/__init__.py")} - {"tests", "tools"}
+    assert {name.split("/")[1] for name in names} == packages
 
 
 def test_an_unpacked_wheel_imports_the_servers_and_the_cli(wheel, tmp_path):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from hydra_jury.hydra_model import HeadRun, HydraModel, KVCache, Segment
-from hydra_jury.poe import draft_logprobs, first_argmax, partial_log_product
+from hydra_jury.poe import draft_logprobs, partial_log_product, partial_log_product_and_votes
 from hydra_jury.workers.calls import HiddenStates, JuryPrefillCall, ScoreCall, ScoreResult
 from hydra_jury.workers.errors import InvalidArgument
 from hydra_jury.workers.sessions import (
@@ -235,7 +235,9 @@ class JuryWorker:
             juror_logits = torch.stack([logits[i] for i in members])
         else:
             juror_logits = torch.zeros(0, rows, vocab)  # [J, γ, V]
-        log_product = partial_log_product(juror_logits, call.temperature, call.beta)
+        log_product, votes = partial_log_product_and_votes(
+            juror_logits, call.temperature, call.beta
+        )
         decision = None
         if call.with_decision:
             decision = (
@@ -249,7 +251,7 @@ class JuryWorker:
         return ScoreResult(
             log_product,
             decision,
-            first_argmax(juror_logits).T,  # [γ, J]
+            votes.T,  # [γ, J]
             tuple(self.hosted[i] for i in members),
             head_evaluations=rows * len(logits),
             amateur_logprobs=amateur,

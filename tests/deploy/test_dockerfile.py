@@ -67,7 +67,7 @@ def test_a_builder_stage_and_a_slim_non_root_final_stage():
     text = DOCKERFILE.read_text()
     builder, kernels, final = stages(text)
     assert kernels[0] == ("FROM", "python:3.11 AS kernels")
-    assert any(name == "RUN" and "-m hydra_jury.hydra_model.kernels" in a for name, a in kernels)
+    assert any(name == "RUN" and "-m hydra_jury.kernels" in a for name, a in kernels)
     assert builder[0] == ("FROM", "python:3.11-slim AS builder")
     assert any(name == "RUN" and "pip wheel" in args for name, args in builder)
     assert final[0] == ("FROM", "${BASE_IMAGE}")

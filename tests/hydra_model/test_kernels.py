@@ -1,4 +1,4 @@
-"""The native kernels (hydra_model/kernels) against a float64 reference: every format
+"""The native kernels (kernels/) against a float64 reference: every format
 (float32; int8 and int4 with float or int8 activations), every instruction set this CPU
 has, bit for bit the same across sets, a row's output the same whatever rows come with
 it; and the quantization they read."""
@@ -10,7 +10,6 @@ import platform
 import pytest
 import torch
 
-from hydra_jury.hydra_model.kernels.native import INSTRUCTION_SETS, instruction_set, native
 from hydra_jury.hydra_model.products import KERNEL_MAX_ROWS, product
 from hydra_jury.hydra_model.quantization import (
     QuantizationError,
@@ -20,6 +19,7 @@ from hydra_jury.hydra_model.quantization import (
     quantize,
     unpack_int4,
 )
+from hydra_jury.kernels.native import INSTRUCTION_SETS, instruction_set, native
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -30,23 +30,6 @@ def test_the_kernels_are_built_here():
         pytest.skip("the kernels are for x86-64")
     assert native() is not None
     assert instruction_set() in INSTRUCTION_SETS
-
-
-@pytest.fixture
-def kernels():
-    if native() is None:
-        pytest.skip("no native kernels on this machine")
-    chosen = instruction_set()
-    yield [name for name in INSTRUCTION_SETS if _supported(name)]
-    instruction_set(chosen)
-
-
-def _supported(name: str) -> bool:
-    try:
-        instruction_set(name)
-    except RuntimeError:
-        return False
-    return True
 
 
 def _weights(stack: int, outputs: int, inputs: int) -> dict[str, torch.Tensor | QuantizedWeight]:

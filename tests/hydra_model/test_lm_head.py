@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from hydra_jury.hydra_model.heads import shared_lm_head
-from hydra_jury.hydra_model.kernels.native import native
+from hydra_jury.kernels.native import native
 
 
 def test_a_few_rows_give_exactly_their_rows_of_a_larger_product():

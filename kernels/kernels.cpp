@@ -10,7 +10,7 @@
 // is read once for every row of x, and the result of an output never depends on the
 // rows beside it, the threads or the instruction set (rows_times_weight.h).
 //
-// Built on first use by hydra_jury.hydra_model.kernels (and by `make setup`).
+// Built on first use by hydra_jury.kernels (and by `make setup`).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -80,6 +80,7 @@ namespace scalar {
 #include "lanes_scalar.h"
 #include "rows_times_weight.h"
 #include "attention.h"
+#include "vocabulary.h"
 }  // namespace scalar
 
 #pragma GCC push_options
@@ -88,6 +89,7 @@ namespace avx2 {
 #include "lanes_avx2.h"
 #include "rows_times_weight.h"
 #include "attention.h"
+#include "vocabulary.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -97,6 +99,7 @@ namespace avx512 {
 #include "lanes_avx512.h"
 #include "rows_times_weight.h"
 #include "attention.h"
+#include "vocabulary.h"
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -404,6 +407,139 @@ at::Tensor decode_layers(const at::Tensor& x_given, const c10::List<std::optiona
   return x;
 }
 
+
+// --- Vocabulary-wide rows (vocabulary.h) -------------------------------------------------
+
+// One set's row passes.
+struct RowPasses {
+  void (*log_softmax)(const float*, int64_t, float*);
+  void (*probabilities)(const float*, int64_t, float*);
+  float (*entropy)(const float*, const float*, int64_t);
+  float (*margin)(const float*, int64_t);
+  int64_t (*first_argmax)(const float*, int64_t);
+};
+
+#define HYDRA_ROW_PASSES(set)                                                      \
+  RowPasses {                                                                      \
+    set::row_log_softmax, set::row_probabilities, set::row_entropy, set::row_margin, \
+        set::row_first_argmax                                                      \
+  }
+const RowPasses kRowPasses[] = {HYDRA_ROW_PASSES(scalar), HYDRA_ROW_PASSES(avx2),
+                                HYDRA_ROW_PASSES(avx512)};
+#undef HYDRA_ROW_PASSES
+
+// x as [rows, width]: float32 on the CPU, the last dimension the row (contiguous; a
+// tensor that is not is copied).
+at::Tensor as_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1, name,
+              " must be a float32 CPU tensor [..., V]");
+  return x.contiguous().view({-1, x.size(-1)});
+}
+
+// The shape of x without its last dimension: one value per row.
+std::vector<int64_t> per_row(const at::Tensor& x) {
+  return std::vector<int64_t>(x.sizes().begin(), x.sizes().end() - 1);
+}
+
+// fn(row) for every row; rows split over the threads only when there are several (one
+// row is too little work for a wake-up), and a row's result never depends on the split.
+template <class Fn>
+void for_each_row(int64_t rows, const Fn& fn) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) fn(row);
+  });
+}
+
+using RowMap = void (*)(const float*, int64_t, float*);
+
+// y = the set's `pass` of each row of x, shaped as x.
+at::Tensor map_rows(const at::Tensor& x_given, const char* name, RowMap RowPasses::*pass) {
+  at::Tensor x = as_rows(x_given, name);
+  at::Tensor y = at::empty_like(x);
+  RowMap fn = kRowPasses[current_isa.load()].*pass;
+  int64_t width = x.size(1);
+  const float* in = x.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  for_each_row(x.size(0), [&](int64_t r) { fn(in + r * width, width, out + r * width); });
+  return y.view(x_given.sizes());
+}
+
+at::Tensor vocab_log_softmax(const at::Tensor& x) {
+  return map_rows(x, "x", &RowPasses::log_softmax);
+}
+
+at::Tensor vocab_probabilities(const at::Tensor& logprobs) {
+  return map_rows(logprobs, "logprobs", &RowPasses::probabilities);
+}
+
+at::Tensor vocab_entropy(const at::Tensor& probs_given, const at::Tensor& logprobs_given) {
+  TORCH_CHECK(probs_given.sizes() == logprobs_given.sizes(),
+              "probs and logprobs must have the same shape");
+  at::Tensor probs = as_rows(probs_given, "probs"), logprobs = as_rows(logprobs_given, "logprobs");
+  at::Tensor y = at::empty({probs.size(0)}, probs.options());
+  const RowPasses& passes = kRowPasses[current_isa.load()];
+  int64_t width = probs.size(1);
+  const float *p = probs.data_ptr<float>(), *lp = logprobs.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  for_each_row(probs.size(0),
+               [&](int64_t r) { out[r] = passes.entropy(p + r * width, lp + r * width, width); });
+  return y.view(per_row(probs_given));
+}
+
+at::Tensor vocab_margin(const at::Tensor& logprobs_given) {
+  at::Tensor logprobs = as_rows(logprobs_given, "logprobs");
+  at::Tensor y = at::empty({logprobs.size(0)}, logprobs.options());
+  const RowPasses& passes = kRowPasses[current_isa.load()];
+  int64_t width = logprobs.size(1);
+  const float* lp = logprobs.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  for_each_row(logprobs.size(0), [&](int64_t r) { out[r] = passes.margin(lp + r * width, width); });
+  return y.view(per_row(logprobs_given));
+}
+
+// The jury's rows in one call: log_softmax of each and each one's first argmax (a
+// juror's vote), as vocab_log_softmax and poe.first_argmax give them.
+std::tuple<at::Tensor, at::Tensor> juror_rows(const at::Tensor& logits_given) {
+  at::Tensor logits = as_rows(logits_given, "logits");
+  at::Tensor logprobs = at::empty_like(logits);
+  at::Tensor votes = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  const RowPasses& passes = kRowPasses[current_isa.load()];
+  int64_t width = logits.size(1);
+  const float* in = logits.data_ptr<float>();
+  float* out = logprobs.data_ptr<float>();
+  int64_t* vote = votes.data_ptr<int64_t>();
+  for_each_row(logits.size(0), [&](int64_t r) {
+    passes.log_softmax(in + r * width, width, out + r * width);
+    vote[r] = passes.first_argmax(in + r * width, width);
+  });
+  return {logprobs.view(logits_given.sizes()), votes.view(per_row(logits_given))};
+}
+
+// The target's rows in one call, each pass the bits of its own op: log P (the log-product
+// normalised), P, the entropy, the stability margin and the greedy token (P's first argmax).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> target_rows(
+    const at::Tensor& log_product) {
+  TORCH_CHECK(log_product.dim() == 2, "log_product must be [N, V]");
+  at::Tensor x = as_rows(log_product, "log_product");
+  int64_t rows = x.size(0), width = x.size(1);
+  at::Tensor logprobs = at::empty_like(x), probs = at::empty_like(x);
+  at::Tensor entropy = at::empty({rows}, x.options()), margin = at::empty({rows}, x.options());
+  at::Tensor greedy = at::empty({rows}, x.options().dtype(at::kLong));
+  const RowPasses& passes = kRowPasses[current_isa.load()];
+  const float* in = x.data_ptr<float>();
+  float *lp = logprobs.data_ptr<float>(), *p = probs.data_ptr<float>();
+  float *h = entropy.data_ptr<float>(), *m = margin.data_ptr<float>();
+  int64_t* g = greedy.data_ptr<int64_t>();
+  for_each_row(rows, [&](int64_t r) {
+    int64_t at = r * width;
+    passes.log_softmax(in + at, width, lp + at);
+    passes.probabilities(lp + at, width, p + at);
+    h[r] = passes.entropy(p + at, lp + at, width);
+    m[r] = passes.margin(lp + at, width);
+    g[r] = passes.first_argmax(p + at, width);
+  });
+  return {logprobs, probs, entropy, margin, greedy};
+}
 }  // namespace
 
 TORCH_LIBRARY(hydra_jury, m) {
@@ -418,4 +554,11 @@ TORCH_LIBRARY(hydra_jury, m) {
         "int kv_heads) -> Tensor",
         decode_layers);
   m.def("kernel_isa(str requested) -> str", kernel_isa);
+  m.def("vocab_log_softmax(Tensor x) -> Tensor", vocab_log_softmax);
+  m.def("vocab_probabilities(Tensor logprobs) -> Tensor", vocab_probabilities);
+  m.def("vocab_entropy(Tensor probs, Tensor logprobs) -> Tensor", vocab_entropy);
+  m.def("vocab_margin(Tensor logprobs) -> Tensor", vocab_margin);
+  m.def("juror_rows(Tensor logits) -> (Tensor, Tensor)", juror_rows);
+  m.def("target_rows(Tensor log_product) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+        target_rows);
 }

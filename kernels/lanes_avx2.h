@@ -70,6 +70,63 @@ static inline float sum(Lanes v) {
   return _mm_cvtss_f32(t1);
 }
 
+// Lane by lane, for the vocabulary passes (lanes_scalar.h says what each computes).
+template <class Op>
+static inline Lanes each(Lanes a, Lanes b, Op op) {
+  return {op(a.lo0, b.lo0), op(a.lo1, b.lo1), op(a.hi0, b.hi0), op(a.hi1, b.hi1)};
+}
+
+static inline Lanes add(Lanes a, Lanes b) { return each(a, b, [](__m256 x, __m256 y) { return _mm256_add_ps(x, y); }); }
+
+static inline Lanes sub(Lanes a, Lanes b) { return each(a, b, [](__m256 x, __m256 y) { return _mm256_sub_ps(x, y); }); }
+
+static inline Lanes mul(Lanes a, Lanes b) { return each(a, b, [](__m256 x, __m256 y) { return _mm256_mul_ps(x, y); }); }
+
+static inline Lanes larger(Lanes a, Lanes b) { return each(a, b, [](__m256 x, __m256 y) { return _mm256_max_ps(x, y); }); }
+
+static inline Lanes smaller(Lanes a, Lanes b) { return each(a, b, [](__m256 x, __m256 y) { return _mm256_min_ps(x, y); }); }
+
+static inline Lanes above_or(Lanes x, float bound, Lanes above, Lanes otherwise) {
+  __m256 b = _mm256_set1_ps(bound);
+  auto pick = [b](__m256 v, __m256 yes, __m256 no) {
+    return _mm256_blendv_ps(no, yes, _mm256_cmp_ps(v, b, _CMP_GT_OQ));
+  };
+  return {pick(x.lo0, above.lo0, otherwise.lo0), pick(x.lo1, above.lo1, otherwise.lo1),
+          pick(x.hi0, above.hi0, otherwise.hi0), pick(x.hi1, above.hi1, otherwise.hi1)};
+}
+
+static inline __m256 power_of_two8(__m256 k) {
+  __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23));
+}
+
+static inline Lanes power_of_two(Lanes k) {
+  return {power_of_two8(k.lo0), power_of_two8(k.lo1), power_of_two8(k.hi0), power_of_two8(k.hi1)};
+}
+
+static inline Lanes without_nan(Lanes v) {
+  auto keep = [](__m256 x) { return _mm256_and_ps(x, _mm256_cmp_ps(x, x, _CMP_ORD_Q)); };
+  return {keep(v.lo0), keep(v.lo1), keep(v.hi0), keep(v.hi1)};
+}
+
+static inline uint32_t lane_bits(__m256 a, __m256 b, __m256 c, __m256 d) {
+  return static_cast<uint32_t>(_mm256_movemask_ps(a)) |
+         static_cast<uint32_t>(_mm256_movemask_ps(b)) << 8 |
+         static_cast<uint32_t>(_mm256_movemask_ps(c)) << 16 |
+         static_cast<uint32_t>(_mm256_movemask_ps(d)) << 24;
+}
+
+static inline uint32_t nan_lanes(Lanes v) {
+  return lane_bits(_mm256_cmp_ps(v.lo0, v.lo0, _CMP_UNORD_Q), _mm256_cmp_ps(v.lo1, v.lo1, _CMP_UNORD_Q),
+                   _mm256_cmp_ps(v.hi0, v.hi0, _CMP_UNORD_Q), _mm256_cmp_ps(v.hi1, v.hi1, _CMP_UNORD_Q));
+}
+
+static inline uint32_t equal_lanes(Lanes v, float value) {
+  __m256 s = _mm256_set1_ps(value);
+  return lane_bits(_mm256_cmp_ps(v.lo0, s, _CMP_EQ_OQ), _mm256_cmp_ps(v.lo1, s, _CMP_EQ_OQ),
+                   _mm256_cmp_ps(v.hi0, s, _CMP_EQ_OQ), _mm256_cmp_ps(v.hi1, s, _CMP_EQ_OQ));
+}
+
 // Integer products with int8 activations (lanes_scalar.h says what each computes): 16
 // lanes as two registers of 8. maddubs multiplies unsigned by signed bytes and adds
 // pairs into int16, which saturates beyond 32767: int8 weights go in as |q| times w with

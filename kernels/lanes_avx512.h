@@ -56,6 +56,46 @@ static inline float sum(Lanes v) {
   return _mm_cvtss_f32(t1);
 }
 
+// Lane by lane, for the vocabulary passes (lanes_scalar.h says what each computes).
+static inline Lanes add(Lanes a, Lanes b) { return {_mm512_add_ps(a.lo, b.lo), _mm512_add_ps(a.hi, b.hi)}; }
+
+static inline Lanes sub(Lanes a, Lanes b) { return {_mm512_sub_ps(a.lo, b.lo), _mm512_sub_ps(a.hi, b.hi)}; }
+
+static inline Lanes mul(Lanes a, Lanes b) { return {_mm512_mul_ps(a.lo, b.lo), _mm512_mul_ps(a.hi, b.hi)}; }
+
+static inline Lanes larger(Lanes a, Lanes b) { return {_mm512_max_ps(a.lo, b.lo), _mm512_max_ps(a.hi, b.hi)}; }
+
+static inline Lanes smaller(Lanes a, Lanes b) { return {_mm512_min_ps(a.lo, b.lo), _mm512_min_ps(a.hi, b.hi)}; }
+
+static inline Lanes above_or(Lanes x, float bound, Lanes above, Lanes otherwise) {
+  __m512 b = _mm512_set1_ps(bound);
+  return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(x.lo, b, _CMP_GT_OQ), otherwise.lo, above.lo),
+          _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x.hi, b, _CMP_GT_OQ), otherwise.hi, above.hi)};
+}
+
+static inline __m512 power_of_two16(__m512 k) {
+  __m512i biased = _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(biased, 23));
+}
+
+static inline Lanes power_of_two(Lanes k) { return {power_of_two16(k.lo), power_of_two16(k.hi)}; }
+
+static inline Lanes without_nan(Lanes v) {
+  return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v.lo, v.lo, _CMP_ORD_Q), v.lo),
+          _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v.hi, v.hi, _CMP_ORD_Q), v.hi)};
+}
+
+static inline uint32_t nan_lanes(Lanes v) {
+  return static_cast<uint32_t>(_mm512_cmp_ps_mask(v.lo, v.lo, _CMP_UNORD_Q)) |
+         static_cast<uint32_t>(_mm512_cmp_ps_mask(v.hi, v.hi, _CMP_UNORD_Q)) << 16;
+}
+
+static inline uint32_t equal_lanes(Lanes v, float value) {
+  __m512 s = _mm512_set1_ps(value);
+  return static_cast<uint32_t>(_mm512_cmp_ps_mask(v.lo, s, _CMP_EQ_OQ)) |
+         static_cast<uint32_t>(_mm512_cmp_ps_mask(v.hi, s, _CMP_EQ_OQ)) << 16;
+}
+
 // Integer products with int8 activations (lanes_scalar.h says what each computes): 16
 // lanes in one register. VNNI's dpbusd multiplies unsigned by signed bytes and adds each
 // lane's four products into int32 without saturating: int8 weights go in as (q + 128)

@@ -2,7 +2,7 @@
 kept in a cache keyed by their sources and the PyTorch build, then loaded as PyTorch
 operators (`torch.ops.hydra_jury.*`).
 
-`make setup` builds them (`python -m hydra_jury.hydra_model.kernels`), so a first request
+`make setup` builds them (`python -m hydra_jury.kernels`), so a first request
 does not wait for the compiler. Without them — another architecture, no compiler,
 `HYDRA_JURY_KERNELS=off` — every product falls back to PyTorch's own (`products`), with a
 warning naming the reason: slower, never wrong.
@@ -38,6 +38,7 @@ SOURCES = (
     "lanes_avx512.h",
     "rows_times_weight.h",
     "attention.h",
+    "vocabulary.h",
 )
 INSTRUCTION_SETS = ("scalar", "avx2", "avx512")
 

@@ -67,6 +67,67 @@ static inline float tree_sum(const float* v) {
 
 static inline float sum(Lanes v) { return tree_sum<32>(v.f); }
 
+// Lane by lane, for the vocabulary passes (vocabulary.h). larger/smaller take b where
+// the comparison fails (a NaN, or equal values), as the vector max and min do.
+static inline Lanes add(Lanes a, Lanes b) {
+  for (int i = 0; i < 32; ++i) a.f[i] = a.f[i] + b.f[i];
+  return a;
+}
+
+static inline Lanes sub(Lanes a, Lanes b) {
+  for (int i = 0; i < 32; ++i) a.f[i] = a.f[i] - b.f[i];
+  return a;
+}
+
+static inline Lanes mul(Lanes a, Lanes b) {
+  for (int i = 0; i < 32; ++i) a.f[i] = a.f[i] * b.f[i];
+  return a;
+}
+
+static inline Lanes larger(Lanes a, Lanes b) {
+  for (int i = 0; i < 32; ++i) a.f[i] = a.f[i] > b.f[i] ? a.f[i] : b.f[i];
+  return a;
+}
+
+static inline Lanes smaller(Lanes a, Lanes b) {
+  for (int i = 0; i < 32; ++i) a.f[i] = a.f[i] < b.f[i] ? a.f[i] : b.f[i];
+  return a;
+}
+
+// Lanes of x above `bound` take `above`'s value, the others (NaN among them) `otherwise`'s.
+static inline Lanes above_or(Lanes x, float bound, Lanes above, Lanes otherwise) {
+  for (int i = 0; i < 32; ++i) otherwise.f[i] = x.f[i] > bound ? above.f[i] : otherwise.f[i];
+  return otherwise;
+}
+
+// 2^k of whole numbers k in [-126, 127], from the exponent's bits.
+static inline Lanes power_of_two(Lanes k) {
+  for (int i = 0; i < 32; ++i) {
+    uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(k.f[i]) + 127) << 23;
+    std::memcpy(&k.f[i], &bits, sizeof(float));
+  }
+  return k;
+}
+
+// NaN lanes as 0.
+static inline Lanes without_nan(Lanes v) {
+  for (int i = 0; i < 32; ++i) v.f[i] = v.f[i] == v.f[i] ? v.f[i] : 0.0f;
+  return v;
+}
+
+// Bit i set where lane i is NaN / equals `value`.
+static inline uint32_t nan_lanes(Lanes v) {
+  uint32_t mask = 0;
+  for (int i = 0; i < 32; ++i) mask |= static_cast<uint32_t>(v.f[i] != v.f[i]) << i;
+  return mask;
+}
+
+static inline uint32_t equal_lanes(Lanes v, float value) {
+  uint32_t mask = 0;
+  for (int i = 0; i < 32; ++i) mask |= static_cast<uint32_t>(v.f[i] == value) << i;
+  return mask;
+}
+
 // Integer products with int8 activations (rows_times_weight.h, "Quantized activations"):
 // 16 lanes over a chunk of 64 inputs, lane l holding inputs 4l..4l+3. Integer lane sums
 // are exact, so every set computes the same integers; the float steps below are the
