@@ -23,7 +23,8 @@ class HeadRun:
     """Some heads of a stack over one ragged batch of their own: the members
     `first..first + count - 1` read `hidden` [N, D], the trunk outputs of `segments` one
     after the other (each segment's cache a view of those members, `KVCache.members`),
-    and give logits at `rows` (indices into N; None: the caches are filled, no logits).
+    and give logits at `rows` (indices into N, or a slice of it; None: the caches are
+    filled, no logits).
     Heads evaluated on demand each start from where their own cache ends, so the heads
     of one call may need runs of their own (`workers.jury`)."""
 
@@ -31,7 +32,7 @@ class HeadRun:
     count: int
     hidden: torch.Tensor
     segments: list[Segment]
-    rows: torch.Tensor | None
+    rows: torch.Tensor | slice | None
 
     @property
     def members(self) -> slice:
@@ -133,11 +134,14 @@ class HeadStack:
             None if x is None else rms_norm(x, self.norm[run.members], eps)
             for run, x in zip(runs, wanted, strict=True)
         ]
-        present = [x for x in normed if x is not None]
+        present = [x.flatten(0, 1) for x in normed if x is not None]
         if not present:
             return normed
-        products = shared_lm_head(torch.cat([x.flatten(0, 1) for x in present]), self.lm_head)
-        pieces = iter(products.float().split([x.shape[0] * x.shape[1] for x in present]))
+        if len(present) == 1:  # (a decode step's usual case: no copy, no split)
+            pieces = iter([shared_lm_head(present[0], self.lm_head).float()])
+        else:
+            products = shared_lm_head(torch.cat(present), self.lm_head).float()
+            pieces = iter(products.split([len(x) for x in present]))
         return [None if x is None else next(pieces).unflatten(0, x.shape[:2]) for x in normed]
 
     def _layers_of(self, first: int, count: int) -> LayerStack:

@@ -240,4 +240,6 @@ def _tensors_on_host(result, exclude: str = ""):
         for field in fields(result)
         if field.name != exclude and isinstance(value := getattr(result, field.name), torch.Tensor)
     }
+    if all(value is getattr(result, name) for name, value in moved.items()):
+        return result  # on the host already (a CPU model's): no new result
     return replace(result, **moved)

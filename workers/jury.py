@@ -191,7 +191,7 @@ class JuryWorker:
             length = item.end - held
             pieces.append(item.state.hidden[held : item.end])
             segments.append(Segment(item.state.cache.members(members, held), held, length))
-            rows.append(torch.arange(offset + length - item.scored, offset + length))
+            rows.append((offset + length - item.scored, offset + length))
             entries.append((index, slice(scored, scored + item.scored)))
             catch_up = length - item.scored
             self.counters.head_positions += count * item.scored
@@ -200,8 +200,7 @@ class JuryWorker:
             scored += item.scored
         self.counters.head_runs += count
         hidden = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        wanted = torch.cat(rows) if scored else None
-        return HeadRun(first, count, hidden, segments, wanted), entries
+        return HeadRun(first, count, hidden, segments, _rows(rows, scored, offset)), entries
 
     def prefill(self, call: JuryPrefillCall) -> None:
         """Hidden states of positions start.. kept; the caches of the hosted heads among
@@ -256,3 +255,13 @@ class JuryWorker:
             head_evaluations=rows * len(logits),
             amateur_logprobs=amateur,
         )
+
+
+def _rows(spans: list[tuple[int, int]], scored: int, total: int) -> torch.Tensor | slice | None:
+    """The rows a run's logits are wanted at, from each call's (first, end): None for
+    none, every row as a slice (a decode step's usual run: no copy), else their indices."""
+    if not scored:
+        return None
+    if scored == total:
+        return slice(None)
+    return torch.cat([torch.arange(first, end) for first, end in spans])

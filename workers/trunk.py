@@ -218,9 +218,11 @@ class TrunkWorker:
         for state, _tokens, start in work:
             state.trunk.truncate(start)
         segments = [Segment(state.trunk, start, len(tokens)) for state, tokens, start in work]
-        tokens = torch.cat([tokens for _state, tokens, _start in work]).to(self.model.device)
-        hidden = self.model.trunk.forward_ragged(tokens, segments)  # [N, D]
-        outputs = list(hidden.split([len(tokens) for _state, tokens, _start in work]))
+        every = [tokens for _state, tokens, _start in work]
+        tokens = every[0] if len(every) == 1 else torch.cat(every)
+        hidden = self.model.trunk.forward_ragged(tokens.to(self.model.device), segments)  # [N, D]
+        # (one session, a decode step's usual case: no split)
+        outputs = [hidden] if len(every) == 1 else list(hidden.split([len(t) for t in every]))
         for (state, tokens, start), states in zip(work, outputs, strict=True):
             state.tokens[start : start + len(tokens)] = tokens.cpu()
             state.hidden[start : start + len(tokens)] = states
@@ -411,10 +413,10 @@ class Drafting:
     def result(self) -> DraftResult:
         if self.error is not None:
             raise self.error
-        hidden = torch.cat(self.hiddens)
         if self.head is None:  # a plain step: the pending token's hidden state only
-            empty = torch.empty(0, dtype=torch.long)
-            return DraftResult(empty, None, None, HiddenStates(1, hidden), trunk_steps=1)
+            hidden = HiddenStates(1, self.hiddens[0])
+            return DraftResult(torch.empty(0, dtype=torch.long), None, None, hidden, trunk_steps=1)
+        hidden = torch.cat(self.hiddens)
         gamma = self.call.gamma
         return self.draws.result(
             HiddenStates(gamma, hidden), trunk_steps=gamma, head_evaluations=gamma
