@@ -62,6 +62,13 @@ struct AttentionProblem {
   float* out;
 };
 
+// What a round reads of one target row besides its log-probabilities and probabilities
+// (vocabulary.h's target_row).
+struct TargetRow {
+  float entropy, margin;
+  int64_t greedy;
+};
+
 // Splits every member's outputs over the threads; fn(member, first, last).
 template <class Fn>
 void for_each_range(const Problem& p, const Fn& fn) {
@@ -416,13 +423,14 @@ struct RowPasses {
   void (*probabilities)(const float*, int64_t, float*);
   float (*entropy)(const float*, const float*, int64_t);
   float (*margin)(const float*, int64_t);
-  int64_t (*first_argmax)(const float*, int64_t);
+  int64_t (*juror_row)(const float*, int64_t, float*);
+  TargetRow (*target_row)(const float*, int64_t, float*, float*);
 };
 
 #define HYDRA_ROW_PASSES(set)                                                      \
   RowPasses {                                                                      \
     set::row_log_softmax, set::row_probabilities, set::row_entropy, set::row_margin, \
-        set::row_first_argmax                                                      \
+        set::juror_row, set::target_row                                            \
   }
 const RowPasses kRowPasses[] = {HYDRA_ROW_PASSES(scalar), HYDRA_ROW_PASSES(avx2),
                                 HYDRA_ROW_PASSES(avx512)};
@@ -508,10 +516,8 @@ std::tuple<at::Tensor, at::Tensor> juror_rows(const at::Tensor& logits_given) {
   const float* in = logits.data_ptr<float>();
   float* out = logprobs.data_ptr<float>();
   int64_t* vote = votes.data_ptr<int64_t>();
-  for_each_row(logits.size(0), [&](int64_t r) {
-    passes.log_softmax(in + r * width, width, out + r * width);
-    vote[r] = passes.first_argmax(in + r * width, width);
-  });
+  for_each_row(logits.size(0),
+               [&](int64_t r) { vote[r] = passes.juror_row(in + r * width, width, out + r * width); });
   return {logprobs.view(logits_given.sizes()), votes.view(per_row(logits_given))};
 }
 
@@ -531,12 +537,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> target_ro
   float *h = entropy.data_ptr<float>(), *m = margin.data_ptr<float>();
   int64_t* g = greedy.data_ptr<int64_t>();
   for_each_row(rows, [&](int64_t r) {
-    int64_t at = r * width;
-    passes.log_softmax(in + at, width, lp + at);
-    passes.probabilities(lp + at, width, p + at);
-    h[r] = passes.entropy(p + at, lp + at, width);
-    m[r] = passes.margin(lp + at, width);
-    g[r] = passes.first_argmax(p + at, width);
+    TargetRow row = passes.target_row(in + r * width, width, lp + r * width, p + r * width);
+    h[r] = row.entropy;
+    m[r] = row.margin;
+    g[r] = row.greedy;
   });
   return {logprobs, probs, entropy, margin, greedy};
 }

@@ -95,6 +95,7 @@ static inline Lanes above_or(Lanes x, float bound, Lanes above, Lanes otherwise)
           pick(x.hi0, above.hi0, otherwise.hi0), pick(x.hi1, above.hi1, otherwise.hi1)};
 }
 
+// 2^k of whole numbers k in [-126, 127], from the exponent's bits.
 static inline __m256 power_of_two8(__m256 k) {
   __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127));
   return _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23));
@@ -102,6 +103,14 @@ static inline __m256 power_of_two8(__m256 k) {
 
 static inline Lanes power_of_two(Lanes k) {
   return {power_of_two8(k.lo0), power_of_two8(k.lo1), power_of_two8(k.hi0), power_of_two8(k.hi1)};
+}
+
+// 2^k in two factors that are normal numbers: y * 2^half is exact, the second product
+// rounds once, as ldexp does.
+static inline Lanes times_power_of_two(Lanes y, Lanes k) {
+  const Lanes magic = splat(12582912.0f);  // (a nearest whole number: vocabulary.h)
+  Lanes half = sub(add(mul(k, splat(0.5f)), magic), magic);
+  return mul(mul(y, power_of_two(half)), power_of_two(sub(k, half)));
 }
 
 static inline Lanes without_nan(Lanes v) {

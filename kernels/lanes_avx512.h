@@ -73,16 +73,14 @@ static inline Lanes above_or(Lanes x, float bound, Lanes above, Lanes otherwise)
           _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x.hi, b, _CMP_GT_OQ), otherwise.hi, above.hi)};
 }
 
-static inline __m512 power_of_two16(__m512 k) {
-  __m512i biased = _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(biased, 23));
-}
-
-static inline Lanes power_of_two(Lanes k) { return {power_of_two16(k.lo), power_of_two16(k.hi)}; }
-
 static inline Lanes without_nan(Lanes v) {
   return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v.lo, v.lo, _CMP_ORD_Q), v.lo),
           _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v.hi, v.hi, _CMP_ORD_Q), v.hi)};
+}
+
+// scalef: y * 2^k rounded once, as ldexp does.
+static inline Lanes times_power_of_two(Lanes y, Lanes k) {
+  return {_mm512_scalef_ps(y.lo, k.lo), _mm512_scalef_ps(y.hi, k.hi)};
 }
 
 static inline uint32_t nan_lanes(Lanes v) {

@@ -100,13 +100,10 @@ static inline Lanes above_or(Lanes x, float bound, Lanes above, Lanes otherwise)
   return otherwise;
 }
 
-// 2^k of whole numbers k in [-126, 127], from the exponent's bits.
-static inline Lanes power_of_two(Lanes k) {
-  for (int i = 0; i < 32; ++i) {
-    uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(k.f[i]) + 127) << 23;
-    std::memcpy(&k.f[i], &bits, sizeof(float));
-  }
-  return k;
+// y * 2^k for whole numbers k in [-126, 128], rounded once (where the result is subnormal).
+static inline Lanes times_power_of_two(Lanes y, Lanes k) {
+  for (int i = 0; i < 32; ++i) y.f[i] = std::ldexp(y.f[i], static_cast<int>(k.f[i]));
+  return y;
 }
 
 // NaN lanes as 0.

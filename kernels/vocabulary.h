@@ -40,7 +40,7 @@ static inline Lanes nearest_whole(Lanes v) {
 
 // exp(x) within about an ulp: x = k ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts, so
 // that k ln 2 is exact to float's precision), e^r by Cephes' degree-5 polynomial (Moshier,
-// Cephes Math Library), times 2^k in two factors so that each stays a normal number.
+// Cephes Math Library), times 2^k rounded once.
 static inline Lanes exp_flushed(Lanes x) {
   Lanes t = smaller(larger(x, splat(kLowestExp)), splat(kHighestExp));
   Lanes k = nearest_whole(mul(t, splat(1.44269504088896341f)));
@@ -53,8 +53,7 @@ static inline Lanes exp_flushed(Lanes x) {
   y = fma(y, r, splat(1.6666665459e-1f));
   y = fma(y, r, splat(5.0000001201e-1f));
   y = add(fma(y, mul(r, r), r), splat(1.0f));
-  Lanes half = nearest_whole(mul(k, splat(0.5f)));
-  y = mul(mul(y, power_of_two(half)), power_of_two(sub(k, half)));
+  y = times_power_of_two(y, k);
   y = above_or(x, kLowestExp, y, zero());
   return above_or(x, kHighestExp, splat(INFINITY), y);
 }
@@ -66,6 +65,15 @@ static inline float first_lane(Lanes v) {
 }
 
 static inline float exp_one(float x) { return first_lane(exp_flushed(splat(x))); }
+
+// The largest of the lanes (exact, so in any order); NaN lanes are the caller's to rule out.
+static inline float largest_lane(Lanes v) {
+  alignas(64) float lanes[32];
+  store(lanes, v);
+  float value = lanes[0];
+  for (int i = 1; i < 32; ++i) value = lanes[i] > value ? lanes[i] : value;
+  return value;
+}
 
 struct RowMaximum {
   float value;
@@ -80,18 +88,11 @@ static inline RowMaximum row_maximum(const float* x, int64_t width) {
     nan |= nan_lanes(v);
     largest = larger(v, largest);
   }
-  alignas(64) float lanes[32];
-  store(lanes, largest);
-  float value = lanes[0];
-  for (int i = 1; i < 32; ++i) value = lanes[i] > value ? lanes[i] : value;
-  return {value, nan != 0};
+  return {largest_lane(largest), nan != 0};
 }
 
-// The first index of the row's largest entry, a NaN counting as the largest
-// (torch.argmax's and NumPy's answer); -1 for an empty row.
-static inline int64_t row_first_argmax(const float* x, int64_t width) {
-  if (width == 0) return -1;
-  RowMaximum largest = row_maximum(x, width);
+// The first index of `largest` in the row (of a NaN, if it holds one).
+static inline int64_t row_first_of(const float* x, int64_t width, RowMaximum largest) {
   for (int64_t at = 0; at < width; at += 32) {
     Lanes v = load_chunk(x, at, width);
     uint32_t hits = largest.nan ? nan_lanes(v) : equal_lanes(v, largest.value);
@@ -100,19 +101,30 @@ static inline int64_t row_first_argmax(const float* x, int64_t width) {
   return 0;  // unreachable: the largest entry is in the row
 }
 
-// y = x - max - ln Σ exp(x - max); a row with a NaN gives NaNs, as PyTorch's does.
-static inline void row_log_softmax(const float* x, int64_t width, float* y) {
-  RowMaximum largest = row_maximum(x, width);
+// The first index of the row's largest entry, a NaN counting as the largest
+// (torch.argmax's and NumPy's answer); -1 for an empty row.
+static inline int64_t row_first_argmax(const float* x, int64_t width) {
+  return width == 0 ? -1 : row_first_of(x, width, row_maximum(x, width));
+}
+
+// y = x - max - ln Σ exp(x - max), given the row's maximum; a row with a NaN gives NaNs,
+// as PyTorch's does. Returns ln Σ exp(x - max).
+static inline float log_softmax_of(const float* x, int64_t width, RowMaximum largest, float* y) {
   if (largest.nan) {
     std::fill(y, y + width, NAN);
-    return;
+    return NAN;
   }
   Lanes shift = splat(largest.value), total = zero();
   for (int64_t at = 0; at < width; at += 32)
     total = add(total, exp_flushed(sub(load_chunk(x, at, width), shift)));
-  Lanes log_total = splat(std::log(sum(total)));
+  float log_total = std::log(sum(total));
   for (int64_t at = 0; at < width; at += 32)
-    store_chunk(y, at, width, sub(sub(load_chunk(x, at, width), shift), log_total));
+    store_chunk(y, at, width, sub(sub(load_chunk(x, at, width), shift), splat(log_total)));
+  return log_total;
+}
+
+static inline void row_log_softmax(const float* x, int64_t width, float* y) {
+  log_softmax_of(x, width, row_maximum(x, width), y);
 }
 
 static inline void row_probabilities(const float* logprobs, int64_t width, float* y) {
@@ -120,38 +132,72 @@ static inline void row_probabilities(const float* logprobs, int64_t width, float
     store_chunk(y, at, width, exp_flushed(load_chunk(logprobs, at, width)));
 }
 
-// -Σ P log P, a NaN product (0 · -inf) left out of the sum.
+// P log P of a chunk, a NaN product (0 · -inf, and a last chunk's padding: probability 0,
+// log -inf) as 0.
+static inline Lanes entropy_terms(Lanes probs, Lanes logprobs) {
+  return without_nan(mul(probs, logprobs));
+}
+
+// -Σ P log P.
 static inline float row_entropy(const float* probs, const float* logprobs, int64_t width) {
   Lanes total = zero();
-  for (int64_t at = 0; at < width; at += 32) {
-    // A last chunk's padding: probability 0, log -inf, a NaN product.
-    Lanes product = mul(load_chunk(probs, at, width, 0.0f), load_chunk(logprobs, at, width));
-    total = add(total, without_nan(product));
-  }
+  for (int64_t at = 0; at < width; at += 32)
+    total = add(total, entropy_terms(load_chunk(probs, at, width, 0.0f),
+                                     load_chunk(logprobs, at, width)));
   return -sum(total);
 }
+
+// Each lane's largest value and the largest of the rest of that lane (equal to it when it
+// repeats), over the chunks seen; then the row's two largest the same way. Every step is
+// a max or a min, exact, so any order of the lanes gives the same two values.
+struct TopTwo {
+  Lanes first = splat(-INFINITY), second = splat(-INFINITY);
+
+  void see(Lanes v) {
+    second = larger(second, smaller(first, v));
+    first = larger(first, v);
+  }
+
+  // exp of the row's largest value minus exp of the largest of the others.
+  float margin() const {
+    alignas(64) float tops[32], seconds[32];
+    store(tops, first);
+    store(seconds, second);
+    int winner = 0;
+    for (int i = 1; i < 32; ++i) winner = tops[i] > tops[winner] ? i : winner;
+    float rest = seconds[winner];
+    for (int i = 0; i < 32; ++i) rest = i != winner && tops[i] > rest ? tops[i] : rest;
+    return exp_one(tops[winner]) - exp_one(rest);
+  }
+};
 
 // exp of the largest entry minus exp of the largest of the others (equal to the first
 // when it repeats); NaN for a row with a NaN, 0 for a row of fewer than two.
 static inline float row_margin(const float* logprobs, int64_t width) {
   if (width < 2) return 0.0f;
-  int64_t first = row_first_argmax(logprobs, width);
-  float top = logprobs[first];
-  if (top != top) return NAN;
-  Lanes rest = splat(-INFINITY);
+  TopTwo top;
+  uint32_t nan = 0;
   for (int64_t at = 0; at < width; at += 32) {
     Lanes v = load_chunk(logprobs, at, width);
-    if (first >= at && first < at + 32) {
-      alignas(64) float lanes[32];
-      store(lanes, v);
-      lanes[first - at] = -INFINITY;
-      v = load(lanes);
-    }
-    rest = larger(v, rest);
+    nan |= nan_lanes(v);
+    top.see(v);
   }
-  alignas(64) float lanes[32];
-  store(lanes, rest);
-  float second = lanes[0];
-  for (int i = 1; i < 32; ++i) second = lanes[i] > second ? lanes[i] : second;
-  return exp_one(top) - exp_one(second);
+  return nan != 0 ? NAN : top.margin();
+}
+
+// What a round reads of one target row (kernels.cpp's target_rows): its passes one after
+// the other, in one call. (One pass for all of them after the sum was slower: with an exp
+// and four accumulators of 32 lanes live, AVX2's sixteen registers spill.)
+static inline TargetRow target_row(const float* x, int64_t width, float* logprobs, float* probs) {
+  row_log_softmax(x, width, logprobs);
+  row_probabilities(logprobs, width, probs);
+  return {row_entropy(probs, logprobs, width), row_margin(logprobs, width),
+          row_first_argmax(probs, width)};
+}
+
+// The row's log-softmax and its first argmax (a juror's vote; kernels.cpp's juror_rows).
+static inline int64_t juror_row(const float* x, int64_t width, float* logprobs) {
+  RowMaximum largest = row_maximum(x, width);
+  log_softmax_of(x, width, largest, logprobs);
+  return width == 0 ? -1 : row_first_of(x, width, largest);
 }

@@ -56,13 +56,27 @@ def every_set(kernels: list[str], compute) -> dict[str, object]:
     return results
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same dtype and values, NaN where the other has NaN."""
+    if a.dtype != b.dtype or not torch.equal(a.isnan(), b.isnan()):
+        return False
+    return torch.equal(a.nan_to_num(0.5), b.nan_to_num(0.5))
+
+
 def assert_same_bits(results: dict[str, object]) -> None:
     (first, expected), *others = results.items()
     for isa, result in others:
         for a, b in zip(expected, result, strict=True):
-            same = torch.equal(a.nan_to_num(0.5), b.nan_to_num(0.5))
-            assert a.dtype == b.dtype and same, (first, isa)
-            assert torch.equal(a.isnan(), b.isnan())
+            assert same_bits(a, b), (first, isa)
+
+
+SPECIAL = torch.tensor(
+    [
+        [1.0, NAN, 2.0, NAN],  # a NaN: NaNs, and the first NaN is the argmax
+        [-INF, -INF, -INF, -INF],  # no mass: NaNs
+        [0.0, -INF, 3.0, 3.0],
+    ]
+)
 
 
 @pytest.mark.parametrize("width", [1, 31, 32, 33, 1000, 49152])
@@ -111,40 +125,31 @@ def test_log_softmax_is_as_close_to_float64_as_pytorchs(kernels):
 
 def test_special_rows_come_out_as_pytorchs(kernels):
     ops = native()
-    special = torch.tensor(
-        [
-            [1.0, NAN, 2.0, NAN],  # a NaN: NaNs, and the first NaN is the argmax
-            [-INF, -INF, -INF, -INF],  # no mass: NaNs
-            [0.0, -INF, 3.0, 3.0],
-        ]
-    )
     for isa in kernels:
         instruction_set(isa)
-        ours, theirs = log_softmax(special), torch.log_softmax(special, -1)
+        ours, theirs = log_softmax(SPECIAL), torch.log_softmax(SPECIAL, -1)
         assert torch.equal(ours.isnan(), theirs.isnan()), isa
         assert torch.equal(ours[2].isinf(), theirs[2].isinf())
-        assert ops.juror_rows(special)[1].tolist() == special.argmax(-1).tolist() == [1, 0, 2]
-        margins = stability_margin(special)
+        assert ops.juror_rows(SPECIAL)[1].tolist() == SPECIAL.argmax(-1).tolist() == [1, 0, 2]
+        margins = stability_margin(SPECIAL)
         assert math.isnan(margins[0]) and margins[1] == 0.0 and margins[2] == 0.0
 
 
-def test_the_fused_calls_give_the_bits_of_the_separate_ones(kernels):
-    x = rows(1000)
+@pytest.mark.parametrize("x", [rows(1000), SPECIAL], ids=["rows", "special"])
+def test_the_fused_calls_give_the_bits_of_the_separate_ones(kernels, x):
     for isa in kernels:
         instruction_set(isa)
         target = target_rows(x)
         logprobs = normalise_logprobs(x)
         probs = probabilities(logprobs)
-        assert torch.equal(target.logprobs, logprobs) and torch.equal(target.probs, probs)
-        assert torch.equal(target.entropy, entropy(probs, logprobs))
-        assert torch.equal(
-            target.margin.nan_to_num(2.0), stability_margin(logprobs).nan_to_num(2.0)
-        )
+        separate = (logprobs, probs, entropy(probs, logprobs), stability_margin(logprobs))
+        fused = (target.logprobs, target.probs, target.entropy, target.margin)
+        assert all(same_bits(a, b) for a, b in zip(fused, separate, strict=True)), isa
         assert torch.equal(target.greedy, greedy_tokens(probs))
-        jury = x.reshape(2, 3, 1000)
+        jury = x.reshape(x.shape[0] // 3 or 1, -1, x.shape[1])
         log_product, votes = partial_log_product_and_votes(jury, 1.0, 1.0)
-        assert torch.equal(log_product, partial_log_product(jury, 1.0, 1.0))
-        assert torch.equal(log_product, log_softmax(jury).sum(0))
+        assert same_bits(log_product, partial_log_product(jury, 1.0, 1.0))
+        assert same_bits(log_product, log_softmax(jury).sum(0))
         assert torch.equal(votes, first_argmax(jury))
 
 
