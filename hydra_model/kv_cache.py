@@ -28,6 +28,9 @@ class KVCache:
         self.values = values
         self.slot = slot
         self.length = 0
+        # Views of members' keys and values, made once (`members`: every round of a jury
+        # asks for the same ones, and a view costs as much to make as a small product).
+        self._member_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def capacity(self) -> int:
@@ -72,7 +75,10 @@ class KVCache:
         """The cache of some members of this stack, holding `length` positions: a view,
         so what a forward appends lands in this slot. Heads of one stack evaluated on
         demand each hold their own number of positions (`workers.jury`)."""
-        view = KVCache(self.keys[members], self.values[members], self.slot)
+        key = (members.start, members.stop)
+        if key not in self._member_views:
+            self._member_views[key] = (self.keys[members], self.values[members])
+        view = KVCache(*self._member_views[key], self.slot)
         if not 0 <= length <= self.capacity:
             raise CacheError(f"a cache of capacity {self.capacity} cannot hold {length} positions")
         view.length = length

@@ -169,6 +169,12 @@ class DecodingBackend(ABC):
         """γ trunk + draft-head steps from the pending token (`workers.trunk`). The
         result's tensors are on the host; its hidden states are an opaque handle."""
 
+    @property
+    def pipelines(self) -> bool:
+        """Whether `draft_ahead` may take a call at all (when not, a round does not even
+        make the call it would send)."""
+        return False
+
     def draft_ahead(self, call: DraftCall) -> Future[DraftResult] | None:
         """Starts `call` so that it runs while this thread makes its next calls (pipelined
         rounds: the next round's draft beside this round's score), or None where this

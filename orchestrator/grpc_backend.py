@@ -365,6 +365,10 @@ class GrpcBackend(DecodingBackend):
             targets[0][1], lambda: wire.draft_result_from_pb(response, call, self.info.vocab_size)
         )
 
+    @property
+    def pipelines(self) -> bool:
+        return self._ahead is not None
+
     def draft_ahead(self, call: DraftCall) -> Future[DraftResult] | None:
         if self._ahead is None:
             return None

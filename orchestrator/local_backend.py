@@ -176,6 +176,10 @@ class LocalBackend(DecodingBackend):
             return self._batched("Draft", [call])[0]
         return self._run(lambda: self.trunk.draft(call).on_host())
 
+    @property
+    def pipelines(self) -> bool:
+        return self.batchers is not None
+
     def draft_ahead(self, call: DraftCall) -> Future[DraftResult] | None:
         """Batched (the single-process server), a plain step's `call` goes to the Draft
         batcher now and runs with the other sessions' steps while this thread goes on;

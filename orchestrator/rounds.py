@@ -231,6 +231,8 @@ class Rounds:
     def _send_ahead_from(self, run: Run, token: int, emitted: int, gamma: int) -> bool:
         """Sends the draft call of the round after this one, if this one emits `emitted`
         tokens ending with `token`. Whether the backend took it."""
+        if not self.backend.pipelines:
+            return False
         call = self._draft_call(run, gamma, run.start + emitted, token)
         future = self.backend.draft_ahead(call)
         if future is None:
