@@ -201,6 +201,16 @@ at::Tensor prepared_input(const at::Tensor& x, const c10::optional<at::Tensor>& 
   return ready;
 }
 
+// x's rows RMS-normalised and scaled by weight [S, inputs] (x [S or 1, rows, inputs]): what a
+// product's `norm` does to its input, as an operator of its own, so that a norm outside a
+// product (a head's final norm before a shared LM head) has the same bits as one inside.
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(weight.dim() == 2 && x.dim() == 3 &&
+                  (x.size(0) == weight.size(0) || x.size(0) == 1),
+              "x must be [S or 1, rows, inputs] for a weight [S, inputs]");
+  return prepared_input(x, weight, eps, false, weight.size(0));
+}
+
 // x's rows quantized to int8 per block of 32 inputs (quantize_chunk in lanes_*.h, the same
 // bits on every set; products.py's PyTorch path computes the same d and q), into buffers
 // of this thread's that later calls reuse.
@@ -558,6 +568,7 @@ TORCH_LIBRARY(hydra_jury, m) {
         "int kv_heads) -> Tensor",
         decode_layers);
   m.def("kernel_isa(str requested) -> str", kernel_isa);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", rms_norm_rows);
   m.def("vocab_log_softmax(Tensor x) -> Tensor", vocab_log_softmax);
   m.def("vocab_probabilities(Tensor logprobs) -> Tensor", vocab_probabilities);
   m.def("vocab_entropy(Tensor probs, Tensor logprobs) -> Tensor", vocab_entropy);

@@ -290,6 +290,31 @@ def test_norm_gate_and_residual_travel_with_the_product(kernels, monkeypatch):
             torch.testing.assert_close(value, separate[name], rtol=1e-5, atol=1e-5)
 
 
+def test_a_norm_alone_has_the_bits_of_a_norm_inside_a_product(kernels, monkeypatch):
+    """`rms_norm` by the kernels (a head's final norm before a shared LM head) equals the
+    norm a product carries, bit for bit on every set; PyTorch's to float rounding; each
+    stack member its own weight, or one row set for every member."""
+    import hydra_jury.hydra_model.products as products
+    from hydra_jury.hydra_model.products import rms_norm
+
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 64, generator=generator) * 3
+    norm = torch.rand(2, 64, generator=generator) + 0.5
+    weight = torch.randn(2, 96, 64, generator=generator)
+    for rows in (x, x[:1].expand(2, -1, -1)):
+        for isa in kernels:
+            instruction_set(isa)
+            alone = rms_norm(rows, norm, 1e-5)
+            assert alone.shape == (2, 5, 64)
+            inside = product(rows, weight, norm=norm, eps=1e-5)
+            assert torch.equal(product(alone, weight), inside), isa
+        monkeypatch.setattr(products, "native", lambda: None)
+        torch.testing.assert_close(rms_norm(rows, norm, 1e-5), alone, rtol=1e-6, atol=1e-6)
+        monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="x must be"):
+        native().rms_norm(x, norm[:1].expand(3, -1).contiguous(), 1e-5)
+
+
 def test_one_call_for_every_layer_gives_the_bits_of_a_call_per_step(kernels, wide_jury_checkpoint):
     """`LayerStack`'s single native call over all layers (a session's decode step) runs
     the same kernels in the same order as the per-operation path: the same bits."""
