@@ -14,7 +14,9 @@ and the engine path, each as a fraction of the bytes roofline.
 - engine: `generate --local --rule verifier_only --jury head0` in-process (the engine, the
   round, metrics and detokenizer, with no timer patched in), prompt included, beside the
   bare loop with its prompt included too (`bench_round.raw_rate`), runs of the two taken
-  turn about: the ratio is the engine's own cost.
+  turn about: the ratio is the engine's own cost. And the steady state alone: a round
+  after the first against a bare step after the first (`--pairs` pairs taken turn
+  about; the median of the pairs' ratios, and their quartiles).
 - Each hydra_model row's note splits a decode step: the products alone (every weight
   times one row, nothing else: how fast the kernels stream) against the whole step.
 - A second table: every projection of a step times 1 to 16 rows (what a speculative
@@ -41,7 +43,9 @@ from bench_round import (
     copy_bandwidth,
     cpu_model,
     engine_rate,
+    engine_round_seconds,
     raw_rate,
+    raw_steps,
 )
 
 from hydra_jury.hydra_model import HydraModel
@@ -161,6 +165,12 @@ def interleaved(runs: int, first, second) -> tuple[float, float]:
     return statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
 
 
+def paired_ratios(pairs: int, numerator, denominator) -> list[float]:
+    """numerator() / denominator() of `pairs` pairs taken turn about (after a warm-up)."""
+    numerator(), denominator()
+    return [numerator() / denominator() for _ in range(pairs)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=Path, default=Path("var/models/smollm2-base"))
@@ -168,6 +178,7 @@ def main() -> None:
     parser.add_argument("--llama-cpp", type=Path, default=Path("var/llama.cpp"))
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=12, help="steady-state pairs per engine row")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -204,7 +215,17 @@ def main() -> None:
                 lambda e=engine: engine_rate(e, ["head0"], args.new_tokens),
                 lambda m=model: raw_rate(m, prompt, 1, args.new_tokens),
             )
-            note = f"{through_engine / raw:.2f}x the bare loop with its prompt ({raw:.1f})"
+            steady = paired_ratios(
+                args.pairs,
+                lambda m=model: raw_steps(m, prompt, 1, args.new_tokens)[1],
+                lambda e=engine: engine_round_seconds(e, ["head0"], args.new_tokens),
+            )
+            quartiles = statistics.quantiles(steady, n=4)
+            note = (
+                f"{through_engine / raw:.2f}x the bare loop with its prompt ({raw:.1f}); "
+                f"steady {statistics.median(steady):.2f}x "
+                f"({quartiles[0]:.2f}-{quartiles[2]:.2f})"
+            )
             rows.append(("engine", label, bytes_per_token(model, 1), through_engine, note))
     kernels = instruction_set() if native() is not None else "off"
     print(

@@ -80,17 +80,28 @@ def bytes_per_token(model: HydraModel, jury_size: int) -> int:
 
 def raw_rate(model: HydraModel, prompt: list[int], size: int, new_tokens: int) -> float:
     """Tokens/s of a bare greedy loop over the trunk and `size` heads (head 0's argmax)."""
+    first, later = raw_steps(model, prompt, size, new_tokens)
+    return new_tokens / (first + later * (new_tokens - 1))
+
+
+def raw_steps(
+    model: HydraModel, prompt: list[int], size: int, new_tokens: int
+) -> tuple[float, float]:
+    """`raw_rate`'s loop: the seconds of its first step (the prompt's) and of each step
+    after it."""
     stack = model.heads.select(0, size)  # the jury of the first `size` heads
     capacity = len(prompt) + new_tokens
     trunk_cache, head_cache = model.trunk_cache(capacity), model.head_cache(size, capacity)
     tokens, start = torch.tensor(prompt), 0
-    began = time.perf_counter()
-    for _ in range(new_tokens):
+    began = prompted = time.perf_counter()
+    for step in range(new_tokens):
         hidden = model.trunk.forward(tokens, trunk_cache, start)
         logits = stack.forward(hidden, head_cache, start)
         start += len(tokens)
         tokens = logits[0, -1:].argmax(-1)
-    return new_tokens / (time.perf_counter() - began)
+        if step == 0:
+            prompted = time.perf_counter()
+    return prompted - began, (time.perf_counter() - prompted) / max(1, new_tokens - 1)
 
 
 def request(jury: list[str], new_tokens: int) -> GenerationRequest:
@@ -110,6 +121,18 @@ def engine_rate(engine: Engine, jury: list[str], new_tokens: int) -> float:
     began = time.perf_counter()
     output = engine.generate(request(jury, new_tokens))
     return len(output.token_ids) / (time.perf_counter() - began)
+
+
+def engine_round_seconds(engine: Engine, jury: list[str], new_tokens: int) -> float:
+    """The seconds of each round of one request after its first (which prefills the
+    prompt), with no timer patched in: the engine's steady state, to set beside
+    `raw_steps`' steps after the first."""
+    rounds = iter(engine.start(request(jury, new_tokens)))
+    next(rounds)
+    began, count = time.perf_counter(), 0
+    for _ in rounds:
+        count += 1
+    return (time.perf_counter() - began) / count
 
 
 def in_process(engine: Engine, jury: list[str], new_tokens: int) -> tuple[float, dict, list]:
