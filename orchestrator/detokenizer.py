@@ -22,13 +22,22 @@ _REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer, tokens: Sequence[int] = (), offsets: tuple[int, int] = (0, 0)
+        self,
+        tokenizer,
+        tokens: Sequence[int] = (),
+        offsets: tuple[int, int] = (0, 0),
+        texts: TokenTexts | None = None,
     ) -> None:
         """A fresh detokenizer, or (with the `tokens` pushed so far and `offsets`) one
-        resumed where another stopped."""
+        resumed where another stopped. `texts` (of the same tokenizer, special tokens
+        skipped) decodes a window of one token, as a plain step's next push's prefix
+        is: from its cache."""
         self._tokenizer = tokenizer
         self._tokens: list[int] = list(tokens)
         self._prefix_offset, self._read_offset = offsets
+        if texts is not None and not texts.skip_special_tokens:
+            raise ValueError("a detokenizer's token texts skip special tokens")
+        self._texts = texts
 
     @property
     def offsets(self) -> tuple[int, int]:
@@ -36,6 +45,8 @@ class IncrementalDetokenizer:
         return self._prefix_offset, self._read_offset
 
     def _decode(self, tokens: Sequence[int]) -> str:
+        if len(tokens) == 1 and self._texts is not None:
+            return self._texts(tokens[0])
         return self._tokenizer.decode(tokens, skip_special_tokens=True)
 
     def push(self, tokens: Sequence[int]) -> str:
@@ -55,3 +66,22 @@ class IncrementalDetokenizer:
         text = self._decode(self._tokens[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._tokens)
         return text[len(prefix_text) :]
+
+
+class TokenTexts:
+    """Each token's own text, `tokenizer.decode([token])` (with `skip_special_tokens`),
+    decoded once per token id: a per-token record carries it, and the tokenizer's decode
+    costs more than the rest of the record (a dict of at most the vocabulary's size;
+    concurrent fills write the same text)."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self._tokenizer.decode([token], skip_special_tokens=self.skip_special_tokens)
+            self._texts[token] = text
+        return text

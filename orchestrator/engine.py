@@ -30,7 +30,7 @@ import torch
 from hydra_jury.hydra_model.uncertainty import check_tokens, verdict_tokens
 from hydra_jury.orchestrator.auto import AutoState, CostModel
 from hydra_jury.orchestrator.backend import DecodingBackend
-from hydra_jury.orchestrator.detokenizer import IncrementalDetokenizer
+from hydra_jury.orchestrator.detokenizer import IncrementalDetokenizer, TokenTexts
 from hydra_jury.orchestrator.limits import RequestLimits
 from hydra_jury.orchestrator.output import (
     GenerationOutput,
@@ -66,6 +66,8 @@ class Engine:
         """`limits`: a server's hard limits on requests (None: only the model's)."""
         self.backend = backend
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)  # a token record's text
+        self.window_texts = TokenTexts(tokenizer, skip_special_tokens=True)  # detokenizers'
         self.limits = limits
         self.costs = CostModel()  # the automatic mode's measured round costs
         self.rounds = Rounds(backend, self.costs)
@@ -106,7 +108,7 @@ class Engine:
         progress.prefilled_tokens += 1
         progress.resumed_rounds = len(progress.round_sizes)
         detokenizer = IncrementalDetokenizer(
-            self.tokenizer, progress.generated, progress.detokenizer_offsets
+            self.tokenizer, progress.generated, progress.detokenizer_offsets, self.window_texts
         )
         eos = self.backend.info.eos_token_ids
         # On the request's span: the options it runs with, as resolved.
@@ -239,7 +241,7 @@ class Engine:
         run.drafts_ahead_used += verdict.used_ahead
         request = run.prepared.request
         logprobs = request.top_logprobs if request.logprobs else None
-        records = token_records(self.tokenizer, verdict, tokens, len(run.committed), logprobs)
+        records = token_records(self.token_texts, verdict, tokens, len(run.committed), logprobs)
         run.committed += tokens
         progress.generated += tokens
         run.records += records

@@ -3,6 +3,7 @@ and what a round decided (`Verdict`), from which its token records are made."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -78,7 +79,7 @@ class Verdict:
 
 
 def token_records(
-    tokenizer,
+    text_of: Callable[[int], str],
     verdict: Verdict,
     tokens: list[int],
     first_position: int,
@@ -86,9 +87,10 @@ def token_records(
 ) -> list[TokenRecord]:
     """The records of the round's emitted `tokens` (the verdict's, up to a stop
     condition) at positions from `first_position`, with the target's metrics; with
-    `logprobs` (not None), each token's log-probability and that many most likely tokens."""
+    `logprobs` (not None), each token's log-probability and that many most likely tokens.
+    `text_of`: a token's own text (`detokenizer.TokenTexts`)."""
     records = [
-        TokenRecord(token, tokenizer.decode([token]), first_position + i, kind)
+        TokenRecord(token, text_of(token), first_position + i, kind)
         for i, (token, kind) in enumerate(zip(tokens, verdict.kinds, strict=False))
     ]
     if verdict.target is None or not records:
@@ -106,18 +108,22 @@ def token_records(
         if record.kind == TokenKind.REPLACEMENT:
             rejected = verdict.rejected
             record.rejected_token = rejected
-            record.rejected_text = tokenizer.decode([rejected])
+            record.rejected_text = text_of(rejected)
             record.validity_radius = validity_radius(vote_lists[i], rejected)
             record.suppression_score = float(
                 suppression_score(target[i : i + 1], torch.tensor([rejected]))[0]
             )
     if logprobs is not None:
-        _add_logprobs(tokenizer, records, target, torch.tensor(tokens), logprobs)
+        _add_logprobs(text_of, records, target, torch.tensor(tokens), logprobs)
     return records
 
 
 def _add_logprobs(
-    tokenizer, records: list[TokenRecord], target: torch.Tensor, tokens: torch.Tensor, top: int
+    text_of: Callable[[int], str],
+    records: list[TokenRecord],
+    target: torch.Tensor,
+    tokens: torch.Tensor,
+    top: int,
 ) -> None:
     chosen = token_logprobs(target, tokens).tolist()
     likeliest, values = top_logprobs(target, top)
@@ -126,7 +132,7 @@ def _add_logprobs(
     ):
         record.logprob = logprob
         record.top_logprobs = [
-            {"token_id": token, "text": tokenizer.decode([token]), "logprob": value}
+            {"token_id": token, "text": text_of(token), "logprob": value}
             for token, value in zip(ids, logprobs, strict=True)
         ]
 

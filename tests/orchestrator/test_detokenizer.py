@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hydra_jury.orchestrator.detokenizer import IncrementalDetokenizer
+from hydra_jury.orchestrator.detokenizer import IncrementalDetokenizer, TokenTexts
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +33,13 @@ def test_a_split_character_is_held_back_until_complete(byte_tokenizer):
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_pushes_add_up_to_the_whole_decode(byte_tokenizer, seed):
+@pytest.mark.parametrize("cached", [False, True], ids=["decoded", "one-token texts cached"])
+def test_pushes_add_up_to_the_whole_decode(byte_tokenizer, seed, cached):
     text = "Grüße, 世界! naïve café — ok 🙂 end"
     tokens = byte_tokenizer.encode(text, add_special_tokens=False)
     rng = random.Random(seed)
-    detokenizer, pieces, at = IncrementalDetokenizer(byte_tokenizer), [], 0
+    texts = TokenTexts(byte_tokenizer, skip_special_tokens=True) if cached else None
+    detokenizer, pieces, at = IncrementalDetokenizer(byte_tokenizer, texts=texts), [], 0
     while at < len(tokens):
         size = rng.randint(1, 4)
         pieces.append(detokenizer.push(tokens[at : at + size]))
@@ -52,3 +54,19 @@ def test_flush_gives_an_incomplete_character_as_a_whole_decode_would(byte_tokeni
     assert detokenizer.push(tokens[:1]) == "a"
     assert detokenizer.push(tokens[1:]) == ""
     assert detokenizer.flush() == byte_tokenizer.decode(tokens)[1:] == "\ufffd"
+
+
+def test_a_tokens_text_is_decoded_once_and_is_the_tokenizers(byte_tokenizer):
+    calls = []
+
+    class Counting:
+        def decode(self, tokens, skip_special_tokens=False):
+            calls.append(list(tokens))
+            return byte_tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    texts = TokenTexts(Counting())
+    ids = byte_tokenizer.encode("é a é", add_special_tokens=False)
+    assert [texts(token) for token in ids * 2] == [byte_tokenizer.decode([t]) for t in ids * 2]
+    assert sorted(map(tuple, calls)) == sorted({(token,) for token in ids})
+    with pytest.raises(ValueError, match="skip special tokens"):
+        IncrementalDetokenizer(byte_tokenizer, texts=TokenTexts(byte_tokenizer))
