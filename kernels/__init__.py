@@ -1,1 +1,2 @@
-"""Native kernels for the decode path (`native`), with PyTorch's products as fallback."""
+"""Native kernels for the decode path and the passes over the vocabulary (`native`), with
+PyTorch's operations as fallback."""

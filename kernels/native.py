@@ -4,11 +4,12 @@ operators (`torch.ops.hydra_jury.*`).
 
 `make setup` builds them (`python -m hydra_jury.kernels`), so a first request
 does not wait for the compiler. Without them — another architecture, no compiler,
-`HYDRA_JURY_KERNELS=off` — every product falls back to PyTorch's own (`products`), with a
-warning naming the reason: slower, never wrong.
+`HYDRA_JURY_KERNELS=off` — every product falls back to PyTorch's own (`products`), and so
+does every pass over the vocabulary (`poe.row_kernels`), with a warning naming the reason:
+slower, never wrong.
 
 Environment:
-    HYDRA_JURY_KERNELS=off      PyTorch's products only (benchmarks compare the two)
+    HYDRA_JURY_KERNELS=off      PyTorch's operations only (benchmarks compare the two)
     HYDRA_JURY_KERNEL_CACHE     where built libraries are kept
                                 (default: $XDG_CACHE_HOME or ~/.cache, then hydra-jury/kernels)
     CXX                         the compiler (default: g++)
@@ -127,7 +128,7 @@ def native():
                 _state["ops"] = load()
             except (KernelBuildError, OSError, RuntimeError) as error:
                 _state["reason"] = str(error)
-                log.warning("native kernels unavailable, using PyTorch's products: %s", error)
+                log.warning("native kernels unavailable, using PyTorch's operations: %s", error)
     return _state["ops"]
 
 

@@ -4,10 +4,11 @@ may order 0 and −0 either way).
 
 Why not those two: over a 49,152-token row they are scalar loops in PyTorch (43 and
 83 µs on the 2-core development machine, 60 and 100 µs inside a decoding step, whose
-weights have just flushed the caches), and a plain step takes three of them. NumPy's
-argmax and max are vectorised (3 µs). Both libraries give the first largest index, NaN
-counting as the largest, so a token never depends on which one ran. Tensors NumPy cannot
-read without a copy (another device, bfloat16, gradients) take PyTorch's own.
+weights have just flushed the caches). NumPy's argmax and max are vectorised (3 µs).
+Both libraries give the first largest index, NaN counting as the largest, and so do the
+kernels' fused passes of a round (`poe.row_kernels`), so a token never depends on which
+one ran. Tensors NumPy cannot read without a copy (another device, bfloat16, gradients)
+take PyTorch's own.
 """
 
 from __future__ import annotations
