@@ -36,6 +36,7 @@ PHASES: dict[str, list[tuple[object, str]]] = {
         (Rounds, "_sample_target"),
         (Rounds, "_verify"),
         (rounds, "normalise_logprobs"),
+        (rounds, "target_rows"),
     ],
     "metrics and records": [(engine, "token_records")],
     "detokenizer and stops": [(StopConditions, "push"), (StopConditions, "delta")],
