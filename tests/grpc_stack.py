@@ -65,6 +65,8 @@ class Stack:
     sessions: StoreSettings = field(default_factory=StoreSettings)
     tls: CertificateDirectory | None = None  # `hydra-jury certs`' files; None: plaintext
     metrics: bool = False  # the trunk and jury replicas serve /metrics on a free port
+    device: str = "cpu"  # where every server computes (`tests/gpu`: a CUDA device)
+    dtype: str | None = None  # None: the servers' default for the device
     prefix: str = field(default_factory=lambda: f"test-{uuid.uuid4().hex[:8]}:")
     loop: BackgroundLoop = field(default_factory=BackgroundLoop)
     servers: dict[str, Any] = field(default_factory=dict)
@@ -113,6 +115,8 @@ class Stack:
             self.checkpoint,
             heads=heads,
             draft_model=draft_model,
+            dtype=self.dtype,
+            device=self.device,
             tls=self.server_tls(),
             metrics_port=0 if self.metrics else None,
             **limits,
@@ -175,6 +179,8 @@ class Stack:
                 store=self.store(),
                 limits=limits,
                 draft_model=self.draft_model,
+                dtype=self.dtype,
+                device=self.device,
                 **options,
             )
         )

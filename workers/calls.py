@@ -73,7 +73,8 @@ class HiddenStates:
 
     def on_host(self) -> HiddenStates:
         """The hidden states copied to the host (for encoding)."""
-        return HiddenStates(self.rows, self.tensor().cpu())
+        (tensor,) = to_host([self.tensor()])
+        return HiddenStates(self.rows, tensor)
 
 
 @dataclass(frozen=True)
@@ -234,12 +235,34 @@ class ScoreResult:
         return _tensors_on_host(self)
 
 
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors on the host. A GPU's are copied into pinned buffers (PyTorch's caching
+    host allocator keeps them), every copy queued before one wait for the device: a
+    result costs one host synchronisation, not one per tensor. Host tensors pass as they
+    are."""
+    on_device = [t for t in tensors if t.device.type != "cpu"]
+    if not on_device:
+        return tensors
+    moved = []
+    for tensor in tensors:
+        if tensor.device.type == "cpu":
+            moved.append(tensor)
+            continue
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        moved.append(host.copy_(tensor, non_blocking=True))
+    for device in {t.device for t in on_device}:
+        torch.cuda.current_stream(device).synchronize()
+    return moved
+
+
 def _tensors_on_host(result, exclude: str = ""):
-    moved = {
-        field.name: value.cpu()
+    names = [
+        field.name
         for field in fields(result)
-        if field.name != exclude and isinstance(value := getattr(result, field.name), torch.Tensor)
-    }
-    if all(value is getattr(result, name) for name, value in moved.items()):
+        if field.name != exclude and isinstance(getattr(result, field.name), torch.Tensor)
+    ]
+    values = [getattr(result, name) for name in names]
+    moved = to_host(values)
+    if moved is values:
         return result  # on the host already (a CPU model's): no new result
-    return replace(result, **moved)
+    return replace(result, **dict(zip(names, moved, strict=True)))

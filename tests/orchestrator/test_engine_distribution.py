@@ -57,20 +57,18 @@ BETA = 0.5
 CONCURRENT_RUNS = 1000
 
 
+# One trunk and one head layer, hidden size 32: a run costs half the forward work of the
+# shared jury checkpoint, and the heads still differ.
+SMALL_JURY = dict(
+    trunk_layers=1, num_hidden_layers=2, hidden_size=32, intermediate_size=48, head_dim=8
+)
+
+
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory) -> HydraModel:
-    """A jury checkpoint of one trunk and one head layer, hidden size 32: a run costs
-    half the forward work of the shared one, and the heads still differ."""
-    root = tmp_path_factory.mktemp("small-jury")
+    """A `SMALL_JURY` checkpoint."""
     return HydraModel.load(
-        build_jury_checkpoint(
-            root,
-            trunk_layers=1,
-            num_hidden_layers=2,
-            hidden_size=32,
-            intermediate_size=48,
-            head_dim=8,
-        )
+        build_jury_checkpoint(tmp_path_factory.mktemp("small-jury"), **SMALL_JURY)
     )
 
 
@@ -154,15 +152,13 @@ def empirical(
     return counts
 
 
-@pytest.mark.parametrize(("drafter", "gamma"), [("head", 1), ("head", 4), ("model", 3)])
-def test_exact_rule_samples_the_poe_target(
-    tokenizer, small_model, sampler, small_draft, drafter, gamma
-):
-    """Top-k filtered at temperature 0.8, drafted by a head or by the draft model (full
-    distributions, checked in one pass with the bonus)."""
-    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
-    temperature, top_k = 0.8, 12
-    names = small_model.head_names
+TOP_K_TEMPERATURE, TOP_K = 0.8, 12
+
+
+def top_k_targets(names: list[str], temperature: float, top_k: int):
+    """`joint_distribution`'s target functions for the exact rule, top-k filtered at
+    `temperature`: the PoE target, and the control, the draft's own filtered
+    distribution (the mistake of keeping every draft token)."""
 
     def top_k_of(probs):
         kept = torch.zeros_like(probs).scatter(0, probs.topk(top_k).indices, 1.0)
@@ -171,11 +167,22 @@ def test_exact_rule_samples_the_poe_target(
     def target(logits, draft_logits=None):
         return top_k_of(exact_target(logits, names, temperature))
 
-    def draft(logits, draft_logits=None):  # the mistake of keeping every draft token
+    def draft(logits, draft_logits=None):
         if draft_logits is None:
             draft_logits = logits[names.index(DRAFT_HEAD)]
         return top_k_of(torch.softmax(draft_logits / temperature, -1))
 
+    return target, draft
+
+
+@pytest.mark.parametrize(("drafter", "gamma"), [("head", 1), ("head", 4), ("model", 3)])
+def test_exact_rule_samples_the_poe_target(
+    tokenizer, small_model, sampler, small_draft, drafter, gamma
+):
+    """Top-k filtered at temperature 0.8, drafted by a head or by the draft model (full
+    distributions, checked in one pass with the bonus)."""
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
+    target, draft = top_k_targets(small_model.head_names, TOP_K_TEMPERATURE, TOP_K)
     model = small_draft if drafter == "model" else None
     joint, _ = joint_distribution(small_model, prompt, target, model)
     draft_joint, _ = joint_distribution(small_model, prompt, draft, model)
@@ -183,8 +190,8 @@ def test_exact_rule_samples_the_poe_target(
         "rule": "exact",
         "gamma": gamma,
         "max_new_tokens": 4,
-        "temperature": temperature,
-        "top_k": top_k,
+        "temperature": TOP_K_TEMPERATURE,
+        "top_k": TOP_K,
     }
     if drafter == "model":
         options["drafter"] = "model"
@@ -198,16 +205,8 @@ def quantized_small(tmp_path_factory, draft_checkpoint) -> HydraModel:
     in groups of 32: every layer of a decode step runs in one native call (int4 products,
     native attention), and the LM head on the int4 kernel."""
     root = tmp_path_factory.mktemp("small-int4")
-    float_checkpoint = build_jury_checkpoint(
-        root,
-        trunk_layers=1,
-        num_hidden_layers=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        head_dim=32,
-    )
+    wide = dict(intermediate_size=64, num_attention_heads=1, num_key_value_heads=1, head_dim=32)
+    float_checkpoint = build_jury_checkpoint(root, **{**SMALL_JURY, **wide})
     scheme = QuantizationScheme.from_flags("int4", 32, keep_output_matrix=False)
     quantize_checkpoint(float_checkpoint, root / "int4", scheme, log=lambda line: None)
     return HydraModel.load(root / "int4")

@@ -1,0 +1,377 @@
+"""The stack on one CUDA GPU, side by side in one run (`make bench-gpu`):
+
+    python bench/bench_gpu.py --out var/bench-gpu
+
+Two Llama-shaped Hydra checkpoints with random weights, built here in bfloat16 (speed
+does not depend on the weights): SmolLM2-135M's shape and a 1B-class shape (hidden 2048,
+16 layers, MLP 8192), both with SmolLM2's 49,152-token vocabulary and tokenizer
+(`--tokenizer`, a folder holding `tokenizer.json`), each split as a trunk and 3 heads.
+Per model, bfloat16, greedy or sampled at T = 0.8, `--new-tokens` per request:
+
+- `transformers` `generate` on the same GPU and dtype (the anchor), 1, 8 and 64 rows;
+- hydra-jury's bare loop (trunk and one head, argmax fed back, no engine) and the
+  fraction it reaches of the bytes roofline (weights read per token over the GPU's
+  measured copy bandwidth, bytes read plus written);
+- the engine in-process, non-speculative (a jury of one) and speculative PoE (head0
+  drafts γ=4 for a jury of two): tokens/s and host synchronisations per round;
+- `serve` and the split stack (trunk and two jury shards on the same GPU) at 1, 8 and 64
+  concurrent sessions: aggregate tokens/s;
+- where a bare step's time goes: kernel time and kernel count (PyTorch's profiler)
+  against the step's wall time; the rest is launch and Python overhead.
+
+The heads of a checkpoint built from one model are copies of its top layers, so the
+speculative rows accept almost every draft: their acceptance is an upper bound, and the
+demo checkpoint's own (docs/benchmarks.md, CPU) is what real heads give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from bench_round import bytes_per_token  # this folder is on the path of `python bench/...`
+from bench_serving import measure
+
+from hydra_jury.hydra_model import HydraModel
+from hydra_jury.hydra_model.build.builder import BuildOptions, build_checkpoint
+from hydra_jury.orchestrator.engine import Engine
+from hydra_jury.orchestrator.launcher import LocalStack
+from hydra_jury.orchestrator.local_backend import LocalBackend
+from hydra_jury.orchestrator.request import GenerationRequest
+from hydra_jury.workers.sessions import SessionLimits
+
+SHAPES = {
+    "llama-1b-shaped": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        trunk_layers=12,
+    ),
+    "smollm2-135m-shaped": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        trunk_layers=26,
+    ),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+PROMPT = "Write a short story about a robot who learns to paint."
+COPY_BYTES = 1 << 30
+
+
+def describe() -> dict:
+    properties = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": properties.name,
+        "memory_gib": round(properties.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "copy_bandwidth": copy_bandwidth(),
+    }
+
+
+def copy_bandwidth() -> float:
+    """Bytes read plus written per second by a 1 GiB device-to-device copy (best of 10,
+    timed with events)."""
+    source = torch.randn(COPY_BYTES // 4, device="cuda")
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(11):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(source)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    return 2 * COPY_BYTES / best
+
+
+def build(name: str, root: Path, tokenizer: Path) -> tuple[Path, Path]:
+    """A random bfloat16 Llama of `name`'s shape saved with the tokenizer, and the Hydra
+    checkpoint built from it (trunk and 3 heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(SHAPES[name])
+    trunk_layers = shape.pop("trunk_layers")
+    source, checkpoint = root / f"{name}-source", root / name
+    if not (checkpoint / "hydra.json").exists():
+        config = LlamaConfig(
+            vocab_size=49152,
+            head_dim=64,
+            max_position_embeddings=2048,
+            rope_theta=100000.0,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+            **shape,
+        )
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model.save_pretrained(str(source))
+        del model
+        for file in TOKENIZER_FILES:
+            if (tokenizer / file).exists():
+                shutil.copy(tokenizer / file, source / file)
+        options = BuildOptions(
+            source=str(source),
+            out=str(checkpoint),
+            trunk_layers=trunk_layers,
+            heads=3,
+            dtype="bfloat16",
+            force=True,
+        )
+        build_checkpoint(options, log=lambda line: None)
+    return source, checkpoint
+
+
+def prompt_ids(model: HydraModel) -> list[int]:
+    return model.load_tokenizer().encode(PROMPT)
+
+
+def transformers_rate(source: Path, prompt: list[int], rows: int, new_tokens: int) -> float:
+    """Tokens/s of `generate`, greedy, `rows` copies of the prompt in one batch."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.bfloat16).cuda()
+    inputs = torch.tensor([prompt] * rows, device="cuda")
+
+    def generate(count: int, model=model) -> None:
+        model.generate(
+            inputs,
+            attention_mask=torch.ones_like(inputs),
+            max_new_tokens=count,
+            min_new_tokens=count,
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+    generate(8)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    generate(new_tokens)
+    torch.cuda.synchronize()
+    rate = rows * new_tokens / (time.perf_counter() - began)
+    del model
+    torch.cuda.empty_cache()
+    return rate
+
+
+def bare_steps(model: HydraModel, prompt: list[int], new_tokens: int, profile: bool = False):
+    """The bare greedy loop (trunk and head0, argmax fed back): seconds per step after
+    the prompt's; with `profile`, also the kernels' summed time and count per step."""
+    head = model.heads.select(0)
+    capacity = len(prompt) + new_tokens
+    trunk_cache, head_cache = model.trunk_cache(capacity), model.head_cache(1, capacity)
+    tokens = torch.tensor(prompt, device=model.device)
+    hidden = model.trunk.forward(tokens, trunk_cache, 0)
+    tokens = head.forward(hidden, head_cache, 0)[0, -1:].argmax(-1)
+    start = len(prompt)
+    torch.cuda.synchronize()
+
+    def steps(count: int) -> None:
+        nonlocal tokens, start
+        for _ in range(count):
+            hidden = model.trunk.forward(tokens, trunk_cache, start)
+            tokens = head.forward(hidden, head_cache, start)[0, -1:].argmax(-1)
+            start += 1
+
+    steps(4)
+    torch.cuda.synchronize()
+    count = new_tokens - 8
+    began = time.perf_counter()
+    steps(count)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - began) / count
+    if not profile:
+        return seconds, None, None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        steps(4)
+        torch.cuda.synchronize()
+    kernels = [e for e in trace.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_seconds = sum(e.device_time for e in kernels) / 1e6 / 4
+    return seconds, kernel_seconds, len(kernels) / 4
+
+
+def engine_run(model: HydraModel, request: GenerationRequest) -> tuple[float, float, float]:
+    """Tokens/s of one request in-process, its host synchronisations per round (PyTorch's
+    sync debug mode counts each), and its accepted drafts per round."""
+    engine = Engine(LocalBackend(model, limits=SessionLimits(1, 1024)), model.load_tokenizer())
+    engine.generate(GenerationRequest(**{**vars(request), "max_new_tokens": 8}))
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    output = engine.generate(request)
+    rate = len(output.token_ids) / (time.perf_counter() - began)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        counted = engine.generate(request)
+        torch.cuda.set_sync_debug_mode(0)
+    rounds = counted.stats["rounds"]
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return rate, syncs / rounds, counted.stats["accepted"] / rounds
+
+
+def requests(new_tokens: int) -> dict[str, GenerationRequest]:
+    common = dict(prompt=PROMPT, max_new_tokens=new_tokens, ignore_eos=True, temperature=0.0)
+    return {
+        "non-speculative": GenerationRequest(rule="verifier_only", jury=["head0"], **common),
+        "speculative γ=4": GenerationRequest(
+            rule="exact",
+            drafter="head",
+            draft_head="head0",
+            jury=["head1", "head2"],
+            gamma=4,
+            **common,
+        ),
+    }
+
+
+SERVER_ARGS = ["--device", "cuda", "--max-sessions", "64", "--max-session-tokens", "512"]
+MODES = {
+    "non-speculative": {"rule": "verifier_only", "jury": ["head0"]},
+    "speculative γ=4": {"drafter": "head", "draft_head": "head0", "jury": ["head1", "head2"]},
+}
+
+
+def served(checkpoint: Path, servers: list[str], counts: list[int], new_tokens: int) -> dict:
+    """Aggregate tokens/s through `serve` and the split stack at each session count."""
+    from bench_one_host import start_server
+
+    rates: dict = {}
+    if "serve" not in servers:
+        return rates | served_split(checkpoint, servers, counts, new_tokens)
+    child = start_server(str(checkpoint), [*SERVER_ARGS, "--max-concurrency", "64"])
+    try:
+        if not child.address:
+            raise RuntimeError(child.failure)
+        rates["serve"] = over_modes(child.address, counts, new_tokens)
+    finally:
+        child.process.terminate()
+        child.process.wait(timeout=60)
+    return rates | served_split(checkpoint, servers, counts, new_tokens)
+
+
+def served_split(checkpoint: Path, servers: list[str], counts: list[int], new_tokens: int):
+    if "split" not in servers:
+        return {}
+    stack = LocalStack(
+        str(checkpoint),
+        shards=2,
+        port=0,
+        extra_service_args=SERVER_ARGS,
+        orchestrator_args=["--max-concurrency", "64"],
+    )
+    try:
+        return {"split": over_modes(stack.start(), counts, new_tokens)}
+    finally:
+        stack.stop()
+
+
+def over_modes(address: str, counts: list[int], new_tokens: int) -> dict:
+    measure(address, 2, 1, 8, MODES["non-speculative"])  # warm-up
+    return {
+        mode: {n: measure(address, n, 1, new_tokens, options)[0] for n in counts}
+        for mode, options in MODES.items()
+    }
+
+
+def run_model(name: str, root: Path, tokenizer: Path, args) -> dict:
+    source, checkpoint = build(name, root, tokenizer)
+    model = HydraModel.load(checkpoint, device="cuda")
+    prompt = prompt_ids(model)
+    result: dict = {"dtype": str(model.dtype).removeprefix("torch.")}
+    result["bytes_per_token"] = bytes_per_token(model, 1)
+    step, kernel_seconds, kernels = bare_steps(model, prompt, args.new_tokens, profile=True)
+    result["bare"] = {"rate": 1 / step, "kernel_seconds": kernel_seconds, "kernels": kernels}
+    fields = ("rate", "syncs_per_round", "accepted_per_round")
+    result["engine"] = {
+        mode: dict(zip(fields, engine_run(model, request), strict=True))
+        for mode, request in requests(args.new_tokens).items()
+    }
+    del model
+    torch.cuda.empty_cache()
+    result["transformers"] = {
+        rows: transformers_rate(source, prompt, rows, args.new_tokens) for rows in args.sessions
+    }
+    result["served"] = served(checkpoint, args.servers, args.sessions, args.served_tokens)
+    return result
+
+
+def report(machine: dict, results: dict, args) -> None:
+    bandwidth = machine["copy_bandwidth"]
+    print(
+        f"\n{machine['gpu']} ({machine['memory_gib']} GiB), torch {machine['torch']}, "
+        f"CUDA {machine['cuda']}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + written)"
+    )
+    for name, r in results.items():
+        roofline = bandwidth / r["bytes_per_token"]
+        bare = r["bare"]
+        print(f"\n## {name}, {r['dtype']}: {r['bytes_per_token'] / 1e6:.0f} MB of weights a token")
+        print(f"bytes roofline {roofline:.0f} tokens/s\n")
+        print("| single stream | tokens/s | × transformers | of roofline |")
+        print("| --- | --- | --- | --- |")
+        anchor = r["transformers"][1]
+        rows = [("transformers generate", anchor), ("bare loop", bare["rate"])]
+        rows += [(f"engine, {mode}", e["rate"]) for mode, e in r["engine"].items()]
+        for label, rate in rows:
+            print(f"| {label} | {rate:.1f} | {rate / anchor:.2f} | {rate / roofline:.1%} |")
+        print(
+            f"\nbare step: {1e3 / bare['rate']:.2f} ms wall, kernels {bare['kernels']:.0f} "
+            f"summing {bare['kernel_seconds'] * 1e3:.2f} ms (the rest is launches and Python)"
+        )
+        for mode, e in r["engine"].items():
+            print(
+                f"engine {mode}: {e['syncs_per_round']:.1f} host syncs a round, "
+                f"{e['accepted_per_round']:.2f} drafts accepted a round"
+            )
+        print("\n| aggregate tokens/s | " + " | ".join(f"{n} sessions" for n in args.sessions))
+        print("| --- " * (len(args.sessions) + 1) + "|")
+        print(
+            "| transformers generate (rows) | "
+            + " | ".join(f"{r['transformers'][n]:.0f}" for n in args.sessions)
+            + " |"
+        )
+        for server, modes in r["served"].items():
+            for mode, rates in modes.items():
+                cells = " | ".join(f"{rates[n]:.0f}" for n in args.sessions)
+                print(f"| {server}, {mode} | {cells} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="var/bench-gpu", help="models and results.json")
+    parser.add_argument("--tokenizer", default="var/models/smollm2-hydra")
+    parser.add_argument("--models", default=",".join(SHAPES))
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--served-tokens", type=int, default=64)
+    parser.add_argument("--sessions", default="1,8,64")
+    parser.add_argument("--servers", default="serve,split", help="'' for none")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench-gpu needs a CUDA device; this PyTorch sees none")
+    args.sessions = [int(n) for n in args.sessions.split(",")]
+    args.servers = [name for name in args.servers.split(",") if name]
+    root = Path(args.out)
+    root.mkdir(parents=True, exist_ok=True)
+    machine = describe()
+    results = {}
+    for name in args.models.split(","):
+        results[name] = run_model(name, root, Path(args.tokenizer), args)
+        (root / "results.json").write_text(json.dumps({"machine": machine, **results}, indent=1))
+    report(machine, results, args)
+
+
+if __name__ == "__main__":
+    main()
