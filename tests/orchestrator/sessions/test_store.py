@@ -283,3 +283,22 @@ def test_an_admitted_session_counts_before_its_record_exists(make_store):
         await store.close()
 
     run(scenario())
+
+
+def test_a_progress_dict_is_a_copy_that_round_trips():
+    """A round's snapshot is stored while the request goes on: its dict shares no list
+    with the progress, and gives back an equal one."""
+    progress = Progress(
+        generated=[3, 4],
+        round_sizes=[2],
+        stats=RequestStats(rounds=1, reached_per_position=[1, 1], accepted_per_position=[1, 0]),
+        finish_reason=FinishReason.LENGTH,
+    )
+    values = progress.to_dict()
+    assert Progress.from_dict(values) == progress
+    progress.generated.append(5)
+    progress.round_sizes.append(1)
+    progress.stats.observe_round(2, 2)
+    assert values["generated"] == [3, 4] and values["round_sizes"] == [2]
+    assert values["stats"]["accepted_per_position"] == [1, 0]
+    assert values["stats"]["rounds"] == 1
