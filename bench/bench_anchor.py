@@ -21,6 +21,11 @@ and the engine path, each as a fraction of the bytes roofline.
   times one row, nothing else: how fast the kernels stream) against the whole step.
 - A second table: every projection of a step times 1 to 16 rows (what a speculative
   verify or a batch multiplies), on the kernels and, for float32, on PyTorch's BLAS.
+- Head to head: for each goal's pair (float32 and F32, int8 and Q8_0, int4 and Q4_1),
+  `--pairs` runs of our decode and of `llama-bench` (one tg repeat) taken turn about; the
+  median of the pairs' ratios and their quartiles. The first table's rows are medians of
+  runs made minutes apart, and this machine's speed drifts by more than the margins the
+  goals are decided by, so the verdict on each goal reads this table.
 - The roofline: bytes per token over the machine's copy bandwidth (a 256 MiB copy,
   bytes read and written per second); each row's fraction is its tokens/s over that.
 
@@ -65,6 +70,8 @@ OURS = [
     ("int4, float activations", "int4, float acts"),
 ]
 ENGINE_ROWS = ("float32", "int8", "int4 (groups of 32)")
+# The goals' pairs: (llama.cpp's file type, our variant), measured head to head.
+HEAD_TO_HEAD = [("F32", "float32"), ("Q8_0", "int8"), ("Q4_1", "int4 (groups of 32)")]
 
 
 @torch.inference_mode()
@@ -227,6 +234,17 @@ def main() -> None:
                 f"({quartiles[0]:.2f}-{quartiles[2]:.2f})"
             )
             rows.append(("engine", label, bytes_per_token(model, 1), through_engine, note))
+    head_to_head = []
+    for kind, variant in HEAD_TO_HEAD:
+        model = HydraModel.load(paths[variant], heads=["head0"])
+        ratios = paired_ratios(
+            args.pairs,
+            lambda m=model: decode_rate(m, prompt, args.new_tokens),
+            lambda g=ggufs[kind]: (
+                llama_cpp.bench(bin_dir, g, args.threads, args.new_tokens, repeats=1).tokens_per_s
+            ),
+        )
+        head_to_head.append((variant, kind, ratios))
     kernels = instruction_set() if native() is not None else "off"
     print(
         f"{cpu_model()}, {args.threads} threads, copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
@@ -241,6 +259,15 @@ def main() -> None:
             f"| {runtime} | {weights} | {size / 1e6:.0f} | {rate:.1f} | "
             f"{rate / roofline:.0%} | {note} |"
         )
+    print(
+        f"\nHead to head: {args.pairs} runs of each taken turn about; the median of the pairs' "
+        "ratios (quartiles):"
+    )
+    print("| hydra_model | llama.cpp | × llama.cpp | quartiles |")
+    print("| --- | --- | --- | --- |")
+    for variant, kind, ratios in head_to_head:
+        low, _, high = statistics.quantiles(ratios, n=4)
+        print(f"| {variant} | {kind} | {statistics.median(ratios):.2f} | {low:.2f}-{high:.2f} |")
     print("\nEvery projection of the trunk and head0 (no output matrix) times 1 to 16 rows, ms:")
     print("\n".join(rows_table(paths)))
 
