@@ -3,6 +3,8 @@ GGUF file (dequantized through `transformers`, at build time only)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -110,15 +112,42 @@ def _load_hf_directory(path: Path) -> SourceModel:
     )
 
 
+@contextlib.contextmanager
+def _gguf_read_once():
+    """While `transformers` reads a GGUF file: the `gguf` package's reader of the file, and
+    its tensor-name map of an architecture, are each made once. transformers parses the
+    whole file (SmolLM2's 49,152-token vocabulary field by field) twice for one model,
+    and builds the name map anew for each of its ~400 modules: 10 of the 15 s that
+    loading SmolLM2-135M took. Raises ImportError without the `gguf` extra."""
+    import gguf
+
+    originals = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.cache(gguf.GGUFReader)
+    gguf.get_tensor_name_map = functools.cache(gguf.get_tensor_name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = originals
+
+
+def gguf_model(path: Path, **options):
+    """`transformers`' float32 model of a GGUF file (`options` to its `from_pretrained`).
+    Raises ImportError without the `gguf` extra."""
+    from transformers import AutoModelForCausalLM
+
+    with _gguf_read_once():
+        return AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, **options
+        )
+
+
 def _load_gguf(path: Path) -> SourceModel:
     try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
     except ImportError as error:  # pragma: no cover - transformers is a dependency
         raise SourceError(f"reading {path} needs transformers ({error})") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        )
+        model = gguf_model(path)
     except ImportError as error:
         raise SourceError(
             f"reading {path} needs the gguf and accelerate packages: "
@@ -129,7 +158,8 @@ def _load_gguf(path: Path) -> SourceModel:
     state.pop(None, None)
 
     def save_tokenizer(out: Path) -> None:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        with _gguf_read_once():
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         tokenizer.save_pretrained(str(out))
 
     return SourceModel(str(path), config, set(state), state.__getitem__, save_tokenizer)

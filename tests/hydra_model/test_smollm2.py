@@ -8,6 +8,7 @@ import torch
 
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.build.demo import demo_gguf_path, ensure_demo_base
+from hydra_jury.hydra_model.build.sources import gguf_model
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 24
@@ -28,18 +29,13 @@ def test_demo_checkpoint_layout(demo_checkpoint):
 
 
 def test_greedy_decoding_matches_transformers_on_the_gguf(demo_checkpoint):
-    from transformers import AutoModelForCausalLM
-
     model = HydraModel.load(demo_checkpoint)
     tokenizer = model.load_tokenizer()
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
-    gguf = demo_gguf_path()
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+    reference = gguf_model(demo_gguf_path()).eval()
     with torch.no_grad():
         expected = reference.generate(
             torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False

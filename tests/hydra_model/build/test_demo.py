@@ -12,6 +12,7 @@ import torch
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.build import demo
 from hydra_jury.hydra_model.build.demo import DRAFT_LAYERS, demo_gguf_path, ensure_demo_draft
+from hydra_jury.hydra_model.build.sources import gguf_model
 from hydra_jury.hydra_model.checkpoint import training_summary
 from tests.models import save_hf_model
 
@@ -194,20 +195,37 @@ def test_main_draft_flags(tiny_demo, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_smollm2_draft_is_the_gguf_model_cut_short(tmp_path):
-    from transformers import AutoModelForCausalLM
-
     layers = 8
     out = ensure_demo_draft(tmp_path / "draft", layers, log=lambda line: None)
     model = HydraModel.load(out)
     assert model.config.num_layers == layers < DRAFT_LAYERS == 30
     assert model.heads.shares_lm_head  # tied embedding, stored once
     gguf = demo_gguf_path()
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, num_hidden_layers=layers, dtype=torch.float32
-    ).eval()
+    reference = gguf_model(gguf, num_hidden_layers=layers).eval()
     tokens = torch.tensor(model.load_tokenizer()("The capital of France is")["input_ids"])
     hidden = model.trunk.forward(tokens, model.trunk_cache(64), 0)
     got = model.heads.select(0).forward(hidden, model.head_cache(1, 64), 0)[0]
     with torch.no_grad():
         expected = reference(tokens[None]).logits[0]
     assert (got - expected).abs().max() <= TOLERANCE
+
+
+def test_a_gguf_load_reads_the_file_once_and_puts_the_gguf_package_back(tmp_path):
+    import gguf
+
+    from hydra_jury.hydra_model.build.sources import _gguf_read_once
+
+    path = str(tmp_path / "tiny.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_uint32("tiny.value", 1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    originals = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _gguf_read_once():
+        assert gguf.GGUFReader(path) is gguf.GGUFReader(path)
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == originals
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
