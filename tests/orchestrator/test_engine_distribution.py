@@ -58,9 +58,18 @@ CONCURRENT_RUNS = 1000
 
 
 # One trunk and one head layer, hidden size 32: a run costs half the forward work of the
-# shared jury checkpoint, and the heads still differ.
+# shared jury checkpoint, and the heads still differ. Two 32-wide query heads share one
+# key/value head, and the MLP is 64 wide: shapes the native kernels take, so a decode step
+# is one native call (a run costs 4-5 ms here against 6-8 with 8-wide heads, which leave
+# every operation to PyTorch).
 SMALL_JURY = dict(
-    trunk_layers=1, num_hidden_layers=2, hidden_size=32, intermediate_size=48, head_dim=8
+    trunk_layers=1,
+    num_hidden_layers=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
 )
 
 
@@ -201,12 +210,11 @@ def test_exact_rule_samples_the_poe_target(
 
 @pytest.fixture(scope="module")
 def quantized_small(tmp_path_factory, draft_checkpoint) -> HydraModel:
-    """The small jury with MLP width 64 and one 32-wide attention head, quantized to int4
-    in groups of 32: every layer of a decode step runs in one native call (int4 products,
-    native attention), and the LM head on the int4 kernel."""
+    """The small jury quantized to int4 in groups of 32: every layer of a decode step runs
+    in one native call (int4 products, native attention), and the LM head on the int4
+    kernel."""
     root = tmp_path_factory.mktemp("small-int4")
-    wide = dict(intermediate_size=64, num_attention_heads=1, num_key_value_heads=1, head_dim=32)
-    float_checkpoint = build_jury_checkpoint(root, **{**SMALL_JURY, **wide})
+    float_checkpoint = build_jury_checkpoint(root, **SMALL_JURY)
     scheme = QuantizationScheme.from_flags("int4", 32, keep_output_matrix=False)
     quantize_checkpoint(float_checkpoint, root / "int4", scheme, log=lambda line: None)
     return HydraModel.load(root / "int4")
@@ -280,7 +288,7 @@ def test_cascade_rule_samples_its_target(
     """The cascade's deferral decided on the draft's distribution: the draft head's, or
     the draft model's (drafts checked in one pass, with the bonus)."""
     prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
-    lenience = 0.1
+    lenience = 0.2
     names = small_model.head_names
 
     def target(logits, draft_logits=None):

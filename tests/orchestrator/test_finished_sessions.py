@@ -25,9 +25,9 @@ from tests.orchestrator.test_grpc_stack import to_pb
 
 THREADS = 8
 # Per thread. The bug this guards against refused requests once the 16 default slots held
-# finished sessions younger than the 1 s reclaim grace: "after a few dozen requests". 8 x 150
-# requests fill the slots 75 times over, each refill within a fraction of a second.
-REQUESTS_PER_THREAD = 150
+# finished sessions younger than the 1 s reclaim grace: "after a few dozen requests". 8 x 60
+# requests fill the slots 30 times over, each refill within a fraction of a second.
+REQUESTS_PER_THREAD = 60
 SLOTS = 16
 
 
