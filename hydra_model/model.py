@@ -54,9 +54,7 @@ def resolve_device(name: str | torch.device) -> torch.device:
     if device.type == "cpu":
         return device
     if not torch.cuda.is_available():
-        raise ValueError(
-            f"device {name!r}: this PyTorch ({torch.__version__}) sees no CUDA device"
-        )
+        raise ValueError(f"device {name!r}: this PyTorch ({torch.__version__}) sees no CUDA device")
     count = torch.cuda.device_count()
     if device.index is not None and device.index >= count:
         raise ValueError(f"device {name!r}: this machine has {count} CUDA device(s)")

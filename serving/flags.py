@@ -64,7 +64,9 @@ def add_tracing_flag(parser: argparse.ArgumentParser) -> None:
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """How the checkpoint is loaded."""
     parser.add_argument(
-        "--dtype", choices=list(DTYPES), help="default: bfloat16 on CUDA, else the checkpoint's",
+        "--dtype",
+        choices=list(DTYPES),
+        help="default: bfloat16 on CUDA, else the checkpoint's",
     )
     parser.add_argument("--device", default=DEVICE, help="cpu, cuda, cuda:1, ... (%(default)s)")
 
