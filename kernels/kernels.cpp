@@ -555,6 +555,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> target_ro
   });
   return {logprobs, probs, entropy, margin, greedy};
 }
+
+// One token per row by inverse CDF (poe.randomness.categorical): sums in float64 in index
+// order, torch.cumsum's order, so that a row's token is the one PyTorch's path picks, bit
+// for bit; the first index whose sum exceeds u times the row's total, or, where the
+// threshold rounds up to the total, the last token of positive probability. One scalar
+// loop for every instruction set: a sum in index order is a chain of dependent adds.
+// Instead of a token: -2 for a row with a negative or non-finite value, -1 for one with
+// no positive probability (the caller says which).
+int64_t categorical_row(const float* p, int64_t width, double u) {
+  double total = 0.0;
+  bool bad = false;
+  for (int64_t i = 0; i < width; ++i) {
+    total += p[i];
+    bad |= !(p[i] >= 0.0f) || std::isinf(p[i]);  // a NaN fails the comparison
+  }
+  if (bad || !std::isfinite(total)) return -2;
+  if (total <= 0.0) return -1;
+  double threshold = u * total, sum = 0.0;
+  for (int64_t i = 0; i < width; ++i) {
+    sum += p[i];
+    if (sum > threshold) return i;
+  }
+  int64_t last = width - 1;
+  while (p[last] <= 0.0f) --last;  // total > 0: some value is positive
+  return last;
+}
+
+at::Tensor categorical_rows(const at::Tensor& probs_given, const at::Tensor& uniforms_given) {
+  TORCH_CHECK(probs_given.dim() == 2, "probs must be [B, V]");
+  at::Tensor probs = as_rows(probs_given, "probs");
+  at::Tensor uniforms = uniforms_given.contiguous();
+  TORCH_CHECK(uniforms.scalar_type() == at::kDouble && uniforms.device().is_cpu() &&
+                  uniforms.dim() == 1 && uniforms.size(0) == probs.size(0),
+              "uniforms must be a float64 CPU tensor [B]");
+  int64_t rows = probs.size(0), width = probs.size(1);
+  at::Tensor tokens = at::empty({rows}, probs.options().dtype(at::kLong));
+  const float* p = probs.data_ptr<float>();
+  const double* u = uniforms.data_ptr<double>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  for_each_row(rows, [&](int64_t r) { out[r] = categorical_row(p + r * width, width, u[r]); });
+  return tokens;
+}
 }  // namespace
 
 TORCH_LIBRARY(hydra_jury, m) {
@@ -577,4 +619,5 @@ TORCH_LIBRARY(hydra_jury, m) {
   m.def("juror_rows(Tensor logits) -> (Tensor, Tensor)", juror_rows);
   m.def("target_rows(Tensor log_product) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
         target_rows);
+  m.def("categorical_rows(Tensor probs, Tensor uniforms) -> Tensor", categorical_rows);
 }

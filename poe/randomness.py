@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from hydra_jury.poe._checks import check_float, check_long, check_rows
+from hydra_jury.poe.row_kernels import row_kernels
 
 PURPOSES: dict[str, int] = {
     "draft_head": 0,  # which drafter head a request uses (`choice`, position -1)
@@ -97,6 +98,15 @@ def categorical(
     check_float("probs", probs, dims=2)
     check_long("positions", positions, dims=1)
     check_rows("positions", positions, probs.shape[0])
+    ops = row_kernels(probs)
+    if ops is not None:  # the same tokens in one call (`kernels.cpp`'s categorical_rows)
+        tokens = ops.categorical_rows(probs, uniforms(seed, positions, purpose))
+        code = int(tokens.min()) if len(tokens) else 0
+        if code == -2:
+            raise ValueError("probs must be finite and non-negative")
+        if code == -1:
+            raise ValueError("every row of probs needs some positive probability")
+        return tokens
     cdf = torch.cumsum(probs.double(), dim=-1)  # [B, V]
     total = cdf[:, -1]  # [B]
     # A NaN or an infinity makes its row's total non-finite; one pass finds a negative.

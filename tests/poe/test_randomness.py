@@ -106,11 +106,14 @@ def test_categorical_threshold_at_the_total_takes_the_last_positive_token(monkey
         (torch.tensor([[0.0, 0.0]]), "positive probability"),
         (torch.tensor([[0.5, -0.1]]), "non-negative"),
         (torch.tensor([[float("nan"), 1.0]]), "finite"),
+        (torch.tensor([[float("inf"), 1.0]]), "finite"),
+        (torch.tensor([[0.5, 0.5], [0.0, 0.0]]), "positive probability"),
     ],
 )
 def test_categorical_rejects_bad_probs(probs, message):
-    with pytest.raises(ValueError, match=message):
-        categorical(probs, SEED, torch.tensor([0]), "draft")
+    for rows in (probs, probs.double()):  # the kernels' path and PyTorch's
+        with pytest.raises(ValueError, match=message):
+            categorical(rows, SEED, torch.arange(len(rows)), "draft")
 
 
 def test_choice_is_deterministic_and_covers_every_option():
@@ -146,3 +149,23 @@ def test_bad_keys_are_rejected(seed, positions, purpose, message):
 def test_choice_needs_an_option():
     with pytest.raises(ValueError, match="at least one option"):
         choice(SEED, 0, "draft_head")
+
+
+def test_the_kernels_draw_the_tokens_of_pytorchs_path(kernels):
+    """float32 rows go to the kernels; float64 ones (the same values, converted exactly)
+    to PyTorch's cumsum and search: every token the same, at boundaries too."""
+    generator = torch.Generator().manual_seed(3)
+    rows = []
+    for width in (1, 7, 40, 49_152):
+        logits = torch.randn(64, width, generator=generator) * 4
+        probs = torch.softmax(logits, -1)
+        probs[::3, : width // 2] = 0.0  # runs of zeros, a last positive token early
+        rows.append((probs, torch.arange(64) + width))
+    peaked = torch.zeros(8, 5)
+    peaked[:, 2] = 1.0  # u · total can round up to the total
+    rows.append((peaked, torch.arange(8)))
+    for probs, positions in rows:
+        for purpose in ("draft", "sample"):
+            native = categorical(probs, SEED, positions, purpose)
+            reference = categorical(probs.double(), SEED, positions, purpose)
+            assert torch.equal(native, reference)
