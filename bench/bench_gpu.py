@@ -223,26 +223,23 @@ def engine_run(model: HydraModel, request: GenerationRequest) -> tuple[float, fl
     return rate, syncs / rounds, counted.stats["accepted"] / rounds
 
 
-def requests(new_tokens: int) -> dict[str, GenerationRequest]:
-    common = dict(prompt=PROMPT, max_new_tokens=new_tokens, ignore_eos=True, temperature=0.0)
-    return {
-        "non-speculative": GenerationRequest(rule="verifier_only", jury=["head0"], **common),
-        "speculative γ=4": GenerationRequest(
-            rule="exact",
-            drafter="head",
-            draft_head="head0",
-            jury=["head1", "head2"],
-            gamma=4,
-            **common,
-        ),
-    }
-
-
-SERVER_ARGS = ["--device", "cuda", "--max-sessions", "64", "--max-session-tokens", "512"]
+# The modes, in-process (greedy) and served (sampled): a request's options.
 MODES = {
     "non-speculative": {"rule": "verifier_only", "jury": ["head0"]},
-    "speculative γ=4": {"drafter": "head", "draft_head": "head0", "jury": ["head1", "head2"]},
+    "speculative γ=4": {
+        "rule": "exact",
+        "drafter": "head",
+        "draft_head": "head0",
+        "jury": ["head1", "head2"],
+        "gamma": 4,
+    },
 }
+SERVER_ARGS = ["--device", "cuda", "--max-sessions", "64", "--max-session-tokens", "512"]
+
+
+def requests(new_tokens: int) -> dict[str, GenerationRequest]:
+    common = dict(prompt=PROMPT, max_new_tokens=new_tokens, ignore_eos=True, temperature=0.0)
+    return {mode: GenerationRequest(**common, **options) for mode, options in MODES.items()}
 
 
 def served(checkpoint: Path, servers: list[str], counts: list[int], new_tokens: int) -> dict:
@@ -250,33 +247,28 @@ def served(checkpoint: Path, servers: list[str], counts: list[int], new_tokens: 
     from bench_one_host import start_server
 
     rates: dict = {}
-    if "serve" not in servers:
-        return rates | served_split(checkpoint, servers, counts, new_tokens)
-    child = start_server(str(checkpoint), [*SERVER_ARGS, "--max-concurrency", "64"])
-    try:
-        if not child.address:
-            raise RuntimeError(child.failure)
-        rates["serve"] = over_modes(child.address, counts, new_tokens)
-    finally:
-        child.process.terminate()
-        child.process.wait(timeout=60)
-    return rates | served_split(checkpoint, servers, counts, new_tokens)
-
-
-def served_split(checkpoint: Path, servers: list[str], counts: list[int], new_tokens: int):
-    if "split" not in servers:
-        return {}
-    stack = LocalStack(
-        str(checkpoint),
-        shards=2,
-        port=0,
-        extra_service_args=SERVER_ARGS,
-        orchestrator_args=["--max-concurrency", "64"],
-    )
-    try:
-        return {"split": over_modes(stack.start(), counts, new_tokens)}
-    finally:
-        stack.stop()
+    if "serve" in servers:
+        child = start_server(str(checkpoint), [*SERVER_ARGS, "--max-concurrency", "64"])
+        try:
+            if not child.address:
+                raise RuntimeError(child.failure)
+            rates["serve"] = over_modes(child.address, counts, new_tokens)
+        finally:
+            child.process.terminate()
+            child.process.wait(timeout=60)
+    if "split" in servers:
+        stack = LocalStack(
+            str(checkpoint),
+            shards=2,
+            port=0,
+            extra_service_args=SERVER_ARGS,
+            orchestrator_args=["--max-concurrency", "64"],
+        )
+        try:
+            rates["split"] = over_modes(stack.start(), counts, new_tokens)
+        finally:
+            stack.stop()
+    return rates
 
 
 def over_modes(address: str, counts: list[int], new_tokens: int) -> dict:
