@@ -39,6 +39,7 @@ from bench_serving import measure
 
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.build.builder import BuildOptions, build_checkpoint
+from hydra_jury.hydra_model.graphs import DecodeGraph
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.launcher import LocalStack
 from hydra_jury.orchestrator.local_backend import LocalBackend
@@ -76,6 +77,7 @@ def describe() -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "copy_bandwidth": copy_bandwidth(),
+        "launch_seconds": launch_seconds(),
     }
 
 
@@ -166,23 +168,31 @@ def transformers_rate(source: Path, prompt: list[int], rows: int, new_tokens: in
     return rate
 
 
-def bare_steps(model: HydraModel, prompt: list[int], new_tokens: int, profile: bool = False):
-    """The bare greedy loop (trunk and head0, argmax fed back): seconds per step after
-    the prompt's; with `profile`, also the kernels' summed time and count per step."""
+def bare_steps(model: HydraModel, prompt: list[int], new_tokens: int, graph: bool, profile: bool):
+    """The bare greedy loop (trunk and head0, argmax fed back, no engine), eager or
+    replayed from a CUDA graph (`DecodeGraph`): seconds per step after the prompt's, the
+    tokens, and with `profile` the kernels' summed time and count per step."""
     head = model.heads.select(0)
     capacity = len(prompt) + new_tokens
     trunk_cache, head_cache = model.trunk_cache(capacity), model.head_cache(1, capacity)
+    decoder = DecodeGraph(model.trunk, head, trunk_cache, head_cache, graph=graph)
     tokens = torch.tensor(prompt, device=model.device)
     hidden = model.trunk.forward(tokens, trunk_cache, 0)
-    tokens = head.forward(hidden, head_cache, 0)[0, -1:].argmax(-1)
+    token = head.forward(hidden, head_cache, 0)[0, -1:].argmax(-1)
+    made = [token]
     start = len(prompt)
     torch.cuda.synchronize()
 
     def steps(count: int) -> None:
-        nonlocal tokens, start
+        nonlocal token, start
         for _ in range(count):
-            hidden = model.trunk.forward(tokens, trunk_cache, start)
-            tokens = head.forward(hidden, head_cache, start)[0, -1:].argmax(-1)
+            if graph:
+                logits = decoder.step(token, start)
+            else:
+                hidden = model.trunk.forward(token, trunk_cache, start)
+                logits = head.forward(hidden, head_cache, start)
+            token = logits[0, -1:].argmax(-1)
+            made.append(token)
             start += 1
 
     steps(4)
@@ -191,17 +201,31 @@ def bare_steps(model: HydraModel, prompt: list[int], new_tokens: int, profile: b
     began = time.perf_counter()
     steps(count)
     torch.cuda.synchronize()
-    seconds = (time.perf_counter() - began) / count
-    if not profile:
-        return seconds, None, None
-    from torch.profiler import ProfilerActivity, profile
+    result = {"rate": count / (time.perf_counter() - began)}
+    if profile:
+        from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as trace:
-        steps(4)
-        torch.cuda.synchronize()
-    kernels = [e for e in trace.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernel_seconds = sum(e.device_time for e in kernels) / 1e6 / 4
-    return seconds, kernel_seconds, len(kernels) / 4
+        with profile(activities=[ProfilerActivity.CUDA]) as trace:
+            steps(4)
+            torch.cuda.synchronize()
+        kernels = [e for e in trace.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        result["kernel_seconds"] = sum(e.device_time for e in kernels) / 1e6 / 4
+        result["kernels"] = len(kernels) / 4
+    result["tokens"] = torch.cat(made).tolist()
+    return result
+
+
+def launch_seconds() -> float:
+    """The host's time to launch one small kernel: 2,000 in-place adds, queued back to back."""
+    x = torch.zeros(16, device="cuda")
+    for _ in range(100):
+        x.add_(1)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(2000):
+        x.add_(1)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - began) / 2000
 
 
 def engine_run(model: HydraModel, request: GenerationRequest) -> tuple[float, float, float]:
@@ -285,8 +309,14 @@ def run_model(name: str, root: Path, tokenizer: Path, args) -> dict:
     prompt = prompt_ids(model)
     result: dict = {"dtype": str(model.dtype).removeprefix("torch.")}
     result["bytes_per_token"] = bytes_per_token(model, 1)
-    step, kernel_seconds, kernels = bare_steps(model, prompt, args.new_tokens, profile=True)
-    result["bare"] = {"rate": 1 / step, "kernel_seconds": kernel_seconds, "kernels": kernels}
+    result["bare"] = bare_steps(model, prompt, args.new_tokens, graph=False, profile=True)
+    result["graphed"] = bare_steps(model, prompt, args.new_tokens, graph=True, profile=False)
+    del model
+    torch.cuda.empty_cache()
+    result["transformers"] = {
+        rows: transformers_rate(source, prompt, rows, args.new_tokens) for rows in args.sessions
+    }
+    model = HydraModel.load(checkpoint, device="cuda")
     fields = ("rate", "syncs_per_round", "accepted_per_round")
     result["engine"] = {
         mode: dict(zip(fields, engine_run(model, request), strict=True))
@@ -294,51 +324,64 @@ def run_model(name: str, root: Path, tokenizer: Path, args) -> dict:
     }
     del model
     torch.cuda.empty_cache()
-    result["transformers"] = {
-        rows: transformers_rate(source, prompt, rows, args.new_tokens) for rows in args.sessions
-    }
     result["served"] = served(checkpoint, args.servers, args.sessions, args.served_tokens)
     return result
 
 
-def report(machine: dict, results: dict, args) -> None:
-    bandwidth = machine["copy_bandwidth"]
+def agreement(first: list[int], second: list[int]) -> int:
+    """How many tokens two greedy runs share before they part."""
+    shared = min(len(first), len(second))  # (a profiled run makes a few more)
+    parted = (i for i in range(shared) if first[i] != second[i])
+    return next(parted, shared)
+
+
+def report_machine(machine: dict) -> None:
     print(
         f"\n{machine['gpu']} ({machine['memory_gib']} GiB), torch {machine['torch']}, "
-        f"CUDA {machine['cuda']}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + written)"
+        f"CUDA {machine['cuda']}; copy bandwidth {machine['copy_bandwidth'] / 1e9:.0f} GB/s "
+        f"(read + written); one small kernel's launch {machine['launch_seconds'] * 1e6:.1f} µs"
     )
-    for name, r in results.items():
-        roofline = bandwidth / r["bytes_per_token"]
-        bare = r["bare"]
-        print(f"\n## {name}, {r['dtype']}: {r['bytes_per_token'] / 1e6:.0f} MB of weights a token")
-        print(f"bytes roofline {roofline:.0f} tokens/s\n")
-        print("| single stream | tokens/s | × transformers | of roofline |")
-        print("| --- | --- | --- | --- |")
-        anchor = r["transformers"][1]
-        rows = [("transformers generate", anchor), ("bare loop", bare["rate"])]
-        rows += [(f"engine, {mode}", e["rate"]) for mode, e in r["engine"].items()]
-        for label, rate in rows:
-            print(f"| {label} | {rate:.1f} | {rate / anchor:.2f} | {rate / roofline:.1%} |")
+
+
+def report(machine: dict, name: str, r: dict, args) -> None:
+    roofline = machine["copy_bandwidth"] / r["bytes_per_token"]
+    bare, graphed = r["bare"], r["graphed"]
+    print(f"\n## {name}, {r['dtype']}: {r['bytes_per_token'] / 1e6:.0f} MB of weights a token")
+    print(f"bytes roofline {roofline:.0f} tokens/s\n")
+    print("| single stream | tokens/s | × transformers | of roofline |")
+    print("| --- | --- | --- | --- |")
+    anchor = r["transformers"][1]
+    rows = [
+        ("transformers generate", anchor),
+        ("bare loop, eager", bare["rate"]),
+        ("bare loop, CUDA graph", graphed["rate"]),
+    ]
+    rows += [(f"engine, {mode}", e["rate"]) for mode, e in r.get("engine", {}).items()]
+    for label, rate in rows:
+        print(f"| {label} | {rate:.1f} | {rate / anchor:.2f} | {rate / roofline:.1%} |")
+    print(
+        f"\neager bare step: {1e3 / bare['rate']:.2f} ms wall, {bare['kernels']:.0f} kernels "
+        f"summing {bare['kernel_seconds'] * 1e3:.2f} ms (the rest is launches and Python); "
+        f"CUDA graph step {1e3 / graphed['rate']:.2f} ms"
+    )
+    same = agreement(bare["tokens"], graphed["tokens"])
+    print(f"greedy tokens, graph against eager: the first {same} of {len(graphed['tokens'])} agree")
+    for mode, e in r.get("engine", {}).items():
         print(
-            f"\nbare step: {1e3 / bare['rate']:.2f} ms wall, kernels {bare['kernels']:.0f} "
-            f"summing {bare['kernel_seconds'] * 1e3:.2f} ms (the rest is launches and Python)"
+            f"engine {mode}: {e['syncs_per_round']:.1f} host syncs a round, "
+            f"{e['accepted_per_round']:.2f} drafts accepted a round"
         )
-        for mode, e in r["engine"].items():
-            print(
-                f"engine {mode}: {e['syncs_per_round']:.1f} host syncs a round, "
-                f"{e['accepted_per_round']:.2f} drafts accepted a round"
-            )
-        print("\n| aggregate tokens/s | " + " | ".join(f"{n} sessions" for n in args.sessions))
-        print("| --- " * (len(args.sessions) + 1) + "|")
-        print(
-            "| transformers generate (rows) | "
-            + " | ".join(f"{r['transformers'][n]:.0f}" for n in args.sessions)
-            + " |"
-        )
-        for server, modes in r["served"].items():
-            for mode, rates in modes.items():
-                cells = " | ".join(f"{rates[n]:.0f}" for n in args.sessions)
-                print(f"| {server}, {mode} | {cells} |")
+    print("\n| aggregate tokens/s | " + " | ".join(f"{n} sessions" for n in args.sessions))
+    print("| --- " * (len(args.sessions) + 1) + "|")
+    print(
+        "| transformers generate (rows) | "
+        + " | ".join(f"{r['transformers'][n]:.0f}" for n in args.sessions)
+        + " |"
+    )
+    for server, modes in r.get("served", {}).items():
+        for mode, rates in modes.items():
+            cells = " | ".join(f"{rates[n]:.0f}" for n in args.sessions)
+            print(f"| {server}, {mode} | {cells} |")
 
 
 def main() -> None:
@@ -358,11 +401,12 @@ def main() -> None:
     root = Path(args.out)
     root.mkdir(parents=True, exist_ok=True)
     machine = describe()
+    report_machine(machine)
     results = {}
     for name in args.models.split(","):
         results[name] = run_model(name, root, Path(args.tokenizer), args)
         (root / "results.json").write_text(json.dumps({"machine": machine, **results}, indent=1))
-    report(machine, results, args)
+        report(machine, name, results[name], args)
 
 
 if __name__ == "__main__":

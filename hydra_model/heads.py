@@ -115,6 +115,16 @@ class HeadStack:
         return (logits, x) if return_hidden else logits
 
     @torch.inference_mode()
+    def forward_static(
+        self, hidden: torch.Tensor, cache: KVCache, position: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden: the trunk output [1, D] at the position the device tensor `position` [1]
+        holds -> logits [S, 1, V] float32, at shapes that do not depend on the position
+        (`LayerStack.forward_static`)."""
+        x = hidden[None].expand(self.size, -1, -1)
+        return self._logits(self.layers.forward_static(x, cache, position, self.rope))
+
+    @torch.inference_mode()
     def forward_runs(self, runs: list[HeadRun]) -> list[torch.Tensor | None]:
         """Each run's heads over its batch -> its logits [count, len(rows), V] float32
         (None for a run without rows). A shared LM head multiplies every run's rows in

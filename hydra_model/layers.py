@@ -17,8 +17,9 @@ prefix) are those of Hugging Face Llama/Qwen2/OLMo-2 with the module path droppe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -178,6 +179,12 @@ class _Layer:
         return view
 
 
+# A layer's attention given its fused projection: (layer, index, qkv [S, N, q+2kv]) ->
+# [S, N, q]. Over the segments' caches (`forward_ragged`) or one fixed-shape step
+# (`forward_static`).
+_Attend = Callable[[_Layer, int, torch.Tensor], torch.Tensor]
+
+
 class LayerStack:
     """Layers [first, first + n) of the decoder, S copies evaluated together."""
 
@@ -244,8 +251,9 @@ class LayerStack:
         if decoded is not None:
             x = decoded
         else:
+            attend = partial(self._attend_segments, plans)
             for index, layer in enumerate(self.layers):
-                x = self._layer_forward(layer, index, x, plans)
+                x = self._layer_forward(layer, index, x, attend)
         for segment in cached:
             segment.cache.advance(segment.length)
         return x
@@ -286,17 +294,36 @@ class LayerStack:
             config.num_key_value_heads,
         )
 
+    @torch.inference_mode()
+    def forward_static(
+        self, x: torch.Tensor, cache: KVCache, position: torch.Tensor, rope: RotaryTable
+    ) -> torch.Tensor:
+        """x: [S, 1, D], one session's new token at the position held by the device tensor
+        `position` [1] -> [S, 1, D]. Every shape is fixed, whatever the position: attention
+        spans the cache's whole capacity, masked past the position, and nothing is read back
+        to the host — the step a CUDA graph replays (`graphs.DecodeGraph`). Writes the keys
+        and values; the caller moves the cache's length."""
+        rotation = (
+            rope.cos.index_select(0, position)[:, None, :],
+            rope.sin.index_select(0, position)[:, None, :],
+        )
+        visible = (torch.arange(cache.capacity, device=position.device) <= position)[None]  # [1, C]
+        attend = partial(self._attend_static, cache, position, rotation, visible)
+        for index, layer in enumerate(self.layers):
+            x = self._layer_forward(layer, index, x, attend)
+        return x
+
     def _layer_forward(
-        self, layer: _Layer, index: int, x: torch.Tensor, plans: list[_SegmentPlan]
+        self, layer: _Layer, index: int, x: torch.Tensor, attend: _Attend
     ) -> torch.Tensor:
         config = self.config
         eps = config.rms_norm_eps
         if config.post_norms:
-            attended = self._attention(layer, index, x, plans)
+            attended = self._attention(layer, index, x, attend)
             x = x + rms_norm(attended, layer.attn_norm, eps)
             return x + rms_norm(self._mlp(layer, x), layer.mlp_norm, eps)
         # Pre-norms: each norm and residual add travels with its product.
-        x = self._attention(layer, index, x, plans, norm=layer.attn_norm, residual=x)
+        x = self._attention(layer, index, x, attend, norm=layer.attn_norm, residual=x)
         return self._mlp(layer, x, norm=layer.mlp_norm, residual=x)
 
     def _attention(
@@ -304,33 +331,65 @@ class LayerStack:
         layer: _Layer,
         index: int,
         x: torch.Tensor,
-        plans: list[_SegmentPlan],
+        attend: _Attend,
         norm: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        config = self.config
-        stack, tokens, _ = x.shape
-        eps = config.rms_norm_eps
+        eps = self.config.rms_norm_eps
         qkv = _linear(x, layer.qkv_weight, layer.qkv_bias, norm=norm, eps=eps)  # [S, N, q+2kv]
+        out = attend(layer, index, qkv)  # [S, N, q]
+        return _linear(out, layer.o_weight, layer.o_bias, residual=residual)
+
+    def _split_qkv(self, layer: _Layer, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """qkv [S, N, q+2kv] -> qk [S, N, heads + kv_heads, hd] (q and k side by side, not
+        yet rotated, q/k-normed where the model has those norms) and v [S, N, kv_heads, hd]."""
+        config = self.config
+        stack, tokens, _ = qkv.shape
+        q, k, v = qkv.split([config.q_size, config.kv_size, config.kv_size], dim=-1)
+        if layer.q_norm is None:
+            qk = qkv[..., : config.q_size + config.kv_size]
+        else:
+            eps = config.rms_norm_eps
+            qk = torch.cat([rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)], -1)
+        qk = qk.reshape(stack, tokens, -1, config.head_dim)
+        return qk, v.reshape(stack, tokens, config.num_key_value_heads, config.head_dim)
+
+    def _attend_segments(
+        self, plans: list[_SegmentPlan], layer: _Layer, index: int, qkv: torch.Tensor
+    ) -> torch.Tensor:
+        """Each segment's attention against its own cache, by the native kernel where it
+        takes them all."""
         if layer.q_norm is None:
             out = self._attend_natively(index, qkv, plans)
             if out is not None:
-                return _linear(out, layer.o_weight, layer.o_bias, residual=residual)
-        q, k, v = qkv.split([config.q_size, config.kv_size, config.kv_size], dim=-1)
-        if layer.q_norm is None:
-            qk = qkv[..., : config.q_size + config.kv_size]  # q and k side by side
-        else:
-            qk = torch.cat([rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)], -1)
-        # Rotated together: [S, N, heads + kv_heads, hd].
-        qk = qk.reshape(stack, tokens, -1, config.head_dim)
-        v = v.reshape(stack, tokens, config.num_key_value_heads, config.head_dim)
+                return out
+        qk, v = self._split_qkv(layer, qkv)
         if len(plans) == 1:
-            out = self._attend(index, qk, v, plans[0])
-        else:
-            out = torch.cat(
-                [self._attend(index, qk[:, p.rows], v[:, p.rows], p) for p in plans], dim=1
-            )  # [S, N, q]
-        return _linear(out, layer.o_weight, layer.o_bias, residual=residual)
+            return self._attend(index, qk, v, plans[0])
+        return torch.cat([self._attend(index, qk[:, p.rows], v[:, p.rows], p) for p in plans], 1)
+
+    def _attend_static(
+        self,
+        cache: KVCache,
+        position: torch.Tensor,
+        rotation: tuple[torch.Tensor, torch.Tensor],
+        visible: torch.Tensor,
+        layer: _Layer,
+        index: int,
+        qkv: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward_static`'s attention: the key and value written at `position` by index,
+        then every position of the cache attended, those past `position` masked out."""
+        config = self.config
+        qk, v = self._split_qkv(layer, qkv)
+        qk = rotate(qk, rotation).transpose(1, 2)  # [S, heads + kv_heads, 1, hd]
+        q, k = qk.split([config.num_attention_heads, config.num_key_value_heads], dim=1)
+        keys, values = cache.keys[:, index], cache.values[:, index]  # [S, kv, capacity, hd]
+        keys.index_copy_(2, position, k)
+        values.index_copy_(2, position, v.transpose(1, 2))
+        gqa = config.num_attention_heads != config.num_key_value_heads
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=gqa)
+        return out.transpose(1, 2).reshape(q.shape[0], 1, config.q_size)
 
     def _attend_natively(
         self, index: int, qkv: torch.Tensor, plans: list[_SegmentPlan]

@@ -58,7 +58,9 @@ def resolve_device(name: str | torch.device) -> torch.device:
     count = torch.cuda.device_count()
     if device.index is not None and device.index >= count:
         raise ValueError(f"device {name!r}: this machine has {count} CUDA device(s)")
-    return device
+    # Tensors name their GPU ("cuda:0"); a bare "cuda" would compare unequal to them.
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch.device("cuda", index)
 
 
 @dataclass

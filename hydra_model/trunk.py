@@ -35,3 +35,12 @@ class Trunk:
         """tokens: [N], the segments' tokens one after the other -> hidden states [N, D]."""
         x = embed(self.embedding, tokens, self.rope.cos.dtype)[None]  # [1, N, D]
         return self.layers.forward_ragged(x, segments, self.rope)[0]
+
+    @torch.inference_mode()
+    def forward_static(
+        self, tokens: torch.Tensor, cache: KVCache, position: torch.Tensor
+    ) -> torch.Tensor:
+        """tokens: [1] at the position the device tensor `position` [1] holds -> [1, D], at
+        shapes that do not depend on the position (`LayerStack.forward_static`)."""
+        x = embed(self.embedding, tokens, self.rope.cos.dtype)[None]
+        return self.layers.forward_static(x, cache, position, self.rope)[0]

@@ -24,6 +24,7 @@ from hydra_jury.workers.calls import HiddenStates, ScoreResult, to_host
 from hydra_jury.workers.sessions import SessionLimits
 from tests.engine_sampling import first_two_tokens
 from tests.grpc_stack import Stack
+from tests.hydra_model.test_decode_graph import greedy_logits
 from tests.models import build_draft_checkpoint, build_jury_checkpoint
 from tests.orchestrator.test_engine_distribution import (
     BETA,
@@ -56,6 +57,7 @@ def test_bfloat16_is_the_default_on_cuda(gpu_device, jury_checkpoint):
     model = HydraModel.load(jury_checkpoint, device=gpu_device)
     expected = torch.bfloat16 if model.device.type == "cuda" else torch.float32
     assert model.dtype == expected
+    assert model.device.index is not None or model.device.type == "cpu"  # "cuda" -> "cuda:0"
     assert all(t.device == model.device for t in model.heads.tensors())
 
 
@@ -137,7 +139,8 @@ def test_a_ragged_batch_gives_each_session_its_lone_logits(device_model):
 def test_results_come_to_the_host_in_pinned_buffers(gpu_device):
     on_device = torch.randn(3, 40, device=gpu_device)
     hidden = HiddenStates(2, torch.randn(2, 64, device=gpu_device)).on_host()
-    result = ScoreResult(on_device, None, torch.zeros(3, 2, dtype=torch.long), ("a", "b"))
+    votes = torch.zeros(3, 2, dtype=torch.long, device=gpu_device)
+    result = ScoreResult(on_device, None, votes, ("a", "b"))
     moved = result.on_host()
     for tensor in (hidden.payload, moved.log_product, moved.votes):
         assert tensor.device.type == "cpu"
@@ -238,3 +241,18 @@ def test_the_exact_rule_samples_the_poe_target_on_the_device(
         x1, x2 = first_two_tokens(engine, GenerationRequest(seed=seed, **options))
         counts[x1, x2] += 1
     assert_fits(counts, joint, wrong)
+
+
+def test_the_cuda_graph_replays_the_eager_steps(device_model):
+    """Token for token and to float32's rounding: the graph's replay against the ragged
+    forward (another kernel per product: summation order only) and against the same
+    fixed-shape step run eagerly (the same kernels)."""
+    for head in range(device_model.heads.size):
+        ragged, _ = greedy_logits(device_model, head, static=False)
+        eager, _ = greedy_logits(device_model, head, static=True, graph=False)
+        replayed, _ = greedy_logits(device_model, head, static=True)
+        top = ragged.softmax(-1).topk(2, dim=-1).values
+        assert ((top[..., 0] - top[..., 1]) > NEAR_TIE).all()
+        torch.testing.assert_close(replayed, ragged, rtol=0, atol=1e-4)
+        torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-5)
+        assert torch.equal(replayed.argmax(-1), ragged.argmax(-1))

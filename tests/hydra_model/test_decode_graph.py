@@ -1,0 +1,78 @@
+"""The fixed-shape decode step (`forward_static`, what a CUDA graph replays) computes what
+the ragged forward computes, for every family; on a CPU `DecodeGraph` runs it eagerly.
+tests/gpu replays it from a real CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hydra_jury.hydra_model import HydraModel
+from hydra_jury.hydra_model.graphs import DecodeGraph
+from tests.conftest import FAMILY_VARIANTS
+
+TOLERANCE = 1e-4  # float32; the two paths differ only in summation order
+PROMPT_LENGTH, STEPS = 5, 12
+
+
+def greedy_logits(model: HydraModel, head: int, *, static: bool, graph: bool | None = None):
+    """The logits [S, V] of STEPS greedy steps of trunk and head `head` after a prompt,
+    by the ragged forward or by `DecodeGraph`, and the trunk cache they leave."""
+    heads = model.heads.select(head)
+    capacity = PROMPT_LENGTH + STEPS + 3  # positions past the last stay masked
+    trunk_cache, head_cache = model.trunk_cache(capacity), model.head_cache(1, capacity)
+    prompt = torch.arange(1, PROMPT_LENGTH + 1, device=model.device)
+    logits = heads.forward(model.trunk.forward(prompt, trunk_cache, 0), head_cache, 0)[:, -1]
+    decoder = DecodeGraph(model.trunk, heads, trunk_cache, head_cache, graph=graph)
+    steps = []
+    for start in range(PROMPT_LENGTH, PROMPT_LENGTH + STEPS):
+        token = logits[0].argmax(-1, keepdim=True)
+        if static:
+            logits = decoder.step(token, start)[:, -1].clone()
+        else:
+            hidden = model.trunk.forward(token, trunk_cache, start)
+            logits = heads.forward(hidden, head_cache, start)[:, -1]
+        steps.append(logits)
+    return torch.stack(steps), trunk_cache
+
+
+@pytest.mark.parametrize("variant", list(FAMILY_VARIANTS))
+def test_the_static_step_gives_the_ragged_forwards_logits(variant, hydra_checkpoints):
+    model = HydraModel.load(hydra_checkpoints[variant])
+    for head in range(model.heads.size):
+        ragged, ragged_cache = greedy_logits(model, head, static=False)
+        static, static_cache = greedy_logits(model, head, static=True)
+        torch.testing.assert_close(static, ragged, rtol=0, atol=TOLERANCE)
+        assert static_cache.length == ragged_cache.length == PROMPT_LENGTH + STEPS
+        written = slice(0, static_cache.length)
+        static_keys, ragged_keys = static_cache.keys[..., written, :], ragged_cache.keys
+        torch.testing.assert_close(static_keys, ragged_keys[..., written, :], atol=1e-5, rtol=0)
+
+
+def test_the_wide_native_shapes_too(wide_jury_checkpoint):
+    """Heads 32 wide: the ragged forward takes the native kernels' one-call decode."""
+    model = HydraModel.load(wide_jury_checkpoint)
+    ragged, _ = greedy_logits(model, 1, static=False)
+    static, _ = greedy_logits(model, 1, static=True)
+    torch.testing.assert_close(static, ragged, rtol=0, atol=TOLERANCE)
+
+
+def test_a_step_checks_its_position_like_a_forward(jury_model):
+    heads = jury_model.heads.select(0)
+    trunk_cache, head_cache = jury_model.trunk_cache(4), jury_model.head_cache(1, 4)
+    decoder = DecodeGraph(jury_model.trunk, heads, trunk_cache, head_cache)
+    token = torch.tensor([3])
+    with pytest.raises(Exception, match="append at position 2 but the cache holds 0"):
+        decoder.step(token, 2)
+    for start in range(4):
+        decoder.step(token, start)
+    with pytest.raises(Exception, match="exceeds the cache capacity of 4"):
+        decoder.step(token, 4)
+    assert trunk_cache.length == head_cache.length == 4
+
+
+def test_graphs_are_refused_off_cuda(jury_model):
+    caches = jury_model.trunk_cache(4), jury_model.head_cache(1, 4)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device; this model is on cpu"):
+        DecodeGraph(jury_model.trunk, jury_model.heads.select(0), *caches, graph=True)
+    assert not DecodeGraph(jury_model.trunk, jury_model.heads.select(0), *caches).use_graph
