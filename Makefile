@@ -46,13 +46,17 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-# pytest's report header names the CPU, torch's float path and the key versions.
+# pytest's report header names the CPU, torch's float path and the key versions. Two
+# processes, each test file's tests on one (its module fixtures built once): on 2 cores
+# the suite takes 6 minutes instead of 8, servers' start-ups and waits overlapping the
+# other process's compute.
+TEST_WORKERS ?= 2
 test: setup protos lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The edit-test loop: everything but the tests marked slow (about a minute).
 test-fast: setup protos lint
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 # The tests whose outcome could depend on PyTorch's float path (marked numerics), under
 # every CPU capability this machine supports and with 1 and 2 threads (CI runs it too).
