@@ -1,18 +1,27 @@
-"""A session's decode step replayed from a CUDA graph.
+"""Decode steps replayed from CUDA graphs.
 
 On a GPU, a decode step of a small model is bound by the host, not the device: each of
-its few hundred kernels takes microseconds to run and longer to launch from Python. A
-CUDA graph records the step's kernels once and replays them with one launch. Recording
-needs a step whose shapes and memory never change and which reads nothing back to the
-host: `forward_static` of the trunk and heads (attention over the cache's whole
-capacity, masked past the position a device tensor holds, keys and values written by
-index). Its inputs live in buffers the graph reads; its logits in a buffer it writes.
+its few hundred kernels takes microseconds to run and longer to launch from Python (an
+H100's 1B-class step: 408 kernels running for 1.6 ms, 105 ms eager, 1.8 ms replayed;
+docs/gpu.md). A CUDA graph records the step's kernels once and replays them with one
+launch. Recording needs a step whose shapes and memory never change and which reads
+nothing back to the host: `forward_static` of the trunk and heads (attention over the
+cache's whole capacity, masked past the position a device tensor holds, keys and values
+written by index). Its inputs live in buffers the graph reads, its output in a buffer
+the graph writes.
 
-Eager fallback: on a CPU, or with `graph=False`, the same fixed-shape step runs eagerly,
-so the graph and eager paths compute the same operations in the same order.
+`HYDRA_JURY_CUDA_GRAPHS` chooses, when a step is made:
+- `auto` (the default): one-position steps replay from graphs on CUDA; elsewhere the
+  ragged forward runs, as it always has;
+- `off`: the ragged forward everywhere (a GPU then launches every kernel from Python);
+- `eager`: the fixed-shape steps run eagerly on any device — the same arithmetic as the
+  graphs without recording them, which is how the CPU's tests check it.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -20,14 +29,127 @@ from hydra_jury.hydra_model.heads import HeadStack
 from hydra_jury.hydra_model.kv_cache import KVCache
 from hydra_jury.hydra_model.trunk import Trunk
 
+MODE_VARIABLE = "HYDRA_JURY_CUDA_GRAPHS"
+MODES = ("auto", "off", "eager")
 WARMUP_STEPS = 2  # eager runs on a side stream before recording: cuBLAS sets itself up
 
 
-class DecodeGraph:
-    """Trunk and a head stack over one session's next token, one position at a time.
+def graph_mode(device: torch.device) -> str | None:
+    """How one-position steps run on `device`: "graph", "eager" (fixed shapes, not
+    recorded) or None (the ragged forward), from $HYDRA_JURY_CUDA_GRAPHS."""
+    mode = os.environ.get(MODE_VARIABLE, "auto") or "auto"
+    if mode not in MODES:
+        raise ValueError(f"${MODE_VARIABLE}={mode!r}: expected one of {', '.join(MODES)}")
+    if mode == "eager":
+        return "eager"
+    if mode == "auto" and device.type == "cuda":
+        return "graph"
+    return None
 
-    The graph is recorded on the first step and bound to these caches: a session keeps
-    its `DecodeGraph` for as long as it keeps its caches."""
+
+class StepGraph:
+    """`function(position, *inputs) -> output` at fixed shapes: `position` a device tensor
+    [1], each input a static buffer shaped as its example. Replayed from a CUDA graph
+    (recorded on the first call) or, with `graph=False`, run eagerly.
+
+    The output of a replay is the graph's own buffer, overwritten by its next replay: use
+    or copy it first."""
+
+    def __init__(
+        self,
+        function: Callable[..., torch.Tensor],
+        examples: list[torch.Tensor],
+        *,
+        graph: bool,
+        pool: tuple | None = None,
+    ) -> None:
+        device = examples[0].device
+        if graph and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; these inputs are on {device}")
+        self.function = function
+        self.graph = graph
+        self._position = torch.zeros(1, dtype=torch.long, device=device)
+        self._inputs = [torch.zeros_like(example) for example in examples]
+        self._pool = pool
+        self._recorded: torch.cuda.CUDAGraph | None = None
+        self._output: torch.Tensor | None = None
+
+    def __call__(self, position: int, *inputs: torch.Tensor) -> torch.Tensor:
+        self._position.fill_(position)  # a kernel's argument: no copy from the host
+        for buffer, value in zip(self._inputs, inputs, strict=True):
+            buffer.copy_(value)
+        if not self.graph:
+            return self.function(self._position, *self._inputs)
+        if self._recorded is None:
+            self._record()
+        self._recorded.replay()
+        return self._output
+
+    def _record(self) -> None:
+        # The warm-up runs compute this call's own step, and write its keys and values
+        # at its own position: the replay that follows writes the same ones again.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                self.function(self._position, *self._inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        recorded = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(recorded, pool=self._pool):
+            self._output = self.function(self._position, *self._inputs)
+        self._recorded = recorded
+
+
+class StepGraphs:
+    """A worker's recorded steps by key (what runs, over which cache slot). They share
+    one memory pool, since they replay one at a time; a slot's caches keep their memory
+    from session to session, so its steps stay valid for the next session in it."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode  # "graph" or "eager" (`graph_mode`)
+        self._pool = torch.cuda.graph_pool_handle() if mode == "graph" else None
+        self._steps: dict[Hashable, StepGraph] = {}
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def step(
+        self,
+        key: Hashable,
+        function: Callable[..., torch.Tensor],
+        examples: list[torch.Tensor],
+    ) -> StepGraph:
+        """The step of `key`, made (from `function` and `examples`) on first use."""
+        if key not in self._steps:
+            self._steps[key] = StepGraph(
+                function, examples, graph=self.mode == "graph", pool=self._pool
+            )
+        return self._steps[key]
+
+
+def trunk_step(trunk: Trunk, cache: KVCache) -> Callable[..., torch.Tensor]:
+    """(position, tokens [1]) -> the trunk's hidden state [1, D] over `cache`'s slot."""
+
+    def run(position: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return trunk.forward_static(tokens, cache, position)
+
+    return run
+
+
+def heads_step(heads: HeadStack, cache: KVCache) -> Callable[..., torch.Tensor]:
+    """(position, hidden [1, D]) -> the heads' logits [S, 1, V] over `cache` (a slot's, or
+    a view of some of its members)."""
+
+    def run(position: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return heads.forward_static(hidden, cache, position)
+
+    return run
+
+
+class DecodeGraph:
+    """Trunk and a head stack over one session's next token, one position at a time, as
+    one step (the bare decode loop of `bench-gpu`; the workers keep the trunk's and the
+    heads' steps apart). Recorded on the first step, bound to these caches."""
 
     def __init__(
         self,
@@ -41,13 +163,15 @@ class DecodeGraph:
         device = trunk.rope.cos.device
         if graph and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; this model is on {device}")
-        self.trunk, self.heads = trunk, heads
         self.caches = (trunk_cache, head_cache)
         self.use_graph = device.type == "cuda" if graph is None else graph
-        self._token = torch.zeros(1, dtype=torch.long, device=device)
-        self._position = torch.zeros(1, dtype=torch.long, device=device)
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._logits: torch.Tensor | None = None
+        through_trunk, through_heads = trunk_step(trunk, trunk_cache), heads_step(heads, head_cache)
+
+        def run(position: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+            return through_heads(position, through_trunk(position, tokens))
+
+        example = torch.zeros(1, dtype=torch.long, device=device)
+        self._step = StepGraph(run, [example], graph=self.use_graph)
 
     def step(self, token: torch.Tensor, start: int) -> torch.Tensor:
         """`token` [1] (on the model's device) at position `start` -> logits [S, 1, V]
@@ -55,34 +179,7 @@ class DecodeGraph:
         graph's own output buffer, overwritten by the next step: use or copy them first."""
         for cache in self.caches:
             cache.check_append(start, 1)
-        self._token.copy_(token.reshape(1))
-        self._position.fill_(start)
-        if not self.use_graph:
-            logits = self._run()
-        else:
-            if self._graph is None:
-                self._record()
-            self._graph.replay()
-            logits = self._logits
+        logits = self._step(start, token.reshape(1))
         for cache in self.caches:
             cache.advance(1)
         return logits
-
-    def _run(self) -> torch.Tensor:
-        trunk_cache, head_cache = self.caches
-        hidden = self.trunk.forward_static(self._token, trunk_cache, self._position)
-        return self.heads.forward_static(hidden, head_cache, self._position)
-
-    def _record(self) -> None:
-        # The warm-up steps write this step's own keys and values at this step's own
-        # position: the replay that follows writes the same ones again.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_STEPS):
-                self._run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._logits = self._run()
-        self._graph = graph

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hydra_jury.hydra_model import HeadRun, HydraModel, KVCache, Segment
+from hydra_jury.hydra_model import HeadRun, HeadStack, HydraModel, KVCache, Segment
+from hydra_jury.hydra_model.graphs import StepGraphs, graph_mode, heads_step
 from hydra_jury.poe import draft_logprobs, partial_log_product, partial_log_product_and_votes
 from hydra_jury.workers.calls import HiddenStates, JuryPrefillCall, ScoreCall, ScoreResult
 from hydra_jury.workers.errors import InvalidArgument
@@ -85,6 +86,11 @@ class JuryWorker:
             limits, self._new_session, self._free_session
         )
         self.counters = JuryCounters()
+        mode = graph_mode(model.device)
+        # A score of one session's one position at fixed shapes, replayed from CUDA
+        # graphs on a GPU (`hydra_model.graphs`), per run of heads.
+        self.graphs = StepGraphs(mode) if mode is not None else None
+        self._stacks: dict[tuple[int, int], HeadStack] = {}  # (first, count): views, made once
 
     def _new_session(self) -> _Session:
         cache = self.pool.acquire()
@@ -146,7 +152,8 @@ class JuryWorker:
             work.append(_Work(state, end, named, len(rows) if scored else 0))
         placed = self._plan(work)
         self.counters.calls += bool(placed)
-        outputs = self.model.heads.forward_runs([run for run, _ in placed])
+        runs = [run for run, _ in placed]
+        outputs = self._one_position(runs) or self.model.heads.forward_runs(runs)
         logits: list[dict[int, torch.Tensor]] = [{} for _ in calls]
         for (run, entries), output in zip(placed, outputs, strict=True):
             for member, head in enumerate(range(run.first, run.first + run.count)):
@@ -155,6 +162,31 @@ class JuryWorker:
                     if output is not None:
                         logits[call_index][head] = output[member, rows]
         return logits
+
+    def _one_position(self, runs: list[HeadRun]) -> list[torch.Tensor] | None:
+        """Each run's logits [count, 1, V] at fixed shapes (`self.graphs`) when every run
+        scores one position of one session with nothing to catch up; else None."""
+        if self.graphs is None or not runs:
+            return None
+        if any(len(run.segments) != 1 or run.segments[0].length != 1 for run in runs):
+            return None
+        if any(run.rows is None for run in runs):
+            return None
+        outputs = []
+        for run in runs:
+            (segment,) = run.segments
+            cache = segment.cache  # a view of the run's members in the session's slot
+            cache.check_append(segment.start, 1)
+            key = (run.first, run.count)
+            if key not in self._stacks:
+                self._stacks[key] = self.model.heads.select(run.first, run.count)
+            step = self.graphs.step(
+                ("jury", cache.slot, *key), heads_step(self._stacks[key], cache), [run.hidden]
+            )
+            # A copy: another run's replay may reuse the memory of this one's buffers.
+            outputs.append(step(segment.start, run.hidden).clone())
+            cache.advance(1)
+        return outputs
 
     def _plan(self, work: list[_Work]) -> list[tuple[HeadRun, list[tuple[int, slice]]]]:
         """The head runs of a batch: consecutive hosted heads with the same work (the same

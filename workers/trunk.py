@@ -27,6 +27,7 @@ from hydra_jury.hydra_model import (
     KVCache,
     Segment,
 )
+from hydra_jury.hydra_model.graphs import StepGraphs, graph_mode, heads_step, trunk_step
 from hydra_jury.hydra_model.uncertainty import (
     check_hidden,
     find_witness,
@@ -147,6 +148,10 @@ class TrunkWorker:
         self._tokens = torch.zeros(limits.max_sessions, 3, capacity, dtype=torch.long)
         self._hidden = model.hidden_store(limits.max_sessions, capacity)
         self.uncertainty_head = load_uncertainty_head(model)
+        mode = graph_mode(model.device)
+        # One session's one position (a decode step, a draft head's step) at fixed shapes,
+        # replayed from CUDA graphs on a GPU (`hydra_model.graphs`).
+        self.graphs = StepGraphs(mode) if mode is not None else None
         self.sessions: SessionTable[_Session] = SessionTable(
             limits, self._new_session, self._free_session
         )
@@ -217,18 +222,45 @@ class TrunkWorker:
         hidden states [T, D] of each."""
         for state, _tokens, start in work:
             state.trunk.truncate(start)
-        segments = [Segment(state.trunk, start, len(tokens)) for state, tokens, start in work]
         every = [tokens for _state, tokens, _start in work]
-        tokens = every[0] if len(every) == 1 else torch.cat(every)
-        hidden = self.model.trunk.forward_ragged(tokens.to(self.model.device), segments)  # [N, D]
-        # (one session, a decode step's usual case: no split)
-        outputs = [hidden] if len(every) == 1 else list(hidden.split([len(t) for t in every]))
+        if self.graphs is not None and len(every) == 1 and len(every[0]) == 1:
+            outputs = [self._trunk_position(*work[0])]
+        else:
+            segments = [Segment(state.trunk, start, len(tokens)) for state, tokens, start in work]
+            tokens = every[0] if len(every) == 1 else torch.cat(every)
+            hidden = self.model.trunk.forward_ragged(tokens.to(self.model.device), segments)
+            # (one session, a decode step's usual case: no split)
+            outputs = [hidden] if len(every) == 1 else list(hidden.split([len(t) for t in every]))
         for (state, tokens, start), states in zip(work, outputs, strict=True):
             state.tokens[start : start + len(tokens)] = tokens.cpu()
             state.hidden[start : start + len(tokens)] = states
             self.counters.trunk_positions += len(tokens)
         self.counters.trunk_calls += 1
         return outputs
+
+    def _trunk_position(self, state: _Session, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """One session's one position through the trunk at fixed shapes (`self.graphs`):
+        its hidden state [1, D]."""
+        cache = state.trunk
+        cache.check_append(start, 1)
+        tokens = tokens.to(self.model.device)
+        through = trunk_step(self.model.trunk, cache)
+        step = self.graphs.step(("trunk", cache.slot), through, [tokens])
+        hidden = step(start, tokens).clone()  # the graph's buffer: its next replay overwrites it
+        cache.advance(1)
+        return hidden
+
+    def _draft_head_position(
+        self, entry: Drafting, head: HeadStack, hidden: torch.Tensor, position: int
+    ) -> torch.Tensor:
+        """One session's draft head over one position at fixed shapes (`self.graphs`): its
+        logits [1, V], used before another step replays."""
+        cache = entry.state.draft.cache
+        cache.check_append(position, 1)
+        key = ("draft", cache.slot, entry.head[0])
+        logits = self.graphs.step(key, heads_step(head, cache), [hidden])(position, hidden)[0]
+        cache.advance(1)
+        return logits
 
     def uncertainty(self, call: UncertaintyCall) -> UncertaintyResult:
         """p_correct of an answer by the checkpoint's uncertainty head, the witness taken
@@ -335,9 +367,14 @@ class TrunkWorker:
                 by_head.setdefault(entry.head[0], []).append(entry)
         for members in by_head.values():
             head = members[0].head[1]
-            segments = [Segment(e.state.draft.cache, e.call.start + e.step, 1) for e in members]
-            rows = torch.cat([e.hiddens[-1] for e in members])
-            logits = head.forward_ragged(rows, segments)[0]  # [n, V]
+            if self.graphs is not None and len(members) == 1:
+                (entry,) = members
+                position = entry.call.start + entry.step
+                logits = self._draft_head_position(entry, head, entry.hiddens[-1], position)
+            else:
+                segments = [Segment(e.state.draft.cache, e.call.start + e.step, 1) for e in members]
+                rows = torch.cat([e.hiddens[-1] for e in members])
+                logits = head.forward_ragged(rows, segments)[0]  # [n, V]
             self.counters.draft_head_calls += 1
             for row, entry in enumerate(members):
                 position = entry.call.start + entry.step

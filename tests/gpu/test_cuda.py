@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hydra_jury.hydra_model import DraftModel, HydraModel, Segment
+from hydra_jury.hydra_model.graphs import MODE_VARIABLE
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.request import GenerationRequest
@@ -39,6 +40,7 @@ from tests.orchestrator.test_engine_distribution import (
 )
 from tests.orchestrator.test_grpc_stack import to_pb
 from tests.statistics import assert_fits
+from tests.workers.test_static_steps import REQUESTS, generate
 
 pytestmark = pytest.mark.gpu
 
@@ -79,7 +81,14 @@ SEEDED = [
     {"rule": "exact", "temperature": 0.9, "gamma": 4, "top_k": 10, "drafter": "head"},
     {"rule": "exact", "temperature": 0.9, "gamma": 3, "top_p": 0.9, "drafter": "model"},
     {"rule": "verifier_only", "temperature": 0.8},
-    {"rule": "cascade_token_v2", "lenience": 0.2, "temperature": 1.0, "gamma": 2},
+    # (A drafter named: the automatic one chooses by measured costs, which differ by run.)
+    {
+        "rule": "cascade_token_v2",
+        "lenience": 0.2,
+        "temperature": 1.0,
+        "gamma": 2,
+        "drafter": "head",
+    },
 ]
 
 
@@ -256,3 +265,18 @@ def test_the_cuda_graph_replays_the_eager_steps(device_model):
         torch.testing.assert_close(replayed, ragged, rtol=0, atol=1e-4)
         torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-5)
         assert torch.equal(replayed.argmax(-1), ragged.argmax(-1))
+
+
+@pytest.mark.parametrize("name", list(REQUESTS))
+def test_the_workers_graphs_give_the_eager_tokens(name, device_model, device_draft, monkeypatch):
+    """The engine with its workers' one-position steps replayed from CUDA graphs (the
+    default on CUDA) against the same engine launching every kernel (graphs off)."""
+    options, trunk_steps, jury_steps = REQUESTS[name]
+    monkeypatch.setenv(MODE_VARIABLE, "off")
+    eager, _ = generate(device_model, device_draft, options)
+    on_cuda = device_model.device.type == "cuda"
+    monkeypatch.setenv(MODE_VARIABLE, "auto" if on_cuda else "eager")
+    graphed, backend = generate(device_model, device_draft, options)
+    assert graphed == eager
+    assert backend.trunk.graphs.mode == ("graph" if on_cuda else "eager")
+    assert len(backend.trunk.graphs) >= trunk_steps and len(backend.jury.graphs) >= jury_steps
