@@ -26,7 +26,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 from hydra_jury.hydra_model.heads import HeadStack
-from hydra_jury.hydra_model.kv_cache import KVCache
+from hydra_jury.hydra_model.kv_cache import KVCache, KVCachePool, SlotBatch
 from hydra_jury.hydra_model.trunk import Trunk
 
 MODE_VARIABLE = "HYDRA_JURY_CUDA_GRAPHS"
@@ -47,13 +47,47 @@ def graph_mode(device: torch.device) -> str | None:
     return None
 
 
-class StepGraph:
-    """`function(position, *inputs) -> output` at fixed shapes: `position` a device tensor
-    [1], each input a static buffer shaped as its example. Replayed from a CUDA graph
-    (recorded on the first call) or, with `graph=False`, run eagerly.
+def padded(count: int) -> int:
+    """The batch size a step of `count` rows runs at: the next power of two, so that a few
+    recorded graphs serve every count."""
+    return 1 << (count - 1).bit_length()
 
-    The output of a replay is the graph's own buffer, overwritten by its next replay: use
-    or copy it first."""
+
+def padded_rows(rows: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """`rows` (one per session) padded to `padded(len(rows))` by repeating the first: a
+    repeated row writes its session's keys and values again, the same ones, and its
+    outputs are left out."""
+    return rows + rows[:1] * (padded(len(rows)) - len(rows))
+
+
+def padded_tensor(x: torch.Tensor) -> torch.Tensor:
+    """x [n, ...] padded along its first dimension as `padded_rows` pads."""
+    extra = padded(len(x)) - len(x)
+    return x if not extra else torch.cat([x, x[:1].expand(extra, *x.shape[1:])])
+
+
+def on_device(rows: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
+    """Host integers, one tuple per row, as a long tensor [fields, rows] on `device`; on
+    CUDA through pinned memory, the copy queued on the stream without waiting for it."""
+    tensor = torch.tensor(rows, dtype=torch.long).T.contiguous()
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def batch_inputs(rows: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
+    """One tuple of integers per session (its slot, position, ...), padded
+    (`padded_rows`), as [fields, padded rows] on `device` (`on_device`)."""
+    return on_device(padded_rows(rows), device)
+
+
+class StepGraph:
+    """`function(*inputs) -> output` at fixed shapes, each input a static buffer shaped as
+    its example. Replayed from a CUDA graph (recorded on the first call) or, with
+    `graph=False`, run eagerly.
+
+    The output of a replay is the graph's own buffer, overwritten by its next replay and
+    possibly by another graph's of the same pool: copy what is kept."""
 
     def __init__(
         self,
@@ -68,18 +102,16 @@ class StepGraph:
             raise ValueError(f"CUDA graphs need a CUDA device; these inputs are on {device}")
         self.function = function
         self.graph = graph
-        self._position = torch.zeros(1, dtype=torch.long, device=device)
         self._inputs = [torch.zeros_like(example) for example in examples]
         self._pool = pool
         self._recorded: torch.cuda.CUDAGraph | None = None
         self._output: torch.Tensor | None = None
 
-    def __call__(self, position: int, *inputs: torch.Tensor) -> torch.Tensor:
-        self._position.fill_(position)  # a kernel's argument: no copy from the host
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         for buffer, value in zip(self._inputs, inputs, strict=True):
             buffer.copy_(value)
         if not self.graph:
-            return self.function(self._position, *self._inputs)
+            return self.function(*self._inputs)
         if self._recorded is None:
             self._record()
         self._recorded.replay()
@@ -87,23 +119,23 @@ class StepGraph:
 
     def _record(self) -> None:
         # The warm-up runs compute this call's own step, and write its keys and values
-        # at its own position: the replay that follows writes the same ones again.
+        # at its own positions: the replay that follows writes the same ones again.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP_STEPS):
-                self.function(self._position, *self._inputs)
+                self.function(*self._inputs)
         torch.cuda.current_stream().wait_stream(side)
         recorded = torch.cuda.CUDAGraph()
         with torch.cuda.graph(recorded, pool=self._pool):
-            self._output = self.function(self._position, *self._inputs)
+            self._output = self.function(*self._inputs)
         self._recorded = recorded
 
 
 class StepGraphs:
-    """A worker's recorded steps by key (what runs, over which cache slot). They share
-    one memory pool, since they replay one at a time; a slot's caches keep their memory
-    from session to session, so its steps stay valid for the next session in it."""
+    """A worker's recorded steps by key (what runs, at which batch size). They share one
+    memory pool, since they replay one at a time. The sessions' slots and positions are
+    inputs, so a step serves any sessions of its batch size."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode  # "graph" or "eager" (`graph_mode`)
@@ -127,29 +159,34 @@ class StepGraphs:
         return self._steps[key]
 
 
-def trunk_step(trunk: Trunk, cache: KVCache) -> Callable[..., torch.Tensor]:
-    """(position, tokens [1]) -> the trunk's hidden state [1, D] over `cache`'s slot."""
+def trunk_step(trunk: Trunk, pool: KVCachePool) -> Callable[..., torch.Tensor]:
+    """(inputs [3, B]: tokens, slots, positions) -> the trunk's hidden states [B, D], each
+    row over its slot of `pool`."""
 
-    def run(position: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return trunk.forward_static(tokens, cache, position)
+    def run(inputs: torch.Tensor) -> torch.Tensor:
+        tokens, slots, positions = inputs
+        return trunk.forward_static(tokens, SlotBatch(pool.keys, pool.values, slots, positions))
 
     return run
 
 
-def heads_step(heads: HeadStack, cache: KVCache) -> Callable[..., torch.Tensor]:
-    """(position, hidden [1, D]) -> the heads' logits [S, 1, V] over `cache` (a slot's, or
-    a view of some of its members)."""
+def heads_step(
+    heads: HeadStack, keys: torch.Tensor, values: torch.Tensor
+) -> Callable[..., torch.Tensor]:
+    """(hidden [B, D], inputs [2, B]: slots, positions) -> the heads' logits [S, B, V],
+    over `keys` and `values` (a pool's, or a view of the heads' members in it)."""
 
-    def run(position: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return heads.forward_static(hidden, cache, position)
+    def run(hidden: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        slots, positions = inputs
+        return heads.forward_static(hidden, SlotBatch(keys, values, slots, positions))
 
     return run
 
 
 class DecodeGraph:
     """Trunk and a head stack over one session's next token, one position at a time, as
-    one step (the bare decode loop of `bench-gpu`; the workers keep the trunk's and the
-    heads' steps apart). Recorded on the first step, bound to these caches."""
+    one step (the bare loop of `bench-gpu`; the workers keep the trunk's and the heads'
+    steps apart). Recorded on the first step, bound to these caches."""
 
     def __init__(
         self,
@@ -163,15 +200,22 @@ class DecodeGraph:
         device = trunk.rope.cos.device
         if graph and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; this model is on {device}")
+        self.device = device
         self.caches = (trunk_cache, head_cache)
         self.use_graph = device.type == "cuda" if graph is None else graph
-        through_trunk, through_heads = trunk_step(trunk, trunk_cache), heads_step(heads, head_cache)
+        # Each cache seen as a pool of one slot: slot 0.
+        trunk_keys, trunk_values = trunk_cache.keys[None], trunk_cache.values[None]
+        head_keys, head_values = head_cache.keys[None], head_cache.values[None]
 
-        def run(position: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-            return through_heads(position, through_trunk(position, tokens))
+        def run(tokens: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+            slots, positions = inputs
+            hidden = trunk.forward_static(
+                tokens, SlotBatch(trunk_keys, trunk_values, slots, positions)
+            )
+            return heads.forward_static(hidden, SlotBatch(head_keys, head_values, slots, positions))
 
-        example = torch.zeros(1, dtype=torch.long, device=device)
-        self._step = StepGraph(run, [example], graph=self.use_graph)
+        token = torch.zeros(1, dtype=torch.long, device=device)
+        self._step = StepGraph(run, [token, on_device([(0, 0)], device)], graph=self.use_graph)
 
     def step(self, token: torch.Tensor, start: int) -> torch.Tensor:
         """`token` [1] (on the model's device) at position `start` -> logits [S, 1, V]
@@ -179,7 +223,7 @@ class DecodeGraph:
         graph's own output buffer, overwritten by the next step: use or copy them first."""
         for cache in self.caches:
             cache.check_append(start, 1)
-        logits = self._step(start, token.reshape(1))
+        logits = self._step(token.reshape(1), on_device([(0, start)], self.device))
         for cache in self.caches:
             cache.advance(1)
         return logits

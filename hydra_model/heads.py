@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hydra_jury.hydra_model.kv_cache import KVCache
+from hydra_jury.hydra_model.kv_cache import KVCache, SlotBatch
 from hydra_jury.hydra_model.layers import LayerStack, Segment
 from hydra_jury.hydra_model.products import Weight, product, rms_norm
 from hydra_jury.hydra_model.quantization import tensors_of
@@ -115,14 +115,12 @@ class HeadStack:
         return (logits, x) if return_hidden else logits
 
     @torch.inference_mode()
-    def forward_static(
-        self, hidden: torch.Tensor, cache: KVCache, position: torch.Tensor
-    ) -> torch.Tensor:
-        """hidden: the trunk output [1, D] at the position the device tensor `position` [1]
-        holds -> logits [S, 1, V] float32, at shapes that do not depend on the position
-        (`LayerStack.forward_static`)."""
+    def forward_static(self, hidden: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
+        """hidden: the trunk outputs [B, D] of one new position of each session of `batch`
+        (its keys and values those of this stack's members) -> logits [S, B, V] float32,
+        at shapes that depend on B alone (`LayerStack.forward_static`)."""
         x = hidden[None].expand(self.size, -1, -1)
-        return self._logits(self.layers.forward_static(x, cache, position, self.rope))
+        return self._logits(self.layers.forward_static(x, batch, self.rope))
 
     @torch.inference_mode()
     def forward_runs(self, runs: list[HeadRun]) -> list[torch.Tensor | None]:

@@ -13,6 +13,8 @@ Layout of a pool: keys/values [num_slots, S, layers, kv_heads, capacity, head_di
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -83,6 +85,19 @@ class KVCache:
             raise CacheError(f"a cache of capacity {self.capacity} cannot hold {length} positions")
         view.length = length
         return view
+
+
+@dataclass(frozen=True)
+class SlotBatch:
+    """One new position of each of B sessions, addressed on the device (what a CUDA graph
+    can replay for any sessions): the pool's keys and values [slots, S, layers, kv_heads,
+    capacity, head_dim] (or a view of some members), and each row's slot and position,
+    long tensors [B] on the device."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
 
 
 class KVCachePool:

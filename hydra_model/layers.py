@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from hydra_jury.hydra_model.config import DecoderConfig
-from hydra_jury.hydra_model.kv_cache import KVCache
+from hydra_jury.hydra_model.kv_cache import KVCache, SlotBatch
 from hydra_jury.hydra_model.products import (
     Weight,
     cached_attention,
@@ -295,20 +295,19 @@ class LayerStack:
         )
 
     @torch.inference_mode()
-    def forward_static(
-        self, x: torch.Tensor, cache: KVCache, position: torch.Tensor, rope: RotaryTable
-    ) -> torch.Tensor:
-        """x: [S, 1, D], one session's new token at the position held by the device tensor
-        `position` [1] -> [S, 1, D]. Every shape is fixed, whatever the position: attention
-        spans the cache's whole capacity, masked past the position, and nothing is read back
-        to the host — the step a CUDA graph replays (`graphs.DecodeGraph`). Writes the keys
-        and values; the caller moves the cache's length."""
-        rotation = (
-            rope.cos.index_select(0, position)[:, None, :],
-            rope.sin.index_select(0, position)[:, None, :],
-        )
-        visible = (torch.arange(cache.capacity, device=position.device) <= position)[None]  # [1, C]
-        attend = partial(self._attend_static, cache, position, rotation, visible)
+    def forward_static(self, x: torch.Tensor, batch: SlotBatch, rope: RotaryTable) -> torch.Tensor:
+        """x: [S, B, D], one new token of each of B sessions, addressed by `batch` (their
+        slots and positions in device tensors) -> [S, B, D]. Every shape is fixed, whatever
+        the sessions and positions: attention spans each slot's whole capacity, masked past
+        the row's position, and nothing is read back to the host — the step a CUDA graph
+        replays (`graphs`). Writes the keys and values; the caller moves the caches'
+        lengths. Rows may repeat a session (a batch padded to a recorded size): they write
+        the same keys and values."""
+        positions = batch.positions
+        rotation = (rope.cos[positions][:, None, :], rope.sin[positions][:, None, :])  # [B, 1, hd]
+        capacity = batch.keys.shape[4]
+        visible = torch.arange(capacity, device=positions.device) <= positions[:, None]  # [B, C]
+        attend = partial(self._attend_static, batch, rotation, visible)
         for index, layer in enumerate(self.layers):
             x = self._layer_forward(layer, index, x, attend)
         return x
@@ -370,26 +369,33 @@ class LayerStack:
 
     def _attend_static(
         self,
-        cache: KVCache,
-        position: torch.Tensor,
+        batch: SlotBatch,
         rotation: tuple[torch.Tensor, torch.Tensor],
         visible: torch.Tensor,
         layer: _Layer,
         index: int,
         qkv: torch.Tensor,
     ) -> torch.Tensor:
-        """`forward_static`'s attention: the key and value written at `position` by index,
-        then every position of the cache attended, those past `position` masked out."""
+        """`forward_static`'s attention: each row's key and value written into its slot at
+        its position, then its slot's every position attended, those past it masked."""
         config = self.config
+        stack, rows = qkv.shape[:2]
         qk, v = self._split_qkv(layer, qkv)
-        qk = rotate(qk, rotation).transpose(1, 2)  # [S, heads + kv_heads, 1, hd]
-        q, k = qk.split([config.num_attention_heads, config.num_key_value_heads], dim=1)
-        keys, values = cache.keys[:, index], cache.values[:, index]  # [S, kv, capacity, hd]
-        keys.index_copy_(2, position, k)
-        values.index_copy_(2, position, v.transpose(1, 2))
+        qk = rotate(qk, rotation)  # [S, B, heads + kv_heads, hd]
+        q, k = qk.split([config.num_attention_heads, config.num_key_value_heads], dim=2)
+        slots, positions = batch.slots, batch.positions
+        attended = []
+        for pool, new in ((batch.keys, k), (batch.values, v)):
+            layer_pool = pool[:, :, index]  # [slots, S, kv, C, hd]
+            layer_pool[slots, :, :, positions] = new.transpose(0, 1)  # [B, S, kv, hd]
+            # [B, S, kv, C, hd] -> [S * B, kv, C, hd]: each row beside its slot's cache.
+            attended.append(layer_pool[slots].transpose(0, 1).flatten(0, 1))
+        keys, values = attended
+        q = q.reshape(stack * rows, config.num_attention_heads, 1, config.head_dim)
+        mask = visible.expand(stack, -1, -1).reshape(stack * rows, 1, 1, -1)
         gqa = config.num_attention_heads != config.num_key_value_heads
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=gqa)
-        return out.transpose(1, 2).reshape(q.shape[0], 1, config.q_size)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+        return out.reshape(stack, rows, config.q_size)
 
     def _attend_natively(
         self, index: int, qkv: torch.Tensor, plans: list[_SegmentPlan]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hydra_jury.hydra_model.kv_cache import KVCache
+from hydra_jury.hydra_model.kv_cache import KVCache, SlotBatch
 from hydra_jury.hydra_model.layers import LayerStack, Segment
 from hydra_jury.hydra_model.products import Weight, embed
 from hydra_jury.hydra_model.quantization import tensors_of
@@ -37,10 +37,8 @@ class Trunk:
         return self.layers.forward_ragged(x, segments, self.rope)[0]
 
     @torch.inference_mode()
-    def forward_static(
-        self, tokens: torch.Tensor, cache: KVCache, position: torch.Tensor
-    ) -> torch.Tensor:
-        """tokens: [1] at the position the device tensor `position` [1] holds -> [1, D], at
-        shapes that do not depend on the position (`LayerStack.forward_static`)."""
+    def forward_static(self, tokens: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
+        """tokens: [B], one new token of each session of `batch` -> hidden states [B, D],
+        at shapes that depend on B alone (`LayerStack.forward_static`)."""
         x = embed(self.embedding, tokens, self.rope.cos.dtype)[None]
-        return self.layers.forward_static(x, cache, position, self.rope)[0]
+        return self.layers.forward_static(x, batch, self.rope)[0]

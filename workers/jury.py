@@ -28,7 +28,13 @@ from dataclasses import dataclass
 import torch
 
 from hydra_jury.hydra_model import HeadRun, HeadStack, HydraModel, KVCache, Segment
-from hydra_jury.hydra_model.graphs import StepGraphs, graph_mode, heads_step
+from hydra_jury.hydra_model.graphs import (
+    StepGraphs,
+    batch_inputs,
+    graph_mode,
+    heads_step,
+    padded_tensor,
+)
 from hydra_jury.poe import draft_logprobs, partial_log_product, partial_log_product_and_votes
 from hydra_jury.workers.calls import HiddenStates, JuryPrefillCall, ScoreCall, ScoreResult
 from hydra_jury.workers.errors import InvalidArgument
@@ -87,8 +93,8 @@ class JuryWorker:
         )
         self.counters = JuryCounters()
         mode = graph_mode(model.device)
-        # A score of one session's one position at fixed shapes, replayed from CUDA
-        # graphs on a GPU (`hydra_model.graphs`), per run of heads.
+        # A score of one position of each session of a batch at fixed shapes, replayed
+        # from CUDA graphs on a GPU (`hydra_model.graphs`), per run of heads.
         self.graphs = StepGraphs(mode) if mode is not None else None
         self._stacks: dict[tuple[int, int], HeadStack] = {}  # (first, count): views, made once
 
@@ -164,28 +170,32 @@ class JuryWorker:
         return logits
 
     def _one_position(self, runs: list[HeadRun]) -> list[torch.Tensor] | None:
-        """Each run's logits [count, 1, V] at fixed shapes (`self.graphs`) when every run
-        scores one position of one session with nothing to catch up; else None."""
+        """Each run's logits [count, n, V] in one fixed-shape step per run (`self.graphs`),
+        padded to a recorded batch size, when every run scores one position of each of its
+        n sessions with nothing to catch up; else None."""
         if self.graphs is None or not runs:
             return None
-        if any(len(run.segments) != 1 or run.segments[0].length != 1 for run in runs):
-            return None
-        if any(run.rows is None for run in runs):
-            return None
+        for run in runs:
+            if run.rows is None or any(segment.length != 1 for segment in run.segments):
+                return None
         outputs = []
         for run in runs:
-            (segment,) = run.segments
-            cache = segment.cache  # a view of the run's members in the session's slot
-            cache.check_append(segment.start, 1)
+            for segment in run.segments:
+                segment.cache.check_append(segment.start, 1)
+            rows = [(segment.cache.slot, segment.start) for segment in run.segments]
+            inputs = batch_inputs(rows, self.model.device)  # [2, B]
+            hidden = padded_tensor(run.hidden)
             key = (run.first, run.count)
             if key not in self._stacks:
                 self._stacks[key] = self.model.heads.select(run.first, run.count)
-            step = self.graphs.step(
-                ("jury", cache.slot, *key), heads_step(self._stacks[key], cache), [run.hidden]
-            )
+            members = run.members
+            keys, values = self.pool.keys[:, members], self.pool.values[:, members]
+            through = heads_step(self._stacks[key], keys, values)
+            step = self.graphs.step(("jury", *key, len(hidden)), through, [hidden, inputs])
             # A copy: another run's replay may reuse the memory of this one's buffers.
-            outputs.append(step(segment.start, run.hidden).clone())
-            cache.advance(1)
+            outputs.append(step(hidden, inputs)[:, : len(rows)].clone())
+            for segment in run.segments:
+                segment.cache.advance(1)
         return outputs
 
     def _plan(self, work: list[_Work]) -> list[tuple[HeadRun, list[tuple[int, slice]]]]:

@@ -27,7 +27,14 @@ from hydra_jury.hydra_model import (
     KVCache,
     Segment,
 )
-from hydra_jury.hydra_model.graphs import StepGraphs, graph_mode, heads_step, trunk_step
+from hydra_jury.hydra_model.graphs import (
+    StepGraphs,
+    batch_inputs,
+    graph_mode,
+    heads_step,
+    padded_tensor,
+    trunk_step,
+)
 from hydra_jury.hydra_model.uncertainty import (
     check_hidden,
     find_witness,
@@ -149,8 +156,8 @@ class TrunkWorker:
         self._hidden = model.hidden_store(limits.max_sessions, capacity)
         self.uncertainty_head = load_uncertainty_head(model)
         mode = graph_mode(model.device)
-        # One session's one position (a decode step, a draft head's step) at fixed shapes,
-        # replayed from CUDA graphs on a GPU (`hydra_model.graphs`).
+        # One position of each session of a batch (a decode step, a draft head's step) at
+        # fixed shapes, replayed from CUDA graphs on a GPU (`hydra_model.graphs`).
         self.graphs = StepGraphs(mode) if mode is not None else None
         self.sessions: SessionTable[_Session] = SessionTable(
             limits, self._new_session, self._free_session
@@ -223,8 +230,8 @@ class TrunkWorker:
         for state, _tokens, start in work:
             state.trunk.truncate(start)
         every = [tokens for _state, tokens, _start in work]
-        if self.graphs is not None and len(every) == 1 and len(every[0]) == 1:
-            outputs = [self._trunk_position(*work[0])]
+        if self.graphs is not None and all(len(tokens) == 1 for tokens in every):
+            outputs = self._trunk_positions(work)
         else:
             segments = [Segment(state.trunk, start, len(tokens)) for state, tokens, start in work]
             tokens = every[0] if len(every) == 1 else torch.cat(every)
@@ -238,28 +245,38 @@ class TrunkWorker:
         self.counters.trunk_calls += 1
         return outputs
 
-    def _trunk_position(self, state: _Session, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """One session's one position through the trunk at fixed shapes (`self.graphs`):
-        its hidden state [1, D]."""
-        cache = state.trunk
-        cache.check_append(start, 1)
-        tokens = tokens.to(self.model.device)
-        through = trunk_step(self.model.trunk, cache)
-        step = self.graphs.step(("trunk", cache.slot), through, [tokens])
-        hidden = step(start, tokens).clone()  # the graph's buffer: its next replay overwrites it
-        cache.advance(1)
-        return hidden
+    def _trunk_positions(
+        self, work: list[tuple[_Session, torch.Tensor, int]]
+    ) -> list[torch.Tensor]:
+        """Each session's one position through the trunk in one fixed-shape step
+        (`self.graphs`), padded to a recorded batch size: their hidden states [1, D]."""
+        for state, _tokens, start in work:
+            state.trunk.check_append(start, 1)
+        rows = [(int(tokens[0]), state.trunk.slot, start) for state, tokens, start in work]
+        inputs = batch_inputs(rows, self.model.device)  # [3, B]
+        through = trunk_step(self.model.trunk, self._trunk_pool)
+        step = self.graphs.step(("trunk", inputs.shape[1]), through, [inputs])
+        hidden = step(inputs)[: len(work)].clone()  # the graph's buffer: a replay overwrites it
+        for state, _tokens, _start in work:
+            state.trunk.advance(1)
+        return list(hidden.split(1))
 
-    def _draft_head_position(
-        self, entry: Drafting, head: HeadStack, hidden: torch.Tensor, position: int
-    ) -> torch.Tensor:
-        """One session's draft head over one position at fixed shapes (`self.graphs`): its
-        logits [1, V], used before another step replays."""
-        cache = entry.state.draft.cache
-        cache.check_append(position, 1)
-        key = ("draft", cache.slot, entry.head[0])
-        logits = self.graphs.step(key, heads_step(head, cache), [hidden])(position, hidden)[0]
-        cache.advance(1)
+    def _draft_head_positions(self, members: list[Drafting]) -> torch.Tensor:
+        """One draft head over one position of each of `members` (sessions drafting with
+        it) in one fixed-shape step (`self.graphs`): their logits [n, V]."""
+        index, head = members[0].head
+        rows = []
+        for entry in members:
+            cache, position = entry.state.draft.cache, entry.call.start + entry.step
+            cache.check_append(position, 1)
+            rows.append((cache.slot, position))
+        inputs = batch_inputs(rows, self.model.device)  # [2, B]
+        hidden = padded_tensor(torch.cat([entry.hiddens[-1] for entry in members]))
+        through = heads_step(head, self._draft_pool.keys, self._draft_pool.values)
+        step = self.graphs.step(("draft", index, len(hidden)), through, [hidden, inputs])
+        logits = step(hidden, inputs)[0, : len(members)].clone()
+        for entry in members:
+            entry.state.draft.cache.advance(1)
         return logits
 
     def uncertainty(self, call: UncertaintyCall) -> UncertaintyResult:
@@ -367,10 +384,8 @@ class TrunkWorker:
                 by_head.setdefault(entry.head[0], []).append(entry)
         for members in by_head.values():
             head = members[0].head[1]
-            if self.graphs is not None and len(members) == 1:
-                (entry,) = members
-                position = entry.call.start + entry.step
-                logits = self._draft_head_position(entry, head, entry.hiddens[-1], position)
+            if self.graphs is not None:
+                logits = self._draft_head_positions(members)
             else:
                 segments = [Segment(e.state.draft.cache, e.call.start + e.step, 1) for e in members]
                 rows = torch.cat([e.hiddens[-1] for e in members])

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hydra_jury.hydra_model import HydraModel
-from hydra_jury.hydra_model.graphs import DecodeGraph
+from hydra_jury.hydra_model import HydraModel, Segment
+from hydra_jury.hydra_model.graphs import DecodeGraph, on_device, padded_rows, padded_tensor
+from hydra_jury.hydra_model.kv_cache import SlotBatch
 from tests.conftest import FAMILY_VARIANTS
 
 TOLERANCE = 1e-4  # float32; the two paths differ only in summation order
@@ -76,3 +77,53 @@ def test_graphs_are_refused_off_cuda(jury_model):
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device; this model is on cpu"):
         DecodeGraph(jury_model.trunk, jury_model.heads.select(0), *caches, graph=True)
     assert not DecodeGraph(jury_model.trunk, jury_model.heads.select(0), *caches).use_graph
+
+
+@pytest.mark.parametrize("variant", ["llama", "olmo2"])
+def test_a_padded_batch_of_sessions_gives_each_its_own_step(variant, hydra_checkpoints):
+    """Three sessions at different positions in one fixed-shape step, padded to four rows
+    (the first repeated), against one ragged forward of the same three."""
+    model = HydraModel.load(hydra_checkpoints[variant])
+    heads = model.heads
+    capacity, lengths = 16, [5, 2, 9]
+    pools = {
+        path: (model.trunk_pool(4, capacity), model.head_pool(heads.size, 4, capacity))
+        for path in ("ragged", "static")
+    }
+    caches = {
+        path: [(trunk.acquire(), head.acquire()) for _ in lengths]
+        for path, (trunk, head) in pools.items()
+    }
+    generator = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(0, model.config.vocab_size, (n,), generator=generator) for n in lengths
+    ]
+    for path in pools:
+        caches[path] = caches[path][1:] + caches[path][:1]  # slots out of order
+        for prompt, (trunk_cache, head_cache) in zip(prompts, caches[path], strict=True):
+            heads.forward(model.trunk.forward(prompt, trunk_cache, 0), head_cache, 0)
+    tokens = torch.tensor([3, 1, 4])
+    segments = [Segment(t, n, 1) for (t, _), n in zip(caches["ragged"], lengths, strict=True)]
+    hidden = model.trunk.forward_ragged(tokens, segments)
+    segments = [Segment(h, n, 1) for (_, h), n in zip(caches["ragged"], lengths, strict=True)]
+    ragged = heads.forward_ragged(hidden, segments)
+    trunk_pool, head_pool = pools["static"]
+    rows = [(t.slot, n) for (t, _), n in zip(caches["static"], lengths, strict=True)]
+    slots, positions = on_device(padded_rows(rows), model.device)
+    padded_tokens = padded_tensor(tokens)
+    assert slots.tolist() == [rows[0][0], rows[1][0], rows[2][0], rows[0][0]]
+    trunk_batch = SlotBatch(trunk_pool.keys, trunk_pool.values, slots, positions)
+    static_hidden = model.trunk.forward_static(padded_tokens, trunk_batch)
+    head_batch = SlotBatch(head_pool.keys, head_pool.values, slots, positions)
+    static = heads.forward_static(static_hidden, head_batch)[:, :3]
+    torch.testing.assert_close(static_hidden[:3], hidden, rtol=0, atol=1e-5)
+    torch.testing.assert_close(static, ragged, rtol=0, atol=TOLERANCE)
+    for (ragged_trunk, _), (static_trunk, _), n in zip(
+        caches["ragged"], caches["static"], lengths, strict=True
+    ):
+        torch.testing.assert_close(
+            static_trunk.keys[..., : n + 1, :],
+            ragged_trunk.keys[..., : n + 1, :],
+            atol=1e-5,
+            rtol=0,
+        )

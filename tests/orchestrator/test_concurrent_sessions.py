@@ -9,6 +9,7 @@ from urllib.request import urlopen
 
 import pytest
 
+from hydra_jury.hydra_model.graphs import MODE_VARIABLE
 from hydra_jury.serving.batcher import BatchLimits
 from tests.grpc_stack import Stack
 from tests.orchestrator.test_grpc_stack import to_pb
@@ -30,18 +31,26 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["split", "serve"])
+@pytest.fixture(scope="module", params=["split", "serve", "serve-fixed-shapes"])
 def stack(request, jury_checkpoint, redis_url):
+    """`serve-fixed-shapes`: the workers' one-position steps at fixed shapes, padded
+    batches of sessions addressed by slot (what a GPU replays from CUDA graphs), run
+    eagerly here (`hydra_model.graphs`)."""
     stack = Stack(
         str(jury_checkpoint),
         [["head0", "head1"], ["head2", "head3"]],
         redis_url,
         **SESSION_ROOM,
     )
-    if request.param == "split":
-        stack.start_services().start_orchestrator()
-    else:
-        stack.start_embedded()
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "split":
+            stack.start_services().start_orchestrator()
+        else:
+            if request.param == "serve-fixed-shapes":
+                patch.setenv(MODE_VARIABLE, "eager")
+            stack.start_embedded()
+            fixed = stack.servicer.backend.trunk.graphs is not None
+            assert fixed == (request.param == "serve-fixed-shapes")
     yield stack
     stack.close()
 
@@ -78,6 +87,9 @@ def test_sessions_running_together_give_their_tokens_alone(stack, options):
     scores = [name for name in grown if name.endswith(".Score")]
     assert all(grown[name] > 1 for name in scores), (largest, grown)
     assert grown["trunk.Draft"] > 1, (largest, grown)
+    if stack.embedded and stack.servicer.backend.trunk.graphs is not None:
+        # Steps of several batch sizes were taken: batches of sessions at fixed shapes.
+        assert len(stack.servicer.backend.trunk.graphs) > 1
 
 
 def batchers(stack: Stack) -> dict:
