@@ -32,6 +32,11 @@ from hydra_jury.hydra_model.trunk import Trunk
 MODE_VARIABLE = "HYDRA_JURY_CUDA_GRAPHS"
 MODES = ("auto", "off", "eager")
 WARMUP_STEPS = 2  # eager runs on a side stream before recording: cuBLAS sets itself up
+# The most rows (positions of all sessions of a call or batch) a fixed-shape step takes:
+# a decode step, a speculative round's score, a batch of sessions' rounds. Beyond, a
+# prefill, compute-bound, where launches cost little and every row would gather its
+# slot's whole cache.
+MAX_STATIC_ROWS = 64
 
 
 def graph_mode(device: torch.device) -> str | None:

@@ -116,9 +116,9 @@ class HeadStack:
 
     @torch.inference_mode()
     def forward_static(self, hidden: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
-        """hidden: the trunk outputs [B, D] of one new position of each session of `batch`
-        (its keys and values those of this stack's members) -> logits [S, B, V] float32,
-        at shapes that depend on B alone (`LayerStack.forward_static`)."""
+        """hidden: the trunk outputs [B, D] of the B positions of `batch` (its keys and
+        values those of this stack's members) -> logits [S, B, V] float32, at shapes that
+        depend on B alone (`LayerStack.forward_static`)."""
         x = hidden[None].expand(self.size, -1, -1)
         return self._logits(self.layers.forward_static(x, batch, self.rope))
 

@@ -89,8 +89,8 @@ class KVCache:
 
 @dataclass(frozen=True)
 class SlotBatch:
-    """One new position of each of B sessions, addressed on the device (what a CUDA graph
-    can replay for any sessions): the pool's keys and values [slots, S, layers, kv_heads,
+    """B new positions of some sessions, addressed on the device (what a CUDA graph can
+    replay for any sessions): the pool's keys and values [slots, S, layers, kv_heads,
     capacity, head_dim] (or a view of some members), and each row's slot and position,
     long tensors [B] on the device."""
 

@@ -296,13 +296,14 @@ class LayerStack:
 
     @torch.inference_mode()
     def forward_static(self, x: torch.Tensor, batch: SlotBatch, rope: RotaryTable) -> torch.Tensor:
-        """x: [S, B, D], one new token of each of B sessions, addressed by `batch` (their
-        slots and positions in device tensors) -> [S, B, D]. Every shape is fixed, whatever
+        """x: [S, B, D], B new positions, each addressed by `batch` (its session's slot and
+        its position, in device tensors) -> [S, B, D]. A session may bring several rows,
+        at consecutive positions: every row's key and value is written before any row
+        attends, so they attend causally among themselves. Every shape is fixed, whatever
         the sessions and positions: attention spans each slot's whole capacity, masked past
         the row's position, and nothing is read back to the host — the step a CUDA graph
-        replays (`graphs`). Writes the keys and values; the caller moves the caches'
-        lengths. Rows may repeat a session (a batch padded to a recorded size): they write
-        the same keys and values."""
+        replays (`graphs`). The caller moves the caches' lengths. A row may repeat another
+        (a batch padded to a recorded size): it writes the same key and value again."""
         positions = batch.positions
         rotation = (rope.cos[positions][:, None, :], rope.sin[positions][:, None, :])  # [B, 1, hd]
         capacity = batch.keys.shape[4]

@@ -38,7 +38,7 @@ class Trunk:
 
     @torch.inference_mode()
     def forward_static(self, tokens: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
-        """tokens: [B], one new token of each session of `batch` -> hidden states [B, D],
-        at shapes that depend on B alone (`LayerStack.forward_static`)."""
+        """tokens: [B], the tokens of the B positions of `batch` -> hidden states [B, D], at
+        shapes that depend on B alone (`LayerStack.forward_static`)."""
         x = embed(self.embedding, tokens, self.rope.cos.dtype)[None]
         return self.layers.forward_static(x, batch, self.rope)[0]

@@ -29,6 +29,7 @@ import torch
 
 from hydra_jury.hydra_model import HeadRun, HeadStack, HydraModel, KVCache, Segment
 from hydra_jury.hydra_model.graphs import (
+    MAX_STATIC_ROWS,
     StepGraphs,
     batch_inputs,
     graph_mode,
@@ -93,8 +94,8 @@ class JuryWorker:
         )
         self.counters = JuryCounters()
         mode = graph_mode(model.device)
-        # A score of one position of each session of a batch at fixed shapes, replayed
-        # from CUDA graphs on a GPU (`hydra_model.graphs`), per run of heads.
+        # A score of a few positions of a batch of sessions at fixed shapes, replayed from
+        # CUDA graphs on a GPU (`hydra_model.graphs`), per run of heads.
         self.graphs = StepGraphs(mode) if mode is not None else None
         self._stacks: dict[tuple[int, int], HeadStack] = {}  # (first, count): views, made once
 
@@ -159,7 +160,7 @@ class JuryWorker:
         placed = self._plan(work)
         self.counters.calls += bool(placed)
         runs = [run for run, _ in placed]
-        outputs = self._one_position(runs) or self.model.heads.forward_runs(runs)
+        outputs = self._fixed_shapes(runs) or self.model.heads.forward_runs(runs)
         logits: list[dict[int, torch.Tensor]] = [{} for _ in calls]
         for (run, entries), output in zip(placed, outputs, strict=True):
             for member, head in enumerate(range(run.first, run.first + run.count)):
@@ -169,21 +170,24 @@ class JuryWorker:
                         logits[call_index][head] = output[member, rows]
         return logits
 
-    def _one_position(self, runs: list[HeadRun]) -> list[torch.Tensor] | None:
-        """Each run's logits [count, n, V] in one fixed-shape step per run (`self.graphs`),
-        padded to a recorded batch size, when every run scores one position of each of its
-        n sessions with nothing to catch up; else None."""
+    def _fixed_shapes(self, runs: list[HeadRun]) -> list[torch.Tensor] | None:
+        """Each run's logits [count, N, V] in one fixed-shape step per run (`self.graphs`),
+        a row per position, padded to a recorded size, when every run scores all of its N
+        positions (nothing to catch up) and holds at most MAX_STATIC_ROWS; else None."""
         if self.graphs is None or not runs:
             return None
         for run in runs:
-            if run.rows is None or any(segment.length != 1 for segment in run.segments):
+            every_row = isinstance(run.rows, slice) and run.rows == slice(None)
+            if not every_row or sum(s.length for s in run.segments) > MAX_STATIC_ROWS:
                 return None
         outputs = []
         for run in runs:
+            rows = []
             for segment in run.segments:
-                segment.cache.check_append(segment.start, 1)
-            rows = [(segment.cache.slot, segment.start) for segment in run.segments]
-            inputs = batch_inputs(rows, self.model.device)  # [2, B]
+                segment.cache.check_append(segment.start, segment.length)
+                slot = segment.cache.slot
+                rows += [(slot, segment.start + i) for i in range(segment.length)]
+            inputs = batch_inputs(rows, self.model.device)  # [2, rows]
             hidden = padded_tensor(run.hidden)
             key = (run.first, run.count)
             if key not in self._stacks:
@@ -195,7 +199,7 @@ class JuryWorker:
             # A copy: another run's replay may reuse the memory of this one's buffers.
             outputs.append(step(hidden, inputs)[:, : len(rows)].clone())
             for segment in run.segments:
-                segment.cache.advance(1)
+                segment.cache.advance(segment.length)
         return outputs
 
     def _plan(self, work: list[_Work]) -> list[tuple[HeadRun, list[tuple[int, slice]]]]:

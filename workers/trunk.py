@@ -28,6 +28,7 @@ from hydra_jury.hydra_model import (
     Segment,
 )
 from hydra_jury.hydra_model.graphs import (
+    MAX_STATIC_ROWS,
     StepGraphs,
     batch_inputs,
     graph_mode,
@@ -156,8 +157,9 @@ class TrunkWorker:
         self._hidden = model.hidden_store(limits.max_sessions, capacity)
         self.uncertainty_head = load_uncertainty_head(model)
         mode = graph_mode(model.device)
-        # One position of each session of a batch (a decode step, a draft head's step) at
-        # fixed shapes, replayed from CUDA graphs on a GPU (`hydra_model.graphs`).
+        # A few positions of a batch of sessions (a decode step, a draft head's step, a
+        # draft model's round) at fixed shapes, replayed from CUDA graphs on a GPU
+        # (`hydra_model.graphs`).
         self.graphs = StepGraphs(mode) if mode is not None else None
         self.sessions: SessionTable[_Session] = SessionTable(
             limits, self._new_session, self._free_session
@@ -230,7 +232,7 @@ class TrunkWorker:
         for state, _tokens, start in work:
             state.trunk.truncate(start)
         every = [tokens for _state, tokens, _start in work]
-        if self.graphs is not None and all(len(tokens) == 1 for tokens in every):
+        if self.graphs is not None and sum(len(tokens) for tokens in every) <= MAX_STATIC_ROWS:
             outputs = self._trunk_positions(work)
         else:
             segments = [Segment(state.trunk, start, len(tokens)) for state, tokens, start in work]
@@ -248,18 +250,21 @@ class TrunkWorker:
     def _trunk_positions(
         self, work: list[tuple[_Session, torch.Tensor, int]]
     ) -> list[torch.Tensor]:
-        """Each session's one position through the trunk in one fixed-shape step
-        (`self.graphs`), padded to a recorded batch size: their hidden states [1, D]."""
-        for state, _tokens, start in work:
-            state.trunk.check_append(start, 1)
-        rows = [(int(tokens[0]), state.trunk.slot, start) for state, tokens, start in work]
-        inputs = batch_inputs(rows, self.model.device)  # [3, B]
+        """The sessions' positions through the trunk in one fixed-shape step
+        (`self.graphs`), a row per position, padded to a recorded size: each session's
+        hidden states [T, D]."""
+        rows = []
+        for state, tokens, start in work:
+            state.trunk.check_append(start, len(tokens))
+            slot = state.trunk.slot
+            rows += [(token, slot, start + i) for i, token in enumerate(tokens.tolist())]
+        inputs = batch_inputs(rows, self.model.device)  # [3, rows]
         through = trunk_step(self.model.trunk, self._trunk_pool)
         step = self.graphs.step(("trunk", inputs.shape[1]), through, [inputs])
-        hidden = step(inputs)[: len(work)].clone()  # the graph's buffer: a replay overwrites it
-        for state, _tokens, _start in work:
-            state.trunk.advance(1)
-        return list(hidden.split(1))
+        hidden = step(inputs)[: len(rows)].clone()  # the graph's buffer: a replay overwrites it
+        for state, tokens, _start in work:
+            state.trunk.advance(len(tokens))
+        return list(hidden.split([len(tokens) for _state, tokens, _start in work]))
 
     def _draft_head_positions(self, members: list[Drafting]) -> torch.Tensor:
         """One draft head over one position of each of `members` (sessions drafting with

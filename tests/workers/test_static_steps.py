@@ -1,7 +1,7 @@
 """The workers' fixed-shape steps (`hydra_model.graphs`: what a GPU replays from CUDA
 graphs), run eagerly on the CPU with HYDRA_JURY_CUDA_GRAPHS=eager, give the ragged
-forward's tokens: every decode step, draft-head step and one-position score takes them,
-and a request's tokens do not change. tests/gpu replays them from real graphs."""
+forward's tokens: decode steps, draft-head steps, draft-model rounds and scores take
+them, and a request's tokens do not change. tests/gpu replays them from real graphs."""
 
 from __future__ import annotations
 
@@ -16,21 +16,20 @@ from hydra_jury.workers.sessions import SessionLimits
 NEAR_TIE = 1e-3  # float32 sums in another order move a probability by about 1e-6
 GREEDY = {"prompt": "the cat", "temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
 # Each request's options, and the fixed-shape steps its workers make at least: the
-# trunk's (one position: a plain step, a draft head's step) and the jury's (a score of one
-# position; a full speculative round scores several, and the draft model's round runs the
-# trunk over several).
+# trunk's (a decode step, a draft head's step, a draft model's round) and the jury's (a
+# score of one position, or of a speculative round's).
 REQUESTS = {
     "non-speculative": ({"rule": "verifier_only", "jury": ["head0"]}, 1, 1),
     "jury of three": ({"rule": "verifier_only", "jury": ["head0", "head1", "head2"]}, 1, 1),
     "head drafts": (
         {"rule": "exact", "drafter": "head", "draft_head": "head3", "jury": ["head0"], "gamma": 3},
         2,
-        0,
+        1,
     ),
     "draft model": (
         {"rule": "exact", "drafter": "model", "jury": ["head1", "head2"], "gamma": 2},
-        0,
-        0,
+        1,
+        1,
     ),
 }
 
