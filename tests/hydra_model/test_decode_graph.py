@@ -127,3 +127,34 @@ def test_a_padded_batch_of_sessions_gives_each_its_own_step(variant, hydra_check
             atol=1e-5,
             rtol=0,
         )
+
+
+def test_a_sessions_several_rows_attend_causally_among_themselves(jury_model):
+    """A speculative round's score: three rows of one session at consecutive positions and
+    one row of another, in one fixed-shape step, against the ragged forward."""
+    heads = jury_model.heads
+    prompts = [torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6])]
+    new = [torch.tensor([7, 8, 9]), torch.tensor([10])]
+    pools = {path: jury_model.head_pool(heads.size, 2, 12) for path in ("ragged", "static")}
+    logits = {}
+    for path, pool in pools.items():
+        caches = [pool.acquire() for _ in prompts]
+        for prompt, cache in zip(prompts, caches, strict=True):
+            heads.forward(jury_model.trunk.embedding[prompt], cache, 0)
+        hidden = jury_model.trunk.embedding[torch.cat(new)]
+        if path == "ragged":
+            segments = [
+                Segment(c, len(p), len(t)) for c, p, t in zip(caches, prompts, new, strict=True)
+            ]
+            logits[path] = heads.forward_ragged(hidden, segments)
+        else:
+            rows = [
+                (caches[0].slot, 4),
+                (caches[0].slot, 5),
+                (caches[0].slot, 6),
+                (caches[1].slot, 2),
+            ]
+            slots, positions = on_device(padded_rows(rows), jury_model.device)
+            batch = SlotBatch(pool.keys, pool.values, slots, positions)
+            logits[path] = heads.forward_static(padded_tensor(hidden), batch)[:, :4]
+    torch.testing.assert_close(logits["static"], logits["ragged"], rtol=0, atol=TOLERANCE)
