@@ -13,7 +13,8 @@ Per model, bfloat16, greedy or sampled at T = 0.8, `--new-tokens` per request:
   fraction it reaches of the bytes roofline (weights read per token over the GPU's
   measured copy bandwidth, bytes read plus written);
 - the engine in-process, non-speculative (a jury of one) and speculative PoE (head0
-  drafts γ=4 for a jury of two): tokens/s and host synchronisations per round;
+  drafts γ=4 for a jury of two), its workers' steps replayed from CUDA graphs, and
+  non-speculative with graphs off: tokens/s and host synchronisations per round;
 - `serve` and the split stack (trunk and two jury shards on the same GPU) at 1, 8 and 64
   concurrent sessions: aggregate tokens/s;
 - where a bare step's time goes: kernel time and kernel count (PyTorch's profiler)
@@ -28,9 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -39,7 +43,7 @@ from bench_serving import measure
 
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.build.builder import BuildOptions, build_checkpoint
-from hydra_jury.hydra_model.graphs import DecodeGraph
+from hydra_jury.hydra_model.graphs import MODE_VARIABLE, DecodeGraph
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.launcher import LocalStack
 from hydra_jury.orchestrator.local_backend import LocalBackend
@@ -303,6 +307,20 @@ def over_modes(address: str, counts: list[int], new_tokens: int) -> dict:
     }
 
 
+@contextmanager
+def graphs_off() -> Iterator[None]:
+    """Workers made inside launch every kernel from Python (`hydra_model.graphs`)."""
+    before = os.environ.get(MODE_VARIABLE)
+    os.environ[MODE_VARIABLE] = "off"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[MODE_VARIABLE]
+        else:
+            os.environ[MODE_VARIABLE] = before
+
+
 def run_model(name: str, root: Path, tokenizer: Path, args) -> dict:
     source, checkpoint = build(name, root, tokenizer)
     model = HydraModel.load(checkpoint, device="cuda")
@@ -318,10 +336,14 @@ def run_model(name: str, root: Path, tokenizer: Path, args) -> dict:
     }
     model = HydraModel.load(checkpoint, device="cuda")
     fields = ("rate", "syncs_per_round", "accepted_per_round")
+    cases = requests(args.new_tokens)
     result["engine"] = {
         mode: dict(zip(fields, engine_run(model, request), strict=True))
-        for mode, request in requests(args.new_tokens).items()
+        for mode, request in cases.items()
     }
+    with graphs_off():  # the same engine launching every kernel from Python
+        eager = engine_run(model, cases["non-speculative"])
+    result["engine"]["non-speculative, graphs off"] = dict(zip(fields, eager, strict=True))
     del model
     torch.cuda.empty_cache()
     result["served"] = served(checkpoint, args.servers, args.sessions, args.served_tokens)
