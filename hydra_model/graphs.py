@@ -132,7 +132,9 @@ class StepGraph:
                 self.function(*self._inputs)
         torch.cuda.current_stream().wait_stream(side)
         recorded = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(recorded, pool=self._pool):
+        # thread_local: a server's other threads may use CUDA meanwhile (copies to the
+        # host, pinned buffers); only this thread's own unsafe calls end the capture.
+        with torch.cuda.graph(recorded, pool=self._pool, capture_error_mode="thread_local"):
             self._output = self.function(*self._inputs)
         self._recorded = recorded
 
