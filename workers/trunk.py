@@ -51,6 +51,7 @@ from hydra_jury.workers.calls import (
     UncertaintyCall,
     UncertaintyResult,
     check_sampling,
+    to_host,
 )
 from hydra_jury.workers.errors import InvalidArgument, UnknownSessionError
 from hydra_jury.workers.sessions import (
@@ -395,6 +396,9 @@ class TrunkWorker:
                 segments = [Segment(e.state.draft.cache, e.call.start + e.step, 1) for e in members]
                 rows = torch.cat([e.hiddens[-1] for e in members])
                 logits = head.forward_ragged(rows, segments)[0]  # [n, V]
+            # The draws run on the host, as the loop's maths does: one wait for the device
+            # a step, where drawing on a GPU would wait at each of its checks.
+            (logits,) = to_host([logits])
             self.counters.draft_head_calls += 1
             for row, entry in enumerate(members):
                 position = entry.call.start + entry.step
@@ -426,6 +430,7 @@ class TrunkWorker:
             self.counters.draft_model_calls += 1
             self.counters.draft_model_positions += len(feed)
             position += len(feed)
+            (logits,) = to_host([logits])  # (drawn on the host, as a head's drafts are)
             feed = torch.tensor([draws.draw(logits, call.start + step + 1)])
         tokens = torch.tensor([call.pending, *draws.tokens], device=self.model.device)
         hidden = self._trunk_step(state, tokens, call.start)
