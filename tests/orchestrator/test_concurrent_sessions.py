@@ -49,8 +49,8 @@ def stack(request, jury_checkpoint, redis_url):
             if request.param == "serve-fixed-shapes":
                 patch.setenv(MODE_VARIABLE, "eager")
             stack.start_embedded()
-            fixed = stack.servicer.backend.trunk.graphs is not None
-            assert fixed == (request.param == "serve-fixed-shapes")
+            if request.param == "serve-fixed-shapes":
+                assert stack.servicer.backend.trunk.graphs is not None
     yield stack
     stack.close()
 
