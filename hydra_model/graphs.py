@@ -5,14 +5,15 @@ its few hundred kernels takes microseconds to run and longer to launch from Pyth
 H100's 1B-class step: 408 kernels running for 1.6 ms, 105 ms eager, 1.8 ms replayed;
 docs/gpu.md). A CUDA graph records the step's kernels once and replays them with one
 launch. Recording needs a step whose shapes and memory never change and which reads
-nothing back to the host: `forward_static` of the trunk and heads (attention over the
-cache's whole capacity, masked past the position a device tensor holds, keys and values
-written by index). Its inputs live in buffers the graph reads, its output in a buffer
-the graph writes.
+nothing back to the host: `forward_static` of the trunk and heads over a few positions
+of some sessions, addressed by slot and position in device tensors (keys and values
+written by index; attention over a span of each slot, `attended_span`, masked past the
+row's position). Its inputs live in buffers the graph reads, its output in a buffer the
+graph writes; one graph per step kind, batch size and span.
 
 `HYDRA_JURY_CUDA_GRAPHS` chooses, when a step is made:
-- `auto` (the default): one-position steps replay from graphs on CUDA; elsewhere the
-  ragged forward runs, as it always has;
+- `auto` (the default): the workers' steps of at most MAX_STATIC_ROWS rows replay from
+  graphs on CUDA; elsewhere the ragged forward runs, as it always has;
 - `off`: the ragged forward everywhere (a GPU then launches every kernel from Python);
 - `eager`: the fixed-shape steps run eagerly on any device — the same arithmetic as the
   graphs without recording them, which is how the CPU's tests check it.
@@ -37,6 +38,7 @@ WARMUP_STEPS = 2  # eager runs on a side stream before recording: cuBLAS sets it
 # prefill, compute-bound, where launches cost little and every row would gather its
 # slot's whole cache.
 MAX_STATIC_ROWS = 64
+MIN_SPAN = 64  # the fewest positions a step attends (`attended_span`)
 
 
 def graph_mode(device: torch.device) -> str | None:
@@ -56,6 +58,14 @@ def padded(count: int) -> int:
     """The batch size a step of `count` rows runs at: the next power of two, so that a few
     recorded graphs serve every count."""
     return 1 << (count - 1).bit_length()
+
+
+def attended_span(length: int, capacity: int) -> int:
+    """How many positions of their slots a step's rows attend when the longest holds
+    `length` (its last row's position + 1): the next power of two, at least MIN_SPAN, at
+    most the capacity. A step's attention then costs what the sessions hold, within a
+    factor of two, with a few recorded shapes."""
+    return min(capacity, max(MIN_SPAN, 1 << (length - 1).bit_length()))
 
 
 def padded_rows(rows: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -166,26 +176,28 @@ class StepGraphs:
         return self._steps[key]
 
 
-def trunk_step(trunk: Trunk, pool: KVCachePool) -> Callable[..., torch.Tensor]:
+def trunk_step(trunk: Trunk, pool: KVCachePool, span: int) -> Callable[..., torch.Tensor]:
     """(inputs [3, B]: tokens, slots, positions) -> the trunk's hidden states [B, D], each
-    row over its slot of `pool`."""
+    row over its slot of `pool`, attending `span` positions."""
 
     def run(inputs: torch.Tensor) -> torch.Tensor:
         tokens, slots, positions = inputs
-        return trunk.forward_static(tokens, SlotBatch(pool.keys, pool.values, slots, positions))
+        batch = SlotBatch(pool.keys, pool.values, slots, positions, span)
+        return trunk.forward_static(tokens, batch)
 
     return run
 
 
 def heads_step(
-    heads: HeadStack, keys: torch.Tensor, values: torch.Tensor
+    heads: HeadStack, keys: torch.Tensor, values: torch.Tensor, span: int
 ) -> Callable[..., torch.Tensor]:
     """(hidden [B, D], inputs [2, B]: slots, positions) -> the heads' logits [S, B, V],
-    over `keys` and `values` (a pool's, or a view of the heads' members in it)."""
+    over `keys` and `values` (a pool's, or a view of the heads' members in it), attending
+    `span` positions."""
 
     def run(hidden: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         slots, positions = inputs
-        return heads.forward_static(hidden, SlotBatch(keys, values, slots, positions))
+        return heads.forward_static(hidden, SlotBatch(keys, values, slots, positions, span))
 
     return run
 
@@ -193,7 +205,7 @@ def heads_step(
 class DecodeGraph:
     """Trunk and a head stack over one session's next token, one position at a time, as
     one step (the bare loop of `bench-gpu`; the workers keep the trunk's and the heads'
-    steps apart). Recorded on the first step, bound to these caches."""
+    steps apart), recorded once per attended span, bound to these caches."""
 
     def __init__(
         self,
@@ -208,21 +220,10 @@ class DecodeGraph:
         if graph and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; this model is on {device}")
         self.device = device
+        self.trunk, self.heads = trunk, heads
         self.caches = (trunk_cache, head_cache)
         self.use_graph = device.type == "cuda" if graph is None else graph
-        # Each cache seen as a pool of one slot: slot 0.
-        trunk_keys, trunk_values = trunk_cache.keys[None], trunk_cache.values[None]
-        head_keys, head_values = head_cache.keys[None], head_cache.values[None]
-
-        def run(tokens: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-            slots, positions = inputs
-            hidden = trunk.forward_static(
-                tokens, SlotBatch(trunk_keys, trunk_values, slots, positions)
-            )
-            return heads.forward_static(hidden, SlotBatch(head_keys, head_values, slots, positions))
-
-        token = torch.zeros(1, dtype=torch.long, device=device)
-        self._step = StepGraph(run, [token, on_device([(0, 0)], device)], graph=self.use_graph)
+        self._steps = StepGraphs("graph" if self.use_graph else "eager")
 
     def step(self, token: torch.Tensor, start: int) -> torch.Tensor:
         """`token` [1] (on the model's device) at position `start` -> logits [S, 1, V]
@@ -230,7 +231,19 @@ class DecodeGraph:
         graph's own output buffer, overwritten by the next step: use or copy them first."""
         for cache in self.caches:
             cache.check_append(start, 1)
-        logits = self._step(token.reshape(1), on_device([(0, start)], self.device))
+        span = attended_span(start + 1, self.caches[0].capacity)
+        # Each cache seen as a pool of one slot: slot 0.
+        (trunk_cache, head_cache), trunk, heads = self.caches, self.trunk, self.heads
+
+        def run(tokens: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+            slots, positions = inputs
+            through_trunk = (trunk_cache.keys[None], trunk_cache.values[None], slots, positions)
+            hidden = trunk.forward_static(tokens, SlotBatch(*through_trunk, span))
+            through_heads = (head_cache.keys[None], head_cache.values[None], slots, positions)
+            return heads.forward_static(hidden, SlotBatch(*through_heads, span))
+
+        inputs = on_device([(0, start)], self.device)
+        logits = self._steps.step(span, run, [token.reshape(1), inputs])(token.reshape(1), inputs)
         for cache in self.caches:
             cache.advance(1)
         return logits

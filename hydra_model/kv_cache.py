@@ -91,13 +91,15 @@ class KVCache:
 class SlotBatch:
     """B new positions of some sessions, addressed on the device (what a CUDA graph can
     replay for any sessions): the pool's keys and values [slots, S, layers, kv_heads,
-    capacity, head_dim] (or a view of some members), and each row's slot and position,
-    long tensors [B] on the device."""
+    capacity, head_dim] (or a view of some members), each row's slot and position, long
+    tensors [B] on the device, and how many positions of a slot the rows attend: more
+    than any row's position, a shape the step is recorded at (`graphs.attended_span`)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     slots: torch.Tensor
     positions: torch.Tensor
+    span: int | None = None  # the positions attended, 0..span-1 (None: the capacity)
 
 
 class KVCachePool:

@@ -300,14 +300,14 @@ class LayerStack:
         its position, in device tensors) -> [S, B, D]. A session may bring several rows,
         at consecutive positions: every row's key and value is written before any row
         attends, so they attend causally among themselves. Every shape is fixed, whatever
-        the sessions and positions: attention spans each slot's whole capacity, masked past
-        the row's position, and nothing is read back to the host — the step a CUDA graph
+        the sessions and positions: attention spans `batch.span` positions of each slot,
+        masked past the row's position, and nothing is read back to the host — the step a CUDA graph
         replays (`graphs`). The caller moves the caches' lengths. A row may repeat another
         (a batch padded to a recorded size): it writes the same key and value again."""
         positions = batch.positions
         rotation = (rope.cos[positions][:, None, :], rope.sin[positions][:, None, :])  # [B, 1, hd]
-        capacity = batch.keys.shape[4]
-        visible = torch.arange(capacity, device=positions.device) <= positions[:, None]  # [B, C]
+        span = batch.keys.shape[4] if batch.span is None else batch.span
+        visible = torch.arange(span, device=positions.device) <= positions[:, None]  # [B, span]
         attend = partial(self._attend_static, batch, rotation, visible)
         for index, layer in enumerate(self.layers):
             x = self._layer_forward(layer, index, x, attend)
@@ -378,19 +378,22 @@ class LayerStack:
         qkv: torch.Tensor,
     ) -> torch.Tensor:
         """`forward_static`'s attention: each row's key and value written into its slot at
-        its position, then its slot's every position attended, those past it masked."""
+        its position, then its slot's positions up to the span attended, those past the
+        row's own masked."""
         config = self.config
         stack, rows = qkv.shape[:2]
         qk, v = self._split_qkv(layer, qkv)
         qk = rotate(qk, rotation)  # [S, B, heads + kv_heads, hd]
         q, k = qk.split([config.num_attention_heads, config.num_key_value_heads], dim=2)
-        slots, positions = batch.slots, batch.positions
+        slots, positions, span = batch.slots, batch.positions, visible.shape[1]
         attended = []
         for pool, new in ((batch.keys, k), (batch.values, v)):
             layer_pool = pool[:, :, index]  # [slots, S, kv, C, hd]
             layer_pool[slots, :, :, positions] = new.transpose(0, 1)  # [B, S, kv, hd]
-            # [B, S, kv, C, hd] -> [S * B, kv, C, hd]: each row beside its slot's cache.
-            attended.append(layer_pool[slots].transpose(0, 1).flatten(0, 1))
+            # [B, S, kv, span, hd] -> [S * B, kv, span, hd]: each row beside its slot's
+            # positions up to the span.
+            held = layer_pool[:, :, :, :span][slots]
+            attended.append(held.transpose(0, 1).flatten(0, 1))
         keys, values = attended
         q = q.reshape(stack * rows, config.num_attention_heads, 1, config.head_dim)
         mask = visible.expand(stack, -1, -1).reshape(stack * rows, 1, 1, -1)

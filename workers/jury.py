@@ -31,6 +31,7 @@ from hydra_jury.hydra_model import HeadRun, HeadStack, HydraModel, KVCache, Segm
 from hydra_jury.hydra_model.graphs import (
     MAX_STATIC_ROWS,
     StepGraphs,
+    attended_span,
     batch_inputs,
     graph_mode,
     heads_step,
@@ -194,8 +195,9 @@ class JuryWorker:
                 self._stacks[key] = self.model.heads.select(run.first, run.count)
             members = run.members
             keys, values = self.pool.keys[:, members], self.pool.values[:, members]
-            through = heads_step(self._stacks[key], keys, values)
-            step = self.graphs.step(("jury", *key, len(hidden)), through, [hidden, inputs])
+            span = attended_span(max(p for _, p in rows) + 1, self.pool.capacity)
+            through = heads_step(self._stacks[key], keys, values, span)
+            step = self.graphs.step(("jury", *key, len(hidden), span), through, [hidden, inputs])
             # A copy: another run's replay may reuse the memory of this one's buffers.
             outputs.append(step(hidden, inputs)[:, : len(rows)].clone())
             for segment in run.segments:

@@ -30,6 +30,7 @@ from hydra_jury.hydra_model import (
 from hydra_jury.hydra_model.graphs import (
     MAX_STATIC_ROWS,
     StepGraphs,
+    attended_span,
     batch_inputs,
     graph_mode,
     heads_step,
@@ -260,8 +261,11 @@ class TrunkWorker:
             slot = state.trunk.slot
             rows += [(token, slot, start + i) for i, token in enumerate(tokens.tolist())]
         inputs = batch_inputs(rows, self.model.device)  # [3, rows]
-        through = trunk_step(self.model.trunk, self._trunk_pool)
-        step = self.graphs.step(("trunk", inputs.shape[1]), through, [inputs])
+        span = attended_span(
+            max(position for _, _, position in rows) + 1, self._trunk_pool.capacity
+        )
+        through = trunk_step(self.model.trunk, self._trunk_pool, span)
+        step = self.graphs.step(("trunk", inputs.shape[1], span), through, [inputs])
         hidden = step(inputs)[: len(rows)].clone()  # the graph's buffer: a replay overwrites it
         for state, tokens, _start in work:
             state.trunk.advance(len(tokens))
@@ -278,8 +282,9 @@ class TrunkWorker:
             rows.append((cache.slot, position))
         inputs = batch_inputs(rows, self.model.device)  # [2, B]
         hidden = padded_tensor(torch.cat([entry.hiddens[-1] for entry in members]))
-        through = heads_step(head, self._draft_pool.keys, self._draft_pool.values)
-        step = self.graphs.step(("draft", index, len(hidden)), through, [hidden, inputs])
+        span = attended_span(max(position for _, position in rows) + 1, self._draft_pool.capacity)
+        through = heads_step(head, self._draft_pool.keys, self._draft_pool.values, span)
+        step = self.graphs.step(("draft", index, len(hidden), span), through, [hidden, inputs])
         logits = step(hidden, inputs)[0, : len(members)].clone()
         for entry in members:
             entry.state.draft.cache.advance(1)

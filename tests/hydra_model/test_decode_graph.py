@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from hydra_jury.hydra_model import HydraModel, Segment
-from hydra_jury.hydra_model.graphs import DecodeGraph, on_device, padded_rows, padded_tensor
+from hydra_jury.hydra_model.graphs import (
+    DecodeGraph,
+    attended_span,
+    on_device,
+    padded_rows,
+    padded_tensor,
+)
 from hydra_jury.hydra_model.kv_cache import SlotBatch
 from tests.conftest import FAMILY_VARIANTS
 
@@ -16,17 +22,24 @@ TOLERANCE = 1e-4  # float32; the two paths differ only in summation order
 PROMPT_LENGTH, STEPS = 5, 12
 
 
-def greedy_logits(model: HydraModel, head: int, *, static: bool, graph: bool | None = None):
+def greedy_logits(
+    model: HydraModel,
+    head: int,
+    *,
+    static: bool,
+    graph: bool | None = None,
+    prompt_length: int = PROMPT_LENGTH,
+    capacity: int = PROMPT_LENGTH + STEPS + 3,  # positions past the last stay masked
+):
     """The logits [S, V] of STEPS greedy steps of trunk and head `head` after a prompt,
     by the ragged forward or by `DecodeGraph`, and the trunk cache they leave."""
     heads = model.heads.select(head)
-    capacity = PROMPT_LENGTH + STEPS + 3  # positions past the last stay masked
     trunk_cache, head_cache = model.trunk_cache(capacity), model.head_cache(1, capacity)
-    prompt = torch.arange(1, PROMPT_LENGTH + 1, device=model.device)
+    prompt = torch.arange(1, prompt_length + 1, device=model.device) % model.config.vocab_size
     logits = heads.forward(model.trunk.forward(prompt, trunk_cache, 0), head_cache, 0)[:, -1]
     decoder = DecodeGraph(model.trunk, heads, trunk_cache, head_cache, graph=graph)
     steps = []
-    for start in range(PROMPT_LENGTH, PROMPT_LENGTH + STEPS):
+    for start in range(prompt_length, prompt_length + STEPS):
         token = logits[0].argmax(-1, keepdim=True)
         if static:
             logits = decoder.step(token, start)[:, -1].clone()
@@ -158,3 +171,15 @@ def test_a_sessions_several_rows_attend_causally_among_themselves(jury_model):
             batch = SlotBatch(pool.keys, pool.values, slots, positions)
             logits[path] = heads.forward_static(padded_tensor(hidden), batch)[:, :4]
     torch.testing.assert_close(logits["static"], logits["ragged"], rtol=0, atol=TOLERANCE)
+
+
+def test_steps_attend_a_span_that_follows_the_sessions_length(jury_model):
+    """A cache of 200 positions: the steps attend 64 positions, then 128 once the
+    session passes position 63 (`attended_span`), and give the ragged forward's logits."""
+    assert [attended_span(n, 200) for n in (1, 64, 65, 129, 200)] == [64, 64, 128, 200, 200]
+    assert attended_span(5, 16) == 16
+    long = {"prompt_length": 58, "capacity": 200}
+    ragged, _ = greedy_logits(jury_model, 0, static=False, **long)
+    static, cache = greedy_logits(jury_model, 0, static=True, **long)
+    assert cache.length == 58 + STEPS > 64
+    torch.testing.assert_close(static, ragged, rtol=0, atol=TOLERANCE)
