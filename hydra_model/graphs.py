@@ -42,8 +42,8 @@ MIN_SPAN = 64  # the fewest positions a step attends (`attended_span`)
 
 
 def graph_mode(device: torch.device) -> str | None:
-    """How one-position steps run on `device`: "graph", "eager" (fixed shapes, not
-    recorded) or None (the ragged forward), from $HYDRA_JURY_CUDA_GRAPHS."""
+    """How the workers' steps of a few rows run on `device`: "graph", "eager" (fixed
+    shapes, not recorded) or None (the ragged forward), from $HYDRA_JURY_CUDA_GRAPHS."""
     mode = os.environ.get(MODE_VARIABLE, "auto") or "auto"
     if mode not in MODES:
         raise ValueError(f"${MODE_VARIABLE}={mode!r}: expected one of {', '.join(MODES)}")
@@ -69,8 +69,8 @@ def attended_span(length: int, capacity: int) -> int:
 
 
 def padded_rows(rows: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    """`rows` (one per session) padded to `padded(len(rows))` by repeating the first: a
-    repeated row writes its session's keys and values again, the same ones, and its
+    """`rows` (one per position) padded to `padded(len(rows))` by repeating the first: a
+    repeated row writes its session's key and value again, the same ones, and its
     outputs are left out."""
     return rows + rows[:1] * (padded(len(rows)) - len(rows))
 
@@ -91,7 +91,7 @@ def on_device(rows: list[tuple[int, ...]], device: torch.device) -> torch.Tensor
 
 
 def batch_inputs(rows: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
-    """One tuple of integers per session (its slot, position, ...), padded
+    """One tuple of integers per row (its token, slot, position, ...), padded
     (`padded_rows`), as [fields, padded rows] on `device` (`on_device`)."""
     return on_device(padded_rows(rows), device)
 
