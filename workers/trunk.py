@@ -437,7 +437,7 @@ class TrunkWorker:
             position += len(feed)
             (logits,) = to_host([logits])  # (drawn on the host, as a head's drafts are)
             feed = torch.tensor([draws.draw(logits, call.start + step + 1)])
-        tokens = torch.tensor([call.pending, *draws.tokens], device=self.model.device)
+        tokens = torch.tensor([call.pending, *draws.tokens])  # (moved by the forward)
         hidden = self._trunk_step(state, tokens, call.start)
         return draws.result(HiddenStates(len(tokens), hidden), trunk_steps=len(tokens))
 
