@@ -103,7 +103,9 @@ class WorkerBatchers:
 
     def chunks(self, call: PrefillCall) -> list[PrefillCall]:
         """A prefill as its batches will run it: the whole call checked first, so that no
-        chunk after the first fails."""
+        chunk after the first fails; a newcomer with every slot running refused at once,
+        not behind the running sessions' batches."""
+        self.trunk.sessions.check_room(call.session, call.start)
         chunks = prefill_chunks(call, self.limits.prefill_chunk)
         if len(chunks) > 1:
             self.trunk.check_prefill(call)

@@ -73,6 +73,7 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
         )
 
     async def Prefill(self, request, context) -> internal_pb2.TrunkPrefillResponse:
+        self.worker.sessions.check_room(request.session, request.start)  # not behind a queue
         chunks = wire.prefill_chunks(request, self.batch_limits.prefill_chunk)
         if len(chunks) > 1:  # the whole call checked first: no chunk after the first fails
             self.worker.check_prefill(wire.prefill_call_from_pb(request))

@@ -115,15 +115,35 @@ class SessionTable(Generic[State]):
                 )
             self.evict_idle()
             if len(self._entries) >= self.max_sessions and not self._reclaim():
-                raise CapacityError(
-                    f"all {self.max_sessions} sessions are in use by running generations; "
-                    f"retry later or raise --max-sessions",
-                    reason=SESSIONS_RUNNING,
-                )
+                raise self._full()
             entry = self._entries[session] = _Entry(self._create())
         entry.last_used = time.monotonic()
         entry.running = True
         return entry.state
+
+    def check_room(self, session: str, start: int) -> None:
+        """Raises the error `get` would raise for a newcomer when every slot is held by a
+        running generation, from a look at the table that changes nothing: a server's
+        event loop refuses such a call at once instead of queueing it behind the running
+        sessions' batches. A slot freed meanwhile makes room a moment later: `get`, on the
+        model thread, decides every call this lets through."""
+        entries = dict(self._entries)  # one copy, made in one step: no iteration races
+        if session in entries or start != 0 or len(entries) < self.max_sessions:
+            return
+        now = time.monotonic()
+        for entry in entries.values():
+            idle = now - entry.last_used
+            evictable = self.idle_timeout_s is not None and idle > self.idle_timeout_s
+            if not entry.held and (not entry.running or idle >= self.reclaim_after_s or evictable):
+                return
+        raise self._full()
+
+    def _full(self) -> CapacityError:
+        return CapacityError(
+            f"all {self.max_sessions} sessions are in use by running generations; "
+            f"retry later or raise --max-sessions",
+            reason=SESSIONS_RUNNING,
+        )
 
     def peek(self, session: str) -> State | None:
         """The session's state, if the table holds it, without using it (no call)."""

@@ -83,3 +83,37 @@ def test_idle_eviction_is_reported():
     time.sleep(0.02)
     assert sessions.evict_idle() == ["old"]
     assert reasons == [EVICTED]
+
+
+def test_check_room_refuses_what_get_would_and_changes_nothing():
+    """A server's event loop refuses a newcomer at once when `get` would (every slot held
+    by a running generation), and lets through every call `get` would take."""
+    sessions, destroyed, _ = table(2, reclaim_after_s=0.2)
+    sessions.get("a", start=0)
+    sessions.get("b", start=0)
+    with pytest.raises(CapacityError, match="in use by running generations") as refused:
+        sessions.check_room("c", 0)
+    assert refused.value.reason == SESSIONS_RUNNING
+    with pytest.raises(CapacityError):
+        sessions.get("c", start=0)  # what `get` does too
+    sessions.check_room("a", 0)  # a session the table holds
+    sessions.check_room("c", 5)  # not a newcomer's call (`get` says the session is unknown)
+    sessions.hold("a")
+    sessions.finish("b")
+    sessions.check_room("c", 0)  # b's slot goes to a newcomer
+    assert len(sessions) == 2 and destroyed == []  # the look changed nothing
+    sessions.get("b", start=3)  # b's next turn: running again
+    time.sleep(0.25)
+    sessions.check_room("c", 0)  # b is idle past the grace; a is held, never reclaimed
+    sessions.get("c", start=0)
+    assert destroyed and len(sessions) == 2
+
+
+def test_check_room_counts_idle_evictions():
+    sessions, _, _ = table(1, reclaim_after_s=60, idle_timeout_s=0.1)
+    sessions.get("a", start=0)
+    with pytest.raises(CapacityError):
+        sessions.check_room("b", 0)
+    time.sleep(0.15)
+    sessions.check_room("b", 0)  # a is past the idle timeout: `get` evicts it
+    sessions.get("b", start=0)
