@@ -90,12 +90,6 @@ def on_device(rows: list[tuple[int, ...]], device: torch.device) -> torch.Tensor
     return tensor.to(device)
 
 
-def batch_inputs(rows: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
-    """One tuple of integers per row (its token, slot, position, ...), padded
-    (`padded_rows`), as [fields, padded rows] on `device` (`on_device`)."""
-    return on_device(padded_rows(rows), device)
-
-
 class StepGraph:
     """`function(*inputs) -> output` at fixed shapes, each input a static buffer shaped as
     its example. Replayed from a CUDA graph (recorded on the first call) or, with
@@ -150,30 +144,41 @@ class StepGraph:
 
 
 class StepGraphs:
-    """A worker's recorded steps by key (what runs, at which batch size). They share one
-    memory pool, since they replay one at a time. The sessions' slots and positions are
-    inputs, so a step serves any sessions of its batch size."""
+    """A worker's recorded steps by key (what runs, at which batch size and span). They
+    share one memory pool, since they replay one at a time. The sessions' slots and
+    positions are inputs, so a step serves any sessions of its batch size."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, device: torch.device) -> None:
         self.mode = mode  # "graph" or "eager" (`graph_mode`)
+        self.device = device
         self._pool = torch.cuda.graph_pool_handle() if mode == "graph" else None
         self._steps: dict[Hashable, StepGraph] = {}
 
     def __len__(self) -> int:
         return len(self._steps)
 
-    def step(
+    def run(
         self,
-        key: Hashable,
-        function: Callable[..., torch.Tensor],
-        examples: list[torch.Tensor],
-    ) -> StepGraph:
-        """The step of `key`, made (from `function` and `examples`) on first use."""
-        if key not in self._steps:
-            self._steps[key] = StepGraph(
-                function, examples, graph=self.mode == "graph", pool=self._pool
-            )
-        return self._steps[key]
+        key: tuple,
+        make: Callable[[int], Callable[..., torch.Tensor]],
+        rows: list[tuple[int, ...]],
+        capacity: int,
+        data: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`rows` (one tuple of integers per position, the position last) and `data` (a
+        tensor per position on the device: hidden states, tokens), padded as
+        `padded_rows` pads, through the step of `key` at their batch size and at the span
+        they attend (`attended_span` of `capacity`), made by `make(span)` on first use.
+        The output holds the padded rows too, and is the step's own buffer (`StepGraph`):
+        copy what is kept."""
+        span = attended_span(max(row[-1] for row in rows) + 1, capacity)
+        inputs = on_device(padded_rows(rows), self.device)
+        given = [inputs] if data is None else [padded_tensor(data), inputs]
+        full_key = (*key, inputs.shape[1], span)
+        if full_key not in self._steps:
+            graph = self.mode == "graph"
+            self._steps[full_key] = StepGraph(make(span), given, graph=graph, pool=self._pool)
+        return self._steps[full_key](*given)
 
 
 def trunk_step(trunk: Trunk, pool: KVCachePool, span: int) -> Callable[..., torch.Tensor]:
@@ -189,15 +194,20 @@ def trunk_step(trunk: Trunk, pool: KVCachePool, span: int) -> Callable[..., torc
 
 
 def heads_step(
-    heads: HeadStack, keys: torch.Tensor, values: torch.Tensor, span: int
+    heads: HeadStack,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    span: int,
+    members: slice = slice(None),
 ) -> Callable[..., torch.Tensor]:
-    """(hidden [B, D], inputs [2, B]: slots, positions) -> the heads' logits [S, B, V],
-    over `keys` and `values` (a pool's, or a view of the heads' members in it), attending
-    `span` positions."""
+    """(hidden [B, D], inputs [2, B]: slots, positions) -> the logits [count, B, V] of the
+    heads `members` (default: all), over `keys` and `values` (a pool's, or a view of those
+    members in it), attending `span` positions."""
 
     def run(hidden: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         slots, positions = inputs
-        return heads.forward_static(hidden, SlotBatch(keys, values, slots, positions, span))
+        batch = SlotBatch(keys, values, slots, positions, span)
+        return heads.forward_static(hidden, batch, members)
 
     return run
 
@@ -219,11 +229,10 @@ class DecodeGraph:
         device = trunk.rope.cos.device
         if graph and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; this model is on {device}")
-        self.device = device
         self.trunk, self.heads = trunk, heads
         self.caches = (trunk_cache, head_cache)
         self.use_graph = device.type == "cuda" if graph is None else graph
-        self._steps = StepGraphs("graph" if self.use_graph else "eager")
+        self._steps = StepGraphs("graph" if self.use_graph else "eager", device)
 
     def step(self, token: torch.Tensor, start: int) -> torch.Tensor:
         """`token` [1] (on the model's device) at position `start` -> logits [S, 1, V]
@@ -231,8 +240,15 @@ class DecodeGraph:
         graph's own output buffer, overwritten by the next step: use or copy them first."""
         for cache in self.caches:
             cache.check_append(start, 1)
-        span = attended_span(start + 1, self.caches[0].capacity)
-        # Each cache seen as a pool of one slot: slot 0.
+        capacity = min(cache.capacity for cache in self.caches)
+        logits = self._steps.run(("decode",), self._at, [(0, start)], capacity, token.reshape(1))
+        for cache in self.caches:
+            cache.advance(1)
+        return logits
+
+    def _at(self, span: int) -> Callable[..., torch.Tensor]:
+        """The step attending `span` positions: (tokens [1], inputs [2, 1]: slots,
+        positions) -> logits, each cache seen as a pool of one slot (slot 0)."""
         (trunk_cache, head_cache), trunk, heads = self.caches, self.trunk, self.heads
 
         def run(tokens: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
@@ -242,8 +258,4 @@ class DecodeGraph:
             through_heads = (head_cache.keys[None], head_cache.values[None], slots, positions)
             return heads.forward_static(hidden, SlotBatch(*through_heads, span))
 
-        inputs = on_device([(0, start)], self.device)
-        logits = self._steps.step(span, run, [token.reshape(1), inputs])(token.reshape(1), inputs)
-        for cache in self.caches:
-            cache.advance(1)
-        return logits
+        return run

@@ -115,12 +115,18 @@ class HeadStack:
         return (logits, x) if return_hidden else logits
 
     @torch.inference_mode()
-    def forward_static(self, hidden: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
-        """hidden: the trunk outputs [B, D] of the B positions of `batch` (its keys and
-        values those of this stack's members) -> logits [S, B, V] float32, at shapes that
-        depend on B alone (`LayerStack.forward_static`)."""
-        x = hidden[None].expand(self.size, -1, -1)
-        return self._logits(self.layers.forward_static(x, batch, self.rope))
+    def forward_static(
+        self, hidden: torch.Tensor, batch: SlotBatch, members: slice = slice(None)
+    ) -> torch.Tensor:
+        """hidden: the trunk outputs [B, D] of the B positions of `batch` -> the logits
+        [count, B, V] float32 of the heads `members` (default: all; `batch`'s keys and
+        values are theirs), at shapes that depend on B alone (`LayerStack.forward_static`)."""
+        if members == slice(None):
+            layers = self.layers
+        else:
+            layers = self._layers_of(members.start, members.stop - members.start)
+        x = hidden[None].expand(layers.size, -1, -1)
+        return self._logits(layers.forward_static(x, batch, self.rope), members)
 
     @torch.inference_mode()
     def forward_runs(self, runs: list[HeadRun]) -> list[torch.Tensor | None]:

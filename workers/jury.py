@@ -24,19 +24,12 @@ Heads on demand
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from hydra_jury.hydra_model import HeadRun, HeadStack, HydraModel, KVCache, Segment
-from hydra_jury.hydra_model.graphs import (
-    MAX_STATIC_ROWS,
-    StepGraphs,
-    attended_span,
-    batch_inputs,
-    graph_mode,
-    heads_step,
-    padded_tensor,
-)
+from hydra_jury.hydra_model import HeadRun, HydraModel, KVCache, Segment
+from hydra_jury.hydra_model.graphs import MAX_STATIC_ROWS, StepGraphs, graph_mode, heads_step
 from hydra_jury.poe import draft_logprobs, partial_log_product, partial_log_product_and_votes
 from hydra_jury.workers.calls import HiddenStates, JuryPrefillCall, ScoreCall, ScoreResult
 from hydra_jury.workers.errors import InvalidArgument
@@ -97,8 +90,7 @@ class JuryWorker:
         mode = graph_mode(model.device)
         # A score of a few positions of a batch of sessions at fixed shapes, replayed from
         # CUDA graphs on a GPU (`hydra_model.graphs`), per run of heads.
-        self.graphs = StepGraphs(mode) if mode is not None else None
-        self._stacks: dict[tuple[int, int], HeadStack] = {}  # (first, count): views, made once
+        self.graphs = StepGraphs(mode, model.device) if mode is not None else None
 
     def _new_session(self) -> _Session:
         cache = self.pool.acquire()
@@ -188,18 +180,13 @@ class JuryWorker:
                 segment.cache.check_append(segment.start, segment.length)
                 slot = segment.cache.slot
                 rows += [(slot, segment.start + i) for i in range(segment.length)]
-            inputs = batch_inputs(rows, self.model.device)  # [2, rows]
-            hidden = padded_tensor(run.hidden)
-            key = (run.first, run.count)
-            if key not in self._stacks:
-                self._stacks[key] = self.model.heads.select(run.first, run.count)
             members = run.members
             keys, values = self.pool.keys[:, members], self.pool.values[:, members]
-            span = attended_span(max(p for _, p in rows) + 1, self.pool.capacity)
-            through = heads_step(self._stacks[key], keys, values, span)
-            step = self.graphs.step(("jury", *key, len(hidden), span), through, [hidden, inputs])
+            make = partial(heads_step, self.model.heads, keys, values, members=members)
+            key = ("jury", run.first, run.count)
+            output = self.graphs.run(key, make, rows, self.pool.capacity, run.hidden)
             # A copy: another run's replay may reuse the memory of this one's buffers.
-            outputs.append(step(hidden, inputs)[:, : len(rows)].clone())
+            outputs.append(output[:, : len(rows)].clone())
             for segment in run.segments:
                 segment.cache.advance(segment.length)
         return outputs

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TypeVar
 
 import torch
@@ -30,11 +31,8 @@ from hydra_jury.hydra_model import (
 from hydra_jury.hydra_model.graphs import (
     MAX_STATIC_ROWS,
     StepGraphs,
-    attended_span,
-    batch_inputs,
     graph_mode,
     heads_step,
-    padded_tensor,
     trunk_step,
 )
 from hydra_jury.hydra_model.uncertainty import (
@@ -162,7 +160,7 @@ class TrunkWorker:
         # A few positions of a batch of sessions (a decode step, a draft head's step, a
         # draft model's round) at fixed shapes, replayed from CUDA graphs on a GPU
         # (`hydra_model.graphs`).
-        self.graphs = StepGraphs(mode) if mode is not None else None
+        self.graphs = StepGraphs(mode, model.device) if mode is not None else None
         self.sessions: SessionTable[_Session] = SessionTable(
             limits, self._new_session, self._free_session
         )
@@ -260,13 +258,10 @@ class TrunkWorker:
             state.trunk.check_append(start, len(tokens))
             slot = state.trunk.slot
             rows += [(token, slot, start + i) for i, token in enumerate(tokens.tolist())]
-        inputs = batch_inputs(rows, self.model.device)  # [3, rows]
-        span = attended_span(
-            max(position for _, _, position in rows) + 1, self._trunk_pool.capacity
-        )
-        through = trunk_step(self.model.trunk, self._trunk_pool, span)
-        step = self.graphs.step(("trunk", inputs.shape[1], span), through, [inputs])
-        hidden = step(inputs)[: len(rows)].clone()  # the graph's buffer: a replay overwrites it
+        pool = self._trunk_pool
+        make = partial(trunk_step, self.model.trunk, pool)
+        output = self.graphs.run(("trunk",), make, rows, pool.capacity)
+        hidden = output[: len(rows)].clone()  # the graph's buffer: a replay overwrites it
         for state, tokens, _start in work:
             state.trunk.advance(len(tokens))
         return list(hidden.split([len(tokens) for _state, tokens, _start in work]))
@@ -280,12 +275,11 @@ class TrunkWorker:
             cache, position = entry.state.draft.cache, entry.call.start + entry.step
             cache.check_append(position, 1)
             rows.append((cache.slot, position))
-        inputs = batch_inputs(rows, self.model.device)  # [2, B]
-        hidden = padded_tensor(torch.cat([entry.hiddens[-1] for entry in members]))
-        span = attended_span(max(position for _, position in rows) + 1, self._draft_pool.capacity)
-        through = heads_step(head, self._draft_pool.keys, self._draft_pool.values, span)
-        step = self.graphs.step(("draft", index, len(hidden), span), through, [hidden, inputs])
-        logits = step(hidden, inputs)[0, : len(members)].clone()
+        pool = self._draft_pool
+        make = partial(heads_step, head, pool.keys, pool.values)
+        hidden = torch.cat([entry.hiddens[-1] for entry in members])
+        output = self.graphs.run(("draft", index), make, rows, pool.capacity, hidden)
+        logits = output[0, : len(members)].clone()
         for entry in members:
             entry.state.draft.cache.advance(1)
         return logits
