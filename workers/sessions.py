@@ -132,9 +132,9 @@ class SessionTable(Generic[State]):
             return
         now = time.monotonic()
         for entry in entries.values():
-            idle = now - entry.last_used
-            evictable = self.idle_timeout_s is not None and idle > self.idle_timeout_s
-            if not entry.held and (not entry.running or idle >= self.reclaim_after_s or evictable):
+            if self._evictable(entry, now) or (
+                not entry.held and (not entry.running or self._stale(entry, now))
+            ):
                 return
         raise self._full()
 
@@ -189,7 +189,7 @@ class SessionTable(Generic[State]):
         free = {s: e for s, e in self._entries.items() if not e.held}
         finished = [s for s, e in free.items() if not e.running]
         now = time.monotonic()
-        stale = [s for s, e in free.items() if now - e.last_used >= self.reclaim_after_s]
+        stale = [s for s, e in free.items() if self._stale(e, now)]
         candidates, reason = (finished, FINISHED) if finished else (stale, IDLE)
         if not candidates:
             return False
@@ -202,15 +202,20 @@ class SessionTable(Generic[State]):
         if self.idle_timeout_s is None:
             return []
         now = time.monotonic()
-        idle = [
-            s
-            for s, e in self._entries.items()
-            if not e.held and now - e.last_used > self.idle_timeout_s
-        ]
+        idle = [s for s, e in self._entries.items() if self._evictable(e, now)]
         for session in idle:
             self.release(session)
             self._reclaimed(EVICTED)
         return idle
+
+    def _stale(self, entry: _Entry[State], now: float) -> bool:
+        """Running, but idle past the reclaim grace: its slot may go to a newcomer."""
+        return now - entry.last_used >= self.reclaim_after_s
+
+    def _evictable(self, entry: _Entry[State], now: float) -> bool:
+        """Idle past the idle timeout, and not held by a call."""
+        idle_timeout = self.idle_timeout_s
+        return not entry.held and idle_timeout is not None and now - entry.last_used > idle_timeout
 
     def _reclaimed(self, reason: str) -> None:
         if self.on_reclaim is not None:
