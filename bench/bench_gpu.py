@@ -33,9 +33,8 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import torch
 from bench_round import bytes_per_token  # this folder is on the path of `python bench/...`
@@ -179,7 +178,7 @@ def bare_steps(model: HydraModel, prompt: list[int], new_tokens: int, graph: boo
     head = model.heads.select(0)
     capacity = len(prompt) + new_tokens
     trunk_cache, head_cache = model.trunk_cache(capacity), model.head_cache(1, capacity)
-    decoder = DecodeGraph(model.trunk, head, trunk_cache, head_cache, graph=graph)
+    decoder = DecodeGraph(model.trunk, head, trunk_cache, head_cache) if graph else None
     tokens = torch.tensor(prompt, device=model.device)
     hidden = model.trunk.forward(tokens, trunk_cache, 0)
     token = head.forward(hidden, head_cache, 0)[0, -1:].argmax(-1)
@@ -307,20 +306,6 @@ def over_modes(address: str, counts: list[int], new_tokens: int) -> dict:
     }
 
 
-@contextmanager
-def graphs_off() -> Iterator[None]:
-    """Workers made inside launch every kernel from Python (`hydra_model.graphs`)."""
-    before = os.environ.get(MODE_VARIABLE)
-    os.environ[MODE_VARIABLE] = "off"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[MODE_VARIABLE]
-        else:
-            os.environ[MODE_VARIABLE] = before
-
-
 def run_model(name: str, root: Path, tokenizer: Path, args) -> dict:
     source, checkpoint = build(name, root, tokenizer)
     model = HydraModel.load(checkpoint, device="cuda")
@@ -341,7 +326,8 @@ def run_model(name: str, root: Path, tokenizer: Path, args) -> dict:
         mode: dict(zip(fields, engine_run(model, request), strict=True))
         for mode, request in cases.items()
     }
-    with graphs_off():  # the same engine launching every kernel from Python
+    # The same engine launching every kernel from Python (workers made inside).
+    with mock.patch.dict(os.environ, {MODE_VARIABLE: "off"}):
         eager = engine_run(model, cases["non-speculative"])
     result["engine"]["non-speculative, graphs off"] = dict(zip(fields, eager, strict=True))
     del model
