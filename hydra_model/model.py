@@ -27,6 +27,7 @@ from hydra_jury.hydra_model.quantization import QuantizationError
 from hydra_jury.hydra_model.quantization import stack as stack_weights
 from hydra_jury.hydra_model.rope import RotaryTable
 from hydra_jury.hydra_model.trunk import Trunk
+from hydra_jury.hydra_model.weight_pages import place_on_huge_pages
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -155,6 +156,7 @@ class HydraModel:
             )
             trunk = Trunk(trunk_tensors["embed_tokens.weight"], layers, rope)
         head_stack = _load_heads(directory, manifest, chosen, trunk_tensors, rope, read)
+        place_on_huge_pages([*(trunk.tensors() if trunk else []), *head_stack.tensors()])
         fingerprint = checkpoint_fingerprint(directory)
         return cls(manifest, directory, trunk, head_stack, torch_dtype, torch_device, fingerprint)
 
