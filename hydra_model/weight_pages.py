@@ -29,6 +29,7 @@ import os
 from collections.abc import Iterable
 
 import torch
+from torch.utils import swap_tensors
 
 VARIABLE = "HYDRA_JURY_HUGE_PAGES"
 CHOICES = ("on", "off")
@@ -62,6 +63,10 @@ def place_on_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     for tensor in tensors:
         storage = tensor.untyped_storage()
         if tensor.device.type == "cpu" and storage.nbytes() > 0:
+            if tensor._base is not None:
+                # A view (safetensors loads a tensor as one) keeps its base, and so the
+                # old bytes, alive whatever set_ does: it becomes a tensor of its own first.
+                swap_tensors(tensor, tensor.detach())
             users.setdefault(storage.data_ptr(), (storage, {}))[1][id(tensor)] = tensor
     size = sum(_aligned(storage.nbytes()) for storage, _ in users.values())
     if size == 0:
@@ -74,12 +79,22 @@ def place_on_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
         region.madvise(mmap.MADV_HUGEPAGE, start, size)
     except OSError:  # a kernel without transparent huge pages
         return 0
-    arena = whole[start : start + size]
-    at = 0
-    for storage, on_it in users.values():
-        arena[at : at + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
-        for tensor in on_it.values():
-            offset = (start + at) // tensor.element_size() + tensor.storage_offset()
-            tensor.set_(arena.untyped_storage(), offset, tensor.size(), tensor.stride())
+    at = start
+    for key in list(users):
+        # Popped: each storage's old bytes are freed once its tensors have moved, so the
+        # load's peak is the weights and one storage more, not twice the weights.
+        storage, on_it = users.pop(key)
+        _move(storage, on_it.values(), whole, at)
         at += _aligned(storage.nbytes())
     return size
+
+
+def _move(
+    storage: torch.UntypedStorage, tensors: Iterable[torch.Tensor], whole: torch.Tensor, at: int
+) -> None:
+    """Copies `storage` to byte `at` of the mapping `whole`, then re-points `tensors` at
+    their bytes there."""
+    whole[at : at + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+    for tensor in tensors:
+        offset = at // tensor.element_size() + tensor.storage_offset()
+        tensor.set_(whole.untyped_storage(), offset, tensor.size(), tensor.stride())

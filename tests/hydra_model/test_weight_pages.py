@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import re
+import weakref
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,21 @@ def test_views_and_repeated_tensors_keep_their_sharing():
     regions = advised_regions()
     assert region_of(base, regions) is not None
     assert region_of(base, regions) == region_of(codes, regions)
+
+
+@needs_huge_pages
+def test_the_old_bytes_are_freed_even_under_a_view():
+    # safetensors loads each tensor as a view of a flat buffer: the view's base would
+    # keep the old bytes alive beside the arena's copy.
+    flat = torch.arange(600, dtype=torch.float32)
+    weight = flat.view(20, 30)
+    old = weakref.ref(flat)
+    del flat
+    assert old() is not None  # held by the view
+    place_on_huge_pages([weight])
+    assert old() is None
+    assert weight._base is None
+    assert torch.equal(weight, torch.arange(600, dtype=torch.float32).view(20, 30))
 
 
 def test_off_leaves_the_weights_and_a_bad_value_is_refused(monkeypatch):
