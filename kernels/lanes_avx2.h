@@ -6,6 +6,12 @@ struct Lanes {
 // Outputs per tile of the float products (rows_times_weight.h).
 constexpr int kTileOutputs = 1;
 
+// Keeps v in registers from here on (an empty asm that reads and writes them), so that
+// its loads are not folded into later instructions (rows_times_weight.h's tiles).
+static inline void in_registers(Lanes& v) {
+  __asm__("" : "+x"(v.lo0), "+x"(v.lo1), "+x"(v.hi0), "+x"(v.hi1));
+}
+
 static inline Lanes zero() {
   __m256 z = _mm256_setzero_ps();
   return {z, z, z, z};

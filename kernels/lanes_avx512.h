@@ -6,6 +6,10 @@ struct Lanes {
 // Outputs per tile of the float products (rows_times_weight.h).
 constexpr int kTileOutputs = 2;
 
+// Keeps v in registers from here on (an empty asm that reads and writes them), so that
+// its loads are not folded into later instructions (rows_times_weight.h's tiles).
+static inline void in_registers(Lanes& v) { __asm__("" : "+v"(v.lo), "+v"(v.hi)); }
+
 static inline Lanes zero() { return {_mm512_setzero_ps(), _mm512_setzero_ps()}; }
 
 static inline Lanes splat(float value) {

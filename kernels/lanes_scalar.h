@@ -7,6 +7,9 @@ struct Lanes {
 // Outputs per tile of the float products (rows_times_weight.h).
 constexpr int kTileOutputs = 1;
 
+// Nothing to keep: scalar code has no loads to fold (rows_times_weight.h's tiles).
+static inline void in_registers(Lanes&) {}
+
 static inline Lanes zero() {
   Lanes v;
   for (int i = 0; i < 32; ++i) v.f[i] = 0.0f;
