@@ -91,9 +91,9 @@ static inline void in_row_groups(int64_t rows, const Fn& fn) {
 
 // From this many rows on, a product is bound by the multiply-adds more than by the
 // weights' stream, and tiles of kTileOutputs outputs pay (2-core AMD EPYC, SmolLM2's
-// layers and LM head in float32: 16 rows 0.75-0.8x the time, 8 rows the same, 2 rows
-// 1.4-1.9x: two weight rows at once stream slower than one).
-constexpr int64_t kTiledRows = 12;
+// layers and LM head in float32, activations kept in registers: 8 to 11 rows 1.1-1.2x
+// faster tiled, 4 and 5 rows slower; with the loads folded the tiles paid from 12 rows).
+constexpr int64_t kTiledRows = 8;
 
 // Outputs [first, last) of one stack member, every row of x: tiles of kTileOutputs
 // outputs for many rows, then (or else) one output at a time.
