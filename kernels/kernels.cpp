@@ -59,7 +59,8 @@ struct AttentionProblem {
   int64_t cache_member, cache_head;
   const float *cos, *sin;
   int64_t start, heads, kv_heads, dim;
-  float* out;
+  float* out;  // [S, T, heads * dim] rows, its members out_member floats apart
+  int64_t out_member;
 };
 
 // What a round reads of one target row besides its log-probabilities and probabilities
@@ -88,6 +89,7 @@ namespace scalar {
 #include "rows_times_weight.h"
 #include "attention.h"
 #include "vocabulary.h"
+#include "gates.h"
 }  // namespace scalar
 
 #pragma GCC push_options
@@ -97,6 +99,7 @@ namespace avx2 {
 #include "rows_times_weight.h"
 #include "attention.h"
 #include "vocabulary.h"
+#include "gates.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -107,6 +110,7 @@ namespace avx512 {
 #include "rows_times_weight.h"
 #include "attention.h"
 #include "vocabulary.h"
+#include "gates.h"
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -178,6 +182,12 @@ at::Tensor prepared_input(const at::Tensor& x, const c10::optional<at::Tensor>& 
     scale = norm->data_ptr<float>();
   }
   at::Tensor ready = at::empty({outs, rows, inputs}, x.options());
+  // Vectorized: a batch of 8 sessions gates 8 rows of 1,536 inputs in each of SmolLM2's
+  // layers, while the other threads wait for the product.
+  int isa = current_isa.load();
+  auto gate_row = isa == kAvx512 ? avx512::silu_times
+                  : isa == kAvx2 ? avx2::silu_times
+                                 : scalar::silu_times;
   const float* in = x.data_ptr<float>();
   float* out = ready.data_ptr<float>();
   for (int64_t s = 0; s < outs; ++s)
@@ -185,10 +195,7 @@ at::Tensor prepared_input(const at::Tensor& x, const c10::optional<at::Tensor>& 
       const float* row = in + (sources == 1 ? 0 : s * x.stride(0)) + r * x.stride(1);
       float* target = out + (s * rows + r) * inputs;
       if (glu) {
-        for (int64_t k = 0; k < inputs; ++k) {
-          float gate = row[k];
-          target[k] = gate / (1.0f + std::exp(-gate)) * row[inputs + k];
-        }
+        gate_row(row, row + inputs, inputs, target);
         row = target;
       }
       if (scale != nullptr) {
@@ -328,12 +335,13 @@ at::Tensor rows_times(const at::Tensor& x_given, const at::Tensor& weight,
 
 // One layer's attention for one session's T new positions (attention.h): qkv [S, T,
 // (heads + 2 kv_heads) * dim] not yet rotated; keys/values the session's cache [S, layers,
-// kv_heads, capacity, dim]. Writes the new
-// keys and values at start.. of `layer` and returns [S, T, heads * dim]. cos and sin are
-// [T, dim]: the rotation of positions start.. (RotaryTable.rotation).
-at::Tensor attend(const at::Tensor& qkv, const at::Tensor& keys_all, const at::Tensor& values_all,
-                  int64_t layer, int64_t start, const at::Tensor& cos, const at::Tensor& sin,
-                  int64_t heads, int64_t kv_heads) {
+// kv_heads, capacity, dim]; cos and sin [T, dim], the rotation of positions start..
+// (RotaryTable.rotation). The problem that writes the new keys and values at start.. of
+// `layer` and the attended rows into `out` (its members `out_member` floats apart).
+AttentionProblem attention_problem(const at::Tensor& qkv, const at::Tensor& keys_all,
+                                   const at::Tensor& values_all, int64_t layer, int64_t start,
+                                   const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                                   int64_t kv_heads, float* out, int64_t out_member) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.scalar_type() == at::kFloat && qkv.stride(2) == 1,
               "qkv must be float32 [S, T, width] with contiguous rows");
   at::Tensor keys = keys_all.select(1, layer), values = values_all.select(1, layer);
@@ -352,15 +360,28 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& keys_all, const at::T
                   sin.scalar_type() == at::kFloat && cos.numel() == rows * dim &&
                   sin.numel() == rows * dim,
               "cos and sin must be float32 [T, head_dim]");
-  at::Tensor out = at::empty({members, rows, heads * dim}, qkv.options());
-  AttentionProblem p{qkv.data_ptr<float>(), members, rows, qkv.stride(0), qkv.stride(1),
-                     keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0),
-                     keys.stride(1), cos.data_ptr<float>(), sin.data_ptr<float>(), start, heads, kv_heads, dim,
-                     out.data_ptr<float>()};
+  return {qkv.data_ptr<float>(), members, rows, qkv.stride(0), qkv.stride(1),
+          keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0), keys.stride(1),
+          cos.data_ptr<float>(), sin.data_ptr<float>(), start, heads, kv_heads, dim,
+          out, out_member};
+}
+
+void attention(const std::vector<AttentionProblem>& problems) {
   int isa = current_isa.load();
-  if (isa == kAvx512) avx512::attention(p);
-  else if (isa == kAvx2) avx2::attention(p);
-  else scalar::attention(p);
+  if (isa == kAvx512) avx512::attention(problems);
+  else if (isa == kAvx2) avx2::attention(problems);
+  else scalar::attention(problems);
+}
+
+// attention_problem's attention alone: returns [S, T, heads * dim].
+at::Tensor attend(const at::Tensor& qkv, const at::Tensor& keys, const at::Tensor& values,
+                  int64_t layer, int64_t start, const at::Tensor& cos, const at::Tensor& sin,
+                  int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(qkv.dim() == 3, "qkv must be float32 [S, T, width] with contiguous rows");
+  int64_t width = heads * (keys.dim() == 5 ? keys.size(4) : 0);
+  at::Tensor out = at::empty({qkv.size(0), qkv.size(1), width}, qkv.options());
+  attention({attention_problem(qkv, keys, values, layer, start, cos, sin, heads, kv_heads,
+                               out.data_ptr<float>(), qkv.size(1) * width)});
   return out;
 }
 
@@ -407,16 +428,19 @@ at::Tensor decode_layers(const at::Tensor& x_given, const c10::List<std::optiona
                       norm, eps, glu, residual, int8_activations);
   };
   at::Tensor x = x_given;
-  std::vector<at::Tensor> parts(sessions);
+  std::vector<AttentionProblem> problems(sessions);
   for (int64_t layer = 0; layer < layers; ++layer) {
     at::Tensor qkv = product(x, layer, 0, entry(layer, 12), false, std::nullopt);
+    int64_t width = heads * keys[0].size(4);
+    at::Tensor attended = at::empty({qkv.size(0), rows, width}, qkv.options());
     int64_t offset = 0;
     for (size_t i = 0; i < sessions; ++i) {  // each session's rows: a view, no copy
-      parts[i] = attend(qkv.narrow(1, offset, lengths[i]), keys[i], values[i], layer, starts[i],
-                        cos[i], sin[i], heads, kv_heads);
+      problems[i] = attention_problem(qkv.narrow(1, offset, lengths[i]), keys[i], values[i],
+                                      layer, starts[i], cos[i], sin[i], heads, kv_heads,
+                                      attended.data_ptr<float>() + offset * width, rows * width);
       offset += lengths[i];
     }
-    at::Tensor attended = sessions == 1 ? parts[0] : at::cat(parts, 1);
+    attention(problems);
     x = product(attended, layer, 3, std::nullopt, false, x);
     at::Tensor gate_up = product(x, layer, 6, entry(layer, 13), false, std::nullopt);
     x = product(gate_up, layer, 9, std::nullopt, true, x);

@@ -88,6 +88,8 @@ static inline Lanes sub(Lanes a, Lanes b) { return each(a, b, [](__m256 x, __m25
 
 static inline Lanes mul(Lanes a, Lanes b) { return each(a, b, [](__m256 x, __m256 y) { return _mm256_mul_ps(x, y); }); }
 
+static inline Lanes div(Lanes a, Lanes b) { return each(a, b, [](__m256 x, __m256 y) { return _mm256_div_ps(x, y); }); }
+
 static inline Lanes larger(Lanes a, Lanes b) { return each(a, b, [](__m256 x, __m256 y) { return _mm256_max_ps(x, y); }); }
 
 static inline Lanes smaller(Lanes a, Lanes b) { return each(a, b, [](__m256 x, __m256 y) { return _mm256_min_ps(x, y); }); }

@@ -67,6 +67,8 @@ static inline Lanes sub(Lanes a, Lanes b) { return {_mm512_sub_ps(a.lo, b.lo), _
 
 static inline Lanes mul(Lanes a, Lanes b) { return {_mm512_mul_ps(a.lo, b.lo), _mm512_mul_ps(a.hi, b.hi)}; }
 
+static inline Lanes div(Lanes a, Lanes b) { return {_mm512_div_ps(a.lo, b.lo), _mm512_div_ps(a.hi, b.hi)}; }
+
 static inline Lanes larger(Lanes a, Lanes b) { return {_mm512_max_ps(a.lo, b.lo), _mm512_max_ps(a.hi, b.hi)}; }
 
 static inline Lanes smaller(Lanes a, Lanes b) { return {_mm512_min_ps(a.lo, b.lo), _mm512_min_ps(a.hi, b.hi)}; }

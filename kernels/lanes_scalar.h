@@ -87,6 +87,11 @@ static inline Lanes mul(Lanes a, Lanes b) {
   return a;
 }
 
+static inline Lanes div(Lanes a, Lanes b) {
+  for (int i = 0; i < 32; ++i) a.f[i] = a.f[i] / b.f[i];
+  return a;
+}
+
 static inline Lanes larger(Lanes a, Lanes b) {
   for (int i = 0; i < 32; ++i) a.f[i] = a.f[i] > b.f[i] ? a.f[i] : b.f[i];
   return a;

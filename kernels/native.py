@@ -40,6 +40,7 @@ SOURCES = (
     "rows_times_weight.h",
     "attention.h",
     "vocabulary.h",
+    "gates.h",
 )
 INSTRUCTION_SETS = ("scalar", "avx2", "avx512")
 

@@ -315,6 +315,28 @@ def test_a_norm_alone_has_the_bits_of_a_norm_inside_a_product(kernels, monkeypat
         native().rms_norm(x, norm[:1].expand(3, -1).contiguous(), 1e-5)
 
 
+def test_the_gate_has_the_same_bits_on_every_set(kernels):
+    """A gated product's input, silu(gate) * up, is computed 32 lanes at a time with the
+    kernels' own exp: the same bits on every set, PyTorch's silu to float rounding, at
+    the ends of float's exp (where e^-gate flushes to 0 or overflows) too."""
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(5)
+    ends = [-100.0, -88.8, -87.4, -20.0, -1.0, -0.0, 0.0, 1e-30, 1.0, 20.0, 87.4, 88.8, 100.0]
+    gate = torch.randn(3, 64, generator=generator) * 4
+    gate[0, : len(ends)] = torch.tensor(ends)
+    up = torch.randn(3, 64, generator=generator)
+    x = torch.cat([gate, up], dim=-1)[None]  # [1, rows, gate | up]
+    identity = torch.eye(64)[None]  # the product hands the gated input back unchanged
+    results = {}
+    for isa in kernels:
+        instruction_set(isa)
+        results[isa] = product(x, identity, glu=True)[0]
+    for isa, result in results.items():
+        assert torch.equal(result, next(iter(results.values()))), isa
+    torch.testing.assert_close(result, F.silu(gate) * up, rtol=1e-6, atol=1e-30)
+
+
 def test_one_call_for_every_layer_gives_the_bits_of_a_call_per_step(kernels, wide_jury_checkpoint):
     """`LayerStack`'s single native call over all layers (a session's decode step) runs
     the same kernels in the same order as the per-operation path: the same bits."""
