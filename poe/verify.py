@@ -107,7 +107,9 @@ def draw_token(
         probs = probabilities(logprobs) if probs is None else probs
         return int(greedy_tokens(probs)[0]), logprobs
     filtered = filter_logprobs(logprobs, sampling)
-    token = categorical(probabilities(filtered), seed, torch.tensor([position]), purpose)
+    if probs is None or filtered is not logprobs:  # no filter on: the caller's rows serve
+        probs = probabilities(filtered)
+    token = categorical(probs, seed, torch.tensor([position]), purpose)
     return int(token[0]), filtered
 
 

@@ -118,3 +118,26 @@ def test_draw_token_greedy_and_sampled():
     assert torch.equal(chosen_from, filtered)
     assert token == int(categorical(filtered.exp(), SEED, torch.tensor([3]), "sample")[0])
     assert token in (1, 2)
+
+
+def test_a_draw_reads_the_callers_probabilities_only_where_no_filter_moves_them():
+    """The round hands the target's probabilities over (saving a pass over the vocabulary):
+    with no filter on they are the row's, and the draws are those made without them; a
+    filter makes its own, whatever the caller passed."""
+    from hydra_jury.poe import probabilities
+
+    generator = torch.Generator().manual_seed(2)
+    logprobs = torch.randn(1, 64, generator=generator).log_softmax(-1)
+    wrong = torch.zeros(1, 64)
+    wrong[0, 0] = 1.0  # a point mass on token 0: read, every draw would be 0
+    plain, filtered = SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_k=8)
+    for position in range(20):
+        alone = draw_token(logprobs, plain, SEED, position, "sample")
+        given = draw_token(logprobs, plain, SEED, position, "sample", probabilities(logprobs))
+        assert given[0] == alone[0] and given[1] is alone[1]
+        assert (
+            draw_token(logprobs, filtered, SEED, position, "sample", wrong)[0]
+            == (draw_token(logprobs, filtered, SEED, position, "sample")[0])
+        )
+    draws = {draw_token(logprobs, plain, SEED, p, "sample", wrong)[0] for p in range(20)}
+    assert draws == {0}  # with no filter on, the caller's rows are the ones drawn from
