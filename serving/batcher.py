@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -47,6 +48,7 @@ class _Queued:
     queued: float  # time.monotonic() when it arrived
     span: Span | None  # its call's trace span, told the batches it ran in
     share: float = 0.0  # seconds of the batches it ran in that are its own (`batch_shares`)
+    started: threading.Event | None = None  # set when its first batch goes to the model
 
 
 class QueueFull(CapacityError):
@@ -143,11 +145,14 @@ class CallBatcher(Generic[Request, Response]):
     async def submit(self, request: Request) -> Response:
         return (await self.submit_shared(request))[0]
 
-    async def submit_shared(self, request: Request) -> tuple[Response, float]:
+    async def submit_shared(
+        self, request: Request, started: threading.Event | None = None
+    ) -> tuple[Response, float]:
         """The call's response and its share of the batches it ran in, in seconds: the
         fixed cost of each batch divided among its calls, plus what the call's own
         positions cost it (`cost_line.batch_shares`, from this batcher's cost line) —
-        what the call cost the server's throughput, where its wait is the whole batch."""
+        what the call cost the server's throughput, where its wait is the whole batch.
+        `started` (optional) is set when the call's first batch goes to the model thread."""
         if len(self._queue) >= self.limits.max_queue:
             self._refused("queue_full")
             raise QueueFull(
@@ -155,7 +160,9 @@ class CallBatcher(Generic[Request, Response]):
                 f"{self.limits.max_queue}); retry in about {self._retry_hint_ms()} ms"
             )
         future = asyncio.get_running_loop().create_future()
-        self._queue.append(_Queued(request, future, time.monotonic(), tracing.current_span()))
+        self._queue.append(
+            _Queued(request, future, time.monotonic(), tracing.current_span(), started=started)
+        )
         self.thread.arrivals().set()
         if self._runner is None or self._runner.done():
             self._runner = asyncio.create_task(self._run())
@@ -197,6 +204,9 @@ class CallBatcher(Generic[Request, Response]):
         self.largest = max(self.largest, len(batch))
         self._recent.append(_callers(requests))
         self.running = len(batch)
+        for entry in joined:
+            if entry.started is not None:
+                entry.started.set()
         try:
             results = await self.thread.run(self.handle, requests)
         except Exception as error:  # the handler itself failed: every call fails

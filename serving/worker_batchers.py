@@ -96,10 +96,13 @@ class WorkerBatchers:
             "Score": batcher("Score", self._score_batch, lambda call: call.hidden.rows),
         }
 
-    def submit(self, rpc: str, call: Any) -> Future:
+    def submit(self, rpc: str, call: Any, started: threading.Event | None = None) -> Future:
         """Queues `call` for the batcher of `rpc`; the future of its result and its share
-        of the batches it ran in (`CallBatcher.submit_shared`)."""
-        return asyncio.run_coroutine_threadsafe(self.batchers[rpc].submit_shared(call), self._loop)
+        of the batches it ran in (`CallBatcher.submit_shared`; `started` is set when its
+        first batch goes to the model thread)."""
+        return asyncio.run_coroutine_threadsafe(
+            self.batchers[rpc].submit_shared(call, started), self._loop
+        )
 
     def chunks(self, call: PrefillCall) -> list[PrefillCall]:
         """A prefill as its batches will run it: the whole call checked first, so that no

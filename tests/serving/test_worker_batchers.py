@@ -5,6 +5,7 @@ and admission control refuses as the split services' does."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -113,6 +114,20 @@ def test_a_bad_call_fails_alone(start):
     assert batchers.trunk.sessions.peek("bad") is None  # a refused call opens no session
 
 
+def test_a_call_is_told_when_its_batch_goes_to_the_model_thread(start):
+    """`started` is set when the call's batch is handed to the model thread, not while it
+    queues behind another batch (`serve`'s rounds wait for it before their own work)."""
+    batchers, _ = start()
+    blocked = hold_model_thread(batchers)
+    started = threading.Event()
+    queued = batchers.submit("Prefill", trunk_prefill("a", [3, 4]), started)
+    assert wait_for(lambda: batchers.batchers["Prefill"].queued == 1)
+    assert not started.wait(0.2)
+    blocked.set()
+    assert started.wait(30)
+    assert queued.result(timeout=30)[0] is None
+
+
 def hold_model_thread(batchers: WorkerBatchers) -> threading.Event:
     """Runs a batch that holds the model thread until the returned event is set, so that
     the calls submitted meanwhile queue behind it."""
@@ -180,6 +195,15 @@ def test_a_plain_step_goes_ahead_through_the_draft_batcher(jury_model):
         torch.testing.assert_close(steps[0].hidden.tensor(), steps[1].hidden.tensor())
         head = DraftCall("s", 4, 7, 2, "head0", SamplingParams(temperature=0.0), 0)
         assert backend.draft_ahead(head) is None
+        # The round goes on once its step has gone to the model thread, or after a batch
+        # window when the thread is busy: never held up longer.
+        release = hold_model_thread(backend.batchers)
+        began = time.monotonic()
+        waiting = backend.draft_ahead(DraftCall("s", 4, 7, 1, None, call.sampling, 0))
+        assert BatchLimits().window_s <= time.monotonic() - began < 10
+        assert not waiting.done()
+        release.set()
+        waiting.result(timeout=30)
     finally:
         backend.batchers.close()
         thread.shutdown()
