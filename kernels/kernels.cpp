@@ -457,7 +457,7 @@ struct RowPasses {
   void (*probabilities)(const float*, int64_t, float*);
   float (*entropy)(const float*, const float*, int64_t);
   float (*margin)(const float*, int64_t);
-  int64_t (*juror_row)(const float*, int64_t, float*);
+  int64_t (*juror_row)(const float*, int64_t, float, float*);
   TargetRow (*target_row)(const float*, int64_t, float*, float*);
 };
 
@@ -540,9 +540,11 @@ at::Tensor vocab_margin(const at::Tensor& logprobs_given) {
   return y.view(per_row(logprobs_given));
 }
 
-// The jury's rows in one call: log_softmax of each and each one's first argmax (a
-// juror's vote), as vocab_log_softmax and poe.first_argmax give them.
-std::tuple<at::Tensor, at::Tensor> juror_rows(const at::Tensor& logits_given) {
+// The jury's rows in one call: log_softmax of each divided by `scale` (the temperature)
+// and each one's first argmax (a juror's vote), as vocab_log_softmax of PyTorch's
+// logits / scale and poe.first_argmax of the logits give them.
+std::tuple<at::Tensor, at::Tensor> juror_rows(const at::Tensor& logits_given, double scale) {
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, "scale must be finite and > 0, got ", scale);
   at::Tensor logits = as_rows(logits_given, "logits");
   at::Tensor logprobs = at::empty_like(logits);
   at::Tensor votes = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
@@ -552,7 +554,10 @@ std::tuple<at::Tensor, at::Tensor> juror_rows(const at::Tensor& logits_given) {
   float* out = logprobs.data_ptr<float>();
   int64_t* vote = votes.data_ptr<int64_t>();
   for_each_row(logits.size(0),
-               [&](int64_t r) { vote[r] = passes.juror_row(in + r * width, width, out + r * width); });
+               [&](int64_t r) {
+                 vote[r] = passes.juror_row(in + r * width, width, static_cast<float>(scale),
+                                            out + r * width);
+               });
   return {logprobs.view(logits_given.sizes()), votes.view(per_row(logits_given))};
 }
 
@@ -640,7 +645,7 @@ TORCH_LIBRARY(hydra_jury, m) {
   m.def("vocab_probabilities(Tensor logprobs) -> Tensor", vocab_probabilities);
   m.def("vocab_entropy(Tensor probs, Tensor logprobs) -> Tensor", vocab_entropy);
   m.def("vocab_margin(Tensor logprobs) -> Tensor", vocab_margin);
-  m.def("juror_rows(Tensor logits) -> (Tensor, Tensor)", juror_rows);
+  m.def("juror_rows(Tensor logits, float scale=1.0) -> (Tensor, Tensor)", juror_rows);
   m.def("target_rows(Tensor log_product) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
         target_rows);
   m.def("categorical_rows(Tensor probs, Tensor uniforms) -> Tensor", categorical_rows);

@@ -107,19 +107,28 @@ static inline int64_t row_first_argmax(const float* x, int64_t width) {
   return width == 0 ? -1 : row_first_of(x, width, row_maximum(x, width));
 }
 
-// y = x - max - ln Σ exp(x - max), given the row's maximum; a row with a NaN gives NaNs,
-// as PyTorch's does. Returns ln Σ exp(x - max).
-static inline float log_softmax_of(const float* x, int64_t width, RowMaximum largest, float* y) {
+// A chunk of x divided by `scale` (a temperature; 1: x as it is), as PyTorch's x / scale
+// rounds it.
+static inline Lanes load_scaled(const float* x, int64_t at, int64_t width, float scale) {
+  Lanes v = load_chunk(x, at, width);
+  return scale == 1.0f ? v : div(v, splat(scale));
+}
+
+// y = x' - max - ln Σ exp(x' - max) for x' = x / scale, given the maximum of x'; a row with
+// a NaN gives NaNs, as PyTorch's does. Returns ln Σ exp(x' - max).
+static inline float log_softmax_of(const float* x, int64_t width, RowMaximum largest, float* y,
+                                   float scale = 1.0f) {
   if (largest.nan) {
     std::fill(y, y + width, NAN);
     return NAN;
   }
   Lanes shift = splat(largest.value), total = zero();
   for (int64_t at = 0; at < width; at += 32)
-    total = add(total, exp_flushed(sub(load_chunk(x, at, width), shift)));
+    total = add(total, exp_flushed(sub(load_scaled(x, at, width, scale), shift)));
   float log_total = std::log(sum(total));
   for (int64_t at = 0; at < width; at += 32)
-    store_chunk(y, at, width, sub(sub(load_chunk(x, at, width), shift), splat(log_total)));
+    store_chunk(y, at, width,
+                sub(sub(load_scaled(x, at, width, scale), shift), splat(log_total)));
   return log_total;
 }
 
@@ -195,9 +204,13 @@ static inline TargetRow target_row(const float* x, int64_t width, float* logprob
           row_first_argmax(probs, width)};
 }
 
-// The row's log-softmax and its first argmax (a juror's vote; kernels.cpp's juror_rows).
-static inline int64_t juror_row(const float* x, int64_t width, float* logprobs) {
+// The log-softmax of the row divided by `scale` (a temperature) and the row's first argmax
+// (a juror's vote; kernels.cpp's juror_rows). A division rounded to nearest never puts a
+// larger value below a smaller one, so the quotient's maximum is the maximum's quotient.
+static inline int64_t juror_row(const float* x, int64_t width, float scale, float* logprobs) {
   RowMaximum largest = row_maximum(x, width);
-  log_softmax_of(x, width, largest, logprobs);
+  RowMaximum scaled = largest;
+  if (scale != 1.0f) scaled.value = largest.value / scale;
+  log_softmax_of(x, width, scaled, logprobs, scale);
   return width == 0 ? -1 : row_first_of(x, width, largest);
 }

@@ -58,8 +58,8 @@ def partial_log_product_and_votes(
     verifier_logits: torch.Tensor, temperature: float, beta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`partial_log_product`, and each verifier's vote: the first argmax of its logits
-    ([H, N] long). A jury's call needs both; at T = 1 the kernels give them in one pass
-    over each row."""
+    ([H, N] long). A jury's call needs both; the kernels give them, the division by T
+    included, in one pass over each row."""
     check_float("verifier_logits", verifier_logits, dims=3)
     if not math.isfinite(beta) or beta <= 0:
         raise ValueError(f"beta must be finite and > 0, got {beta}")
@@ -68,8 +68,8 @@ def partial_log_product_and_votes(
     # each is a pass over the vocabulary (the default greedy jury of one does none).
     logits = verifier_logits.float()
     ops = row_kernels(logits)
-    if ops is not None and scale == 1:
-        head_logprobs, votes = ops.juror_rows(logits)  # [H, N, V], [H, N]
+    if ops is not None:  # the division, log-softmax and vote in one pass over each row
+        head_logprobs, votes = ops.juror_rows(logits, scale)  # [H, N, V], [H, N]
     else:
         head_logprobs = log_softmax(logits if scale == 1 else logits / scale)
         votes = first_argmax(logits)

@@ -147,10 +147,12 @@ def test_the_fused_calls_give_the_bits_of_the_separate_ones(kernels, x):
         assert all(same_bits(a, b) for a, b in zip(fused, separate, strict=True)), isa
         assert torch.equal(target.greedy, greedy_tokens(probs))
         jury = x.reshape(x.shape[0] // 3 or 1, -1, x.shape[1])
-        log_product, votes = partial_log_product_and_votes(jury, 1.0, 1.0)
-        assert same_bits(log_product, partial_log_product(jury, 1.0, 1.0))
-        assert same_bits(log_product, log_softmax(jury).sum(0))
-        assert torch.equal(votes, first_argmax(jury))
+        for temperature in (1.0, 0.8, 0.3, 1.7):  # the division by T is PyTorch's, too
+            log_product, votes = partial_log_product_and_votes(jury, temperature, 1.0)
+            assert same_bits(log_product, partial_log_product(jury, temperature, 1.0))
+            scaled = jury if temperature == 1.0 else jury / temperature
+            assert same_bits(log_product, log_softmax(scaled).sum(0)), (isa, temperature)
+            assert torch.equal(votes, first_argmax(jury))
 
 
 def test_metrics_match_their_float64_definitions(kernels):
