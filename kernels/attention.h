@@ -89,7 +89,6 @@ static void attention(const std::vector<AttentionProblem>& problems) {
       attend_head(problems[i], item - (i == 0 ? 0 : ends[i - 1]), weights.data());
     }
   };
-  int64_t threads = std::min<int64_t>(at::get_num_threads(), total);
-  if (threads <= 1) work(0, 1);
-  else at::parallel_for(0, threads, 1, work);
+  // One task per thread (one alone runs on this thread), each taking heads until none is left.
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), total), 1, work);
 }

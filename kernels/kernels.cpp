@@ -337,11 +337,11 @@ at::Tensor rows_times(const at::Tensor& x_given, const at::Tensor& weight,
 // (heads + 2 kv_heads) * dim] not yet rotated; keys/values the session's cache [S, layers,
 // kv_heads, capacity, dim]; cos and sin [T, dim], the rotation of positions start..
 // (RotaryTable.rotation). The problem that writes the new keys and values at start.. of
-// `layer` and the attended rows into `out` (its members `out_member` floats apart).
+// `layer`; where its attended rows go (`out`, `out_member`) is the caller's to set.
 AttentionProblem attention_problem(const at::Tensor& qkv, const at::Tensor& keys_all,
                                    const at::Tensor& values_all, int64_t layer, int64_t start,
                                    const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
-                                   int64_t kv_heads, float* out, int64_t out_member) {
+                                   int64_t kv_heads) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.scalar_type() == at::kFloat && qkv.stride(2) == 1,
               "qkv must be float32 [S, T, width] with contiguous rows");
   at::Tensor keys = keys_all.select(1, layer), values = values_all.select(1, layer);
@@ -363,7 +363,7 @@ AttentionProblem attention_problem(const at::Tensor& qkv, const at::Tensor& keys
   return {qkv.data_ptr<float>(), members, rows, qkv.stride(0), qkv.stride(1),
           keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0), keys.stride(1),
           cos.data_ptr<float>(), sin.data_ptr<float>(), start, heads, kv_heads, dim,
-          out, out_member};
+          nullptr, 0};
 }
 
 void attention(const std::vector<AttentionProblem>& problems) {
@@ -377,11 +377,12 @@ void attention(const std::vector<AttentionProblem>& problems) {
 at::Tensor attend(const at::Tensor& qkv, const at::Tensor& keys, const at::Tensor& values,
                   int64_t layer, int64_t start, const at::Tensor& cos, const at::Tensor& sin,
                   int64_t heads, int64_t kv_heads) {
-  TORCH_CHECK(qkv.dim() == 3, "qkv must be float32 [S, T, width] with contiguous rows");
-  int64_t width = heads * (keys.dim() == 5 ? keys.size(4) : 0);
-  at::Tensor out = at::empty({qkv.size(0), qkv.size(1), width}, qkv.options());
-  attention({attention_problem(qkv, keys, values, layer, start, cos, sin, heads, kv_heads,
-                               out.data_ptr<float>(), qkv.size(1) * width)});
+  AttentionProblem p =
+      attention_problem(qkv, keys, values, layer, start, cos, sin, heads, kv_heads);
+  at::Tensor out = at::empty({p.members, p.rows, heads * p.dim}, qkv.options());
+  p.out = out.data_ptr<float>();
+  p.out_member = p.rows * heads * p.dim;
+  attention({p});
   return out;
 }
 
@@ -429,15 +430,16 @@ at::Tensor decode_layers(const at::Tensor& x_given, const c10::List<std::optiona
   };
   at::Tensor x = x_given;
   std::vector<AttentionProblem> problems(sessions);
+  const int64_t width = heads * keys[0].size(4);  // an attended row
   for (int64_t layer = 0; layer < layers; ++layer) {
     at::Tensor qkv = product(x, layer, 0, entry(layer, 12), false, std::nullopt);
-    int64_t width = heads * keys[0].size(4);
     at::Tensor attended = at::empty({qkv.size(0), rows, width}, qkv.options());
     int64_t offset = 0;
     for (size_t i = 0; i < sessions; ++i) {  // each session's rows: a view, no copy
       problems[i] = attention_problem(qkv.narrow(1, offset, lengths[i]), keys[i], values[i],
-                                      layer, starts[i], cos[i], sin[i], heads, kv_heads,
-                                      attended.data_ptr<float>() + offset * width, rows * width);
+                                      layer, starts[i], cos[i], sin[i], heads, kv_heads);
+      problems[i].out = attended.data_ptr<float>() + offset * width;  // its rows of each member
+      problems[i].out_member = rows * width;
       offset += lengths[i];
     }
     attention(problems);

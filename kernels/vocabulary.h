@@ -210,7 +210,7 @@ static inline TargetRow target_row(const float* x, int64_t width, float* logprob
 static inline int64_t juror_row(const float* x, int64_t width, float scale, float* logprobs) {
   RowMaximum largest = row_maximum(x, width);
   RowMaximum scaled = largest;
-  if (scale != 1.0f) scaled.value = largest.value / scale;
+  scaled.value = largest.value / scale;  // (exact for a scale of 1)
   log_softmax_of(x, width, scaled, logprobs, scale);
   return width == 0 ? -1 : row_first_of(x, width, largest);
 }
