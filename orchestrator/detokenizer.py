@@ -15,9 +15,23 @@ returns "" (the window decodes to "\ufffd"), the second returns "é".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 _REPLACEMENT = "\ufffd"
+
+Decode = Callable[[Sequence[int], bool], str]
+
+
+def decoder(tokenizer) -> Decode:
+    """`tokenizer.decode(tokens, skip_special_tokens=skip)` as `decode(tokens, skip)`:
+    through the Rust tokenizer itself where that gives the same text (a fast tokenizer
+    that cleans up no spaces). transformers wraps that call in several layers of Python,
+    and a decoding round runs them with the interpreter out of the caches (a model step
+    has streamed the weights through them), where each layer costs tens of µs."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return lambda tokens, skip: backend.decode(list(tokens), skip_special_tokens=skip)
+    return lambda tokens, skip: tokenizer.decode(tokens, skip_special_tokens=skip)
 
 
 class IncrementalDetokenizer:
@@ -32,7 +46,7 @@ class IncrementalDetokenizer:
         resumed where another stopped. `texts` (of the same tokenizer, special tokens
         skipped) decodes a window of one token, as a plain step's next push's prefix
         is: from its cache."""
-        self._tokenizer = tokenizer
+        self._decode_with = decoder(tokenizer)
         self._tokens: list[int] = list(tokens)
         self._prefix_offset, self._read_offset = offsets
         if texts is not None and not texts.skip_special_tokens:
@@ -47,7 +61,7 @@ class IncrementalDetokenizer:
     def _decode(self, tokens: Sequence[int]) -> str:
         if len(tokens) == 1 and self._texts is not None:
             return self._texts(tokens[0])
-        return self._tokenizer.decode(tokens, skip_special_tokens=True)
+        return self._decode_with(tokens, True)
 
     def push(self, tokens: Sequence[int]) -> str:
         """Appends `tokens`; returns the text they complete ("" while incomplete)."""
@@ -75,13 +89,13 @@ class TokenTexts:
     concurrent fills write the same text)."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = False) -> None:
-        self._tokenizer = tokenizer
+        self._decode = decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self._texts: dict[int, str] = {}
 
     def __call__(self, token: int) -> str:
         text = self._texts.get(token)
         if text is None:
-            text = self._tokenizer.decode([token], skip_special_tokens=self.skip_special_tokens)
+            text = self._decode([token], self.skip_special_tokens)
             self._texts[token] = text
         return text

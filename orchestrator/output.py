@@ -95,12 +95,12 @@ def token_records(
     ]
     if verdict.target is None or not records:
         return records
-    rows = len(records)
-    target = verdict.target.logprobs[:rows]
-    votes = verdict.votes[:rows]
-    entropies = verdict.target.entropy[:rows].tolist()
-    margins = verdict.target.margin[:rows].tolist()
-    vote_lists = votes.tolist()
+    # Whole rows to lists, cut here: a round has at most γ + 1 of them, and each tensor
+    # operation costs more than that right after a model step.
+    target = verdict.target.logprobs
+    entropies = verdict.target.entropy.tolist()
+    margins = verdict.target.margin.tolist()
+    vote_lists = verdict.votes.tolist()
     for i, record in enumerate(records):
         record.entropy, record.stability_margin = entropies[i], margins[i]
         record.stability_radius = stability_radius(vote_lists[i], record.token_id)
@@ -114,7 +114,7 @@ def token_records(
                 suppression_score(target[i : i + 1], torch.tensor([rejected]))[0]
             )
     if logprobs is not None:
-        _add_logprobs(text_of, records, target, torch.tensor(tokens), logprobs)
+        _add_logprobs(text_of, records, target[: len(records)], torch.tensor(tokens), logprobs)
     return records
 
 

@@ -357,7 +357,7 @@ class Rounds:
         if chosen_from is not target.logprobs:
             token = self._draw(run, chosen_from, run.start + 1)
         elif prepared.sampling.greedy:
-            token = int(target.greedy[0])  # the draw's greedy choice, made with the rows
+            token = target.greedy.tolist()[0]  # the draw's greedy choice, made with the rows
         else:
             token = self._draw(run, chosen_from, run.start + 1, target.probs)
         return Verdict(

@@ -51,3 +51,10 @@ def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {list(value.shape)}"
     return type(value).__name__
+
+
+def as_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in float32: itself when it is already (`.float()` would still make a
+    dispatcher call, which costs more than its work right after a model step has pushed
+    the interpreter out of the caches)."""
+    return tensor if tensor.dtype == torch.float32 else tensor.float()

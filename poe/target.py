@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from hydra_jury.poe._checks import check_float, check_same_shape
+from hydra_jury.poe._checks import as_float32, check_float, check_same_shape
 from hydra_jury.poe.maxima import first_argmax
 from hydra_jury.poe.row_kernels import row_kernels
 
@@ -66,7 +66,7 @@ def partial_log_product_and_votes(
     scale = effective_temperature(temperature)
     # Dividing by 1, multiplying by 1 and summing one term change no bit: skipped, as
     # each is a pass over the vocabulary (the default greedy jury of one does none).
-    logits = verifier_logits.float()
+    logits = as_float32(verifier_logits)
     ops = row_kernels(logits)
     if ops is not None:  # the division, log-softmax and vote in one pass over each row
         head_logprobs, votes = ops.juror_rows(logits, scale)  # [H, N, V], [H, N]

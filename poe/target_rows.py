@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hydra_jury.poe._checks import check_float
+from hydra_jury.poe._checks import as_float32, check_float
 from hydra_jury.poe.metrics import entropy, stability_margin
 from hydra_jury.poe.row_kernels import row_kernels
 from hydra_jury.poe.rules import greedy_tokens
@@ -31,7 +31,7 @@ class TargetRows:
 def target_rows(log_product: torch.Tensor) -> TargetRows:
     """log_product: [N, V], the jury's unnormalised log-product → its `TargetRows`."""
     check_float("log_product", log_product, dims=2)
-    rows = log_product.float()
+    rows = as_float32(log_product)
     ops = row_kernels(rows)
     if ops is not None:
         return TargetRows(*ops.target_rows(rows))

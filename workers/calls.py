@@ -255,6 +255,17 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return moved
 
 
+def to_device(
+    tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """`tensor` on `device` (in `dtype`): itself where it is already. `.to` would still
+    make a dispatcher call, and right after a model step has pushed the interpreter out
+    of the caches each costs more than the work it does."""
+    if tensor.device == device and (dtype is None or tensor.dtype == dtype):
+        return tensor
+    return tensor.to(device, dtype)
+
+
 def _tensors_on_host(result, exclude: str = ""):
     names = [
         field.name

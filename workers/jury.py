@@ -31,7 +31,13 @@ import torch
 from hydra_jury.hydra_model import HeadRun, HydraModel, KVCache, Segment
 from hydra_jury.hydra_model.graphs import MAX_STATIC_ROWS, StepGraphs, graph_mode, heads_step
 from hydra_jury.poe import draft_logprobs, partial_log_product, partial_log_product_and_votes
-from hydra_jury.workers.calls import HiddenStates, JuryPrefillCall, ScoreCall, ScoreResult
+from hydra_jury.workers.calls import (
+    HiddenStates,
+    JuryPrefillCall,
+    ScoreCall,
+    ScoreResult,
+    to_device,
+)
 from hydra_jury.workers.errors import InvalidArgument
 from hydra_jury.workers.sessions import (
     SessionLimits,
@@ -65,9 +71,12 @@ class _Session:
 @dataclass
 class _Work:
     """One call of a batch, its session moved to the call's start and its trunk outputs
-    stored: `heads` (hosted indices) to run up to `end`, logits of the last `scored`."""
+    `rows` stored from `start`: `heads` (hosted indices) to run up to `end`, logits of the
+    last `scored`."""
 
     state: _Session
+    start: int
+    rows: torch.Tensor
     end: int
     heads: list[int]
     scored: int
@@ -117,7 +126,7 @@ class JuryWorker:
         expected = [hidden.rows, self.model.config.hidden_size]
         if list(tensor.shape) != expected:
             raise InvalidArgument(f"hidden: shape {list(tensor.shape)} is not {expected}")
-        return tensor.to(self.model.device, self.model.dtype)
+        return to_device(tensor, self.model.device, self.model.dtype)
 
     def _check_names(self, field: str, names: tuple[str, ...]) -> None:
         unknown = [name for name in names if name not in self.all_heads]
@@ -134,7 +143,7 @@ class JuryWorker:
         self, calls: list[JuryPrefillCall | ScoreCall], heads: list[list[int]], scored: bool
     ) -> list[dict[int, torch.Tensor]]:
         """Keeps each call's trunk outputs and runs its `heads` over its positions (after
-        catching each up); with `scored`, each call's logits [T, V] by head index."""
+        catching each up); with `scored`, each call's logits [1, T, V] by head index."""
         check_distinct_sessions(calls)
         states = [self._hidden_of(call.hidden) for call in calls]
         # Checks first: a refused call must not open a session.
@@ -149,7 +158,7 @@ class JuryWorker:
             state.lengths = [min(length, call.start) for length in state.lengths]
             state.hidden[call.start : end] = rows
             state.length = end
-            work.append(_Work(state, end, named, len(rows) if scored else 0))
+            work.append(_Work(state, call.start, rows, end, named, len(rows) if scored else 0))
         placed = self._plan(work)
         self.counters.calls += bool(placed)
         runs = [run for run, _ in placed]
@@ -159,8 +168,13 @@ class JuryWorker:
             for member, head in enumerate(range(run.first, run.first + run.count)):
                 for call_index, rows in entries:
                     work[call_index].state.lengths[head] = work[call_index].end
-                    if output is not None:
-                        logits[call_index][head] = output[member, rows]
+                    if output is None:
+                        continue
+                    # A run of one head and one call (a decode step's usual): its output
+                    # as it is, as each tensor operation costs more than its work here.
+                    whole = output.shape[0] == 1 and rows == slice(0, output.shape[1])
+                    mine = output if whole else output[member : member + 1, rows]
+                    logits[call_index][head] = mine
         return logits
 
     def _fixed_shapes(self, runs: list[HeadRun]) -> list[torch.Tensor] | None:
@@ -224,7 +238,8 @@ class JuryWorker:
         for index, held in need:
             item = work[index]
             length = item.end - held
-            pieces.append(item.state.hidden[held : item.end])
+            # (the call's own rows, just stored, where the head has nothing to catch up)
+            pieces.append(item.rows if held == item.start else item.state.hidden[held : item.end])
             segments.append(Segment(item.state.cache.members(members, held), held, length))
             rows.append((offset + length - item.scored, offset + length))
             entries.append((index, slice(scored, scored + item.scored)))
@@ -263,10 +278,10 @@ class JuryWorker:
         """The partial product, votes (and amateur) of one call's logits by head."""
         members = self._heads(call.jury)
         rows, vocab = call.hidden.rows, self.model.config.vocab_size
-        if len(members) == 1:  # a view: stacking would copy the vocabulary-wide rows
-            juror_logits = logits[members[0]][None]
+        if len(members) == 1:  # as it is: joining would copy the vocabulary-wide rows
+            juror_logits = logits[members[0]]
         elif members:
-            juror_logits = torch.stack([logits[i] for i in members])
+            juror_logits = torch.cat([logits[i] for i in members])
         else:
             juror_logits = torch.zeros(0, rows, vocab)  # [J, γ, V]
         log_product, votes = partial_log_product_and_votes(
@@ -281,7 +296,7 @@ class JuryWorker:
             )
         amateur = None
         if call.amateur in self.hosted:
-            amateur = draft_logprobs(logits[self.hosted.index(call.amateur)], call.temperature)
+            amateur = draft_logprobs(logits[self.hosted.index(call.amateur)][0], call.temperature)
         return ScoreResult(
             log_product,
             decision,

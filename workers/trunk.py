@@ -50,6 +50,7 @@ from hydra_jury.workers.calls import (
     UncertaintyCall,
     UncertaintyResult,
     check_sampling,
+    to_device,
     to_host,
 )
 from hydra_jury.workers.errors import InvalidArgument, UnknownSessionError
@@ -62,6 +63,9 @@ from hydra_jury.workers.sessions import (
 )
 
 Call = TypeVar("Call", PrefillCall, DraftCall)
+# A plain step's draft tokens: none. Shared, as making an empty tensor a step costs a
+# dispatcher call.
+NO_TOKENS = torch.empty(0, dtype=torch.long)
 
 
 @dataclass
@@ -237,11 +241,11 @@ class TrunkWorker:
         else:
             segments = [Segment(state.trunk, start, len(tokens)) for state, tokens, start in work]
             tokens = every[0] if len(every) == 1 else torch.cat(every)
-            hidden = self.model.trunk.forward_ragged(tokens.to(self.model.device), segments)
+            hidden = self.model.trunk.forward_ragged(to_device(tokens, self.model.device), segments)
             # (one session, a decode step's usual case: no split)
             outputs = [hidden] if len(every) == 1 else list(hidden.split([len(t) for t in every]))
         for (state, tokens, start), states in zip(work, outputs, strict=True):
-            state.tokens[start : start + len(tokens)] = tokens.cpu()
+            state.tokens[start : start + len(tokens)] = tokens
             state.hidden[start : start + len(tokens)] = states
             self.counters.trunk_positions += len(tokens)
         self.counters.trunk_calls += 1
@@ -476,7 +480,7 @@ class Drafting:
             raise self.error
         if self.head is None:  # a plain step: the pending token's hidden state only
             hidden = HiddenStates(1, self.hiddens[0])
-            return DraftResult(torch.empty(0, dtype=torch.long), None, None, hidden, trunk_steps=1)
+            return DraftResult(NO_TOKENS, None, None, hidden, trunk_steps=1)
         hidden = torch.cat(self.hiddens)
         gamma = self.call.gamma
         return self.draws.result(

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hydra_jury.orchestrator.detokenizer import IncrementalDetokenizer, TokenTexts
+from hydra_jury.orchestrator.detokenizer import IncrementalDetokenizer, TokenTexts, decoder
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +70,32 @@ def test_a_tokens_text_is_decoded_once_and_is_the_tokenizers(byte_tokenizer):
     assert sorted(map(tuple, calls)) == sorted({(token,) for token in ids})
     with pytest.raises(ValueError, match="skip special tokens"):
         IncrementalDetokenizer(byte_tokenizer, texts=TokenTexts(byte_tokenizer))
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_the_decoder_gives_the_tokenizers_own_text(byte_tokenizer, clean_up, monkeypatch):
+    """The Rust tokenizer's decode, where the decoder takes it, gives transformers' text,
+    special tokens kept or skipped; a tokenizer that cleans up spaces keeps its own."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=byte_tokenizer.backend_tokenizer,
+        eos_token="<|end|>",
+        clean_up_tokenization_spaces=clean_up,
+    )
+    decode = decoder(tokenizer)
+    eos = tokenizer.convert_tokens_to_ids("<|end|>")
+    ids = tokenizer.encode("a , b . é ' s n't 漢字 !", add_special_tokens=False)
+    rng = random.Random(0)
+    expected = []
+    for _ in range(200):
+        start = rng.randrange(len(ids))
+        window = ids[start : start + rng.randint(1, 4)]
+        window.insert(rng.randrange(len(window) + 1), eos)
+        skip = rng.random() < 0.5
+        expected.append((window, skip, tokenizer.decode(window, skip_special_tokens=skip)))
+    if not clean_up:  # the fast path: transformers' decode is not called at all
+        monkeypatch.setattr(tokenizer, "decode", None)
+    assert [decode(window, skip) for window, skip, _ in expected] == [
+        text for _, _, text in expected
+    ]
