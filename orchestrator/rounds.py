@@ -48,7 +48,6 @@ from hydra_jury.poe import (
     contrastive_logprobs,
     draw_token,
     filter_logprobs,
-    ngram_draft,
     normalise_logprobs,
     point_mass_logprobs,
     probabilities,
@@ -92,14 +91,12 @@ class Rounds:
         # One-pass rounds commit up to k + 1 tokens: room for the bonus under the limit.
         if prepared.drafter == DrafterKind.NGRAM:
             return self._ngram_round(
-                run, ngram_draft(run.committed, min(prepared.gamma, remaining - 1))
+                run, run.ngrams.draft(run.committed, min(prepared.gamma, remaining - 1))
             )
         if prepared.drafter == DrafterKind.MODEL:
             return self._model_round(run, min(prepared.gamma, remaining - 1), coupled=False)
         if prepared.rule == Rule.VERIFIER_ONLY:
-            # A plain step: the next one's trunk step can go as soon as this one's token
-            # is drawn (`_head_round`).
-            return self._head_round(run, 1, ahead, next_gamma=int(remaining > 1))
+            return self._plain_step(run, ahead, send_next=remaining > 1)
         if prepared.rule == Rule.DRAFTER_ONLY:
             return self._head_round(run, min(prepared.gamma, remaining))
         gamma = min(prepared.gamma, remaining)
@@ -137,7 +134,7 @@ class Rounds:
         """The round the automatic mode chooses, run: the choice, its verdict, and the
         kind and positions its cost is measured against."""
         prepared = run.prepared
-        drafts = ngram_draft(run.committed, min(prepared.gamma, remaining - 1))
+        drafts = run.ngrams.draft(run.committed, min(prepared.gamma, remaining - 1))
         head_cap = min(prepared.gamma, remaining) if prepared.draft_head else 0
         model_cap = min(prepared.gamma, remaining - 1) if self.backend.info.draft_model else 0
         choice = run.auto.choose(
@@ -182,10 +179,9 @@ class Rounds:
     def _head_round(
         self, run: Run, gamma: int, ahead: DraftAhead | None = None, next_gamma: int = 0
     ) -> Verdict:
-        """γ draft tokens from the draft head (γ trunk steps), one jury call over them;
-        verifier_only: one trunk step and one jury call, no draft. `ahead`: a draft sent
-        ahead by the last round, used if it is this round's; `next_gamma` > 0: the next
-        round's draft may be sent ahead."""
+        """γ draft tokens from the draft head (γ trunk steps), one jury call over them.
+        `ahead`: a draft sent ahead by the last round, used if it is this round's;
+        `next_gamma` > 0: the next round's draft may be sent ahead."""
         rule, policy = run.prepared.rule, run.ahead_policy
         call = self._draft_call(run, gamma, run.start, run.committed[-1])
         used_ahead = ahead is not None and ahead.call == call
@@ -194,32 +190,32 @@ class Rounds:
         drafted = time.perf_counter()
         if rule == Rule.DRAFTER_ONLY:
             return self._keep_draft(draft)
-        plain = rule == Rule.VERIFIER_ONLY
-        sent_ahead = (
-            not plain
-            and next_gamma > 0
-            and policy.pays()
-            and self._send_ahead(run, draft, next_gamma)
-        )
+        sent_ahead = next_gamma > 0 and policy.pays() and self._send_ahead(run, draft, next_gamma)
         sent = time.perf_counter()
         score = self._score(run, draft.hidden, draft.decision_logprobs is not None)
         scored = time.perf_counter()
         target = target_rows(score.log_product)  # [γ, V]
-        if plain:
-            verdict = self._sample_target(run, target, score)
-            # The next step's trunk call needs only this token: sent now, it runs while
-            # this round's metrics, commit and stream are done (where the backend
-            # batches sessions, beside theirs; never discarded but at the end).
-            verdict.sent_ahead = next_gamma > 0 and self._send_ahead_from(
-                run, verdict.tokens[-1], 1, next_gamma
-            )
-            verdict.used_ahead = used_ahead
-            return verdict
         verdict = self._verify(run, draft, target, score, DrafterKind.HEAD, coupled=False)
         verdict.sent_ahead, verdict.used_ahead = sent_ahead, used_ahead
         policy.observe_draft(ahead.seconds if used_ahead else drafted - began)
         policy.observe_score(scored - sent)
         policy.observe_round(kept_all=verdict.accepted == len(draft.tokens))
+        return verdict
+
+    def _plain_step(self, run: Run, ahead: DraftAhead | None, send_next: bool) -> Verdict:
+        """verifier_only: one trunk step and one jury call, no draft; a token drawn from
+        the target. `ahead`: the step sent ahead by the last round, used if it is this
+        one's. With `send_next`, the next step's trunk call, which needs only this
+        token, is sent as soon as the token is drawn: it runs while this round's
+        metrics, commit and stream are done (where the backend batches sessions, beside
+        theirs; never discarded but at the end)."""
+        call = self._draft_call(run, 1, run.start, run.committed[-1])
+        used_ahead = ahead is not None and ahead.call == call
+        draft = self._draft(run, call, ahead.future.result() if used_ahead else None)
+        score = self._score(run, draft.hidden, draft.decision_logprobs is not None)
+        verdict = self._sample_target(run, target_rows(score.log_product), score)
+        verdict.sent_ahead = send_next and self._send_ahead_from(run, verdict.tokens[-1], 1, 1)
+        verdict.used_ahead = used_ahead
         return verdict
 
     def _send_ahead(self, run: Run, draft: DraftResult, gamma: int) -> bool:

@@ -15,7 +15,7 @@ from hydra_jury.orchestrator.output import FinishReason, GenerationOutput, Progr
 from hydra_jury.orchestrator.request import DrafterKind, PreparedRequest
 from hydra_jury.orchestrator.round_timer import RoundTimer
 from hydra_jury.orchestrator.stopping import StopConditions
-from hydra_jury.poe import Hypothesis
+from hydra_jury.poe import Hypothesis, NgramIndex
 from hydra_jury.workers.calls import UncertaintyResult
 
 
@@ -31,6 +31,7 @@ class Run:
     records: list[TokenRecord] = field(default_factory=list)
     timer: RoundTimer = field(default_factory=RoundTimer)  # of the round in progress
     auto: AutoState | None = None  # the automatic mode's state, with drafter "auto"
+    ngrams: NgramIndex = field(default_factory=NgramIndex)  # prompt lookup in `committed`
     rounds_by_drafter: dict[DrafterKind, int] = field(default_factory=dict)
     hypotheses: list[Hypothesis] = field(default_factory=list)  # beam search's, best first
     judged: UncertaintyResult | None = None  # the uncertainty head's verdict, when asked

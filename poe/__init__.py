@@ -19,7 +19,7 @@ Modules
 
 from hydra_jury.poe.beam import BeamSearch, Hypothesis
 from hydra_jury.poe.contrastive import contrastive_logprobs
-from hydra_jury.poe.drafting import ngram_draft, point_mass_logprobs
+from hydra_jury.poe.drafting import NgramIndex, ngram_draft, point_mass_logprobs
 from hydra_jury.poe.filters import SamplingParams, filter_logprobs
 from hydra_jury.poe.maxima import first_argmax, top_two_values
 from hydra_jury.poe.metrics import (
@@ -72,6 +72,7 @@ __all__ = [
     "BeamSearch",
     "Distributions",
     "Hypothesis",
+    "NgramIndex",
     "RequestStats",
     "Rule",
     "SamplingParams",

@@ -13,35 +13,69 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 NGRAM_MIN = 1
 NGRAM_MAX = 3
 
 
+class NgramIndex:
+    """Where each token of a growing sequence occurs, so that a prompt-lookup draft costs
+    the occurrences of the sequence's last token, not a scan of the whole sequence (which
+    a round of the automatic mode pays under the interpreter lock, every round of every
+    session). Feed it one sequence, longer each time (a request's committed tokens); a
+    sequence that is shorter than, or ends its first part differently from, what was
+    indexed is indexed anew."""
+
+    def __init__(self) -> None:
+        self._positions: dict[int, list[int]] = {}
+        self._indexed: list[int] = []  # the tokens indexed, in order
+
+    def _sync(self, tokens: Sequence[int]) -> None:
+        indexed = self._indexed
+        held = len(indexed)
+        if held > len(tokens) or (held and tokens[held - 1] != indexed[-1]):
+            self._positions, self._indexed, held = {}, [], 0
+        for position in range(held, len(tokens)):
+            token = tokens[position]
+            self._positions.setdefault(token, []).append(position)
+            self._indexed.append(token)
+
+    def occurs(self, tokens: Sequence[int], token: int) -> bool:
+        """Whether `token` occurs in `tokens`: whether, once it is appended, a draft of at
+        least one token is on offer."""
+        self._sync(tokens)
+        return token in self._positions
+
+    def draft(
+        self, tokens: Sequence[int], gamma: int, *, min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX
+    ) -> list[int]:
+        """Up to `gamma` tokens that followed the latest earlier occurrence of the
+        longest suffix (of `max_n` down to `min_n` tokens) of `tokens`; [] when none
+        occurs.
+
+        [5, 6, 7, 9, 5, 6] with γ=3: the suffix [5, 6] occurred at 0, followed by [7, 9, 5].
+        """
+        length = len(tokens)
+        if gamma < 1 or length < 2:
+            return []
+        self._sync(tokens)
+        # The ends of earlier occurrences are earlier positions of the last token, the
+        # latest first; one of n tokens ending at `end` must start at 0 or later.
+        ends = self._positions[tokens[-1]][-2::-1]
+        for n in range(min(max_n, length - 1), min_n - 1, -1):
+            suffix = tokens[length - n :]
+            for end in ends:
+                if end >= n - 1 and tokens[end - n + 1 : end + 1] == suffix:
+                    return list(tokens[end + 1 : end + 1 + gamma])
+        return []
+
+
 def ngram_draft(
     tokens: Sequence[int], gamma: int, *, min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX
 ) -> list[int]:
-    """Up to `gamma` tokens that followed the latest earlier occurrence of the longest
-    suffix (of `max_n` down to `min_n` tokens) of `tokens`; [] when none occurs.
-
-    [5, 6, 7, 9, 5, 6] with γ=3: the suffix [5, 6] occurred at 0, followed by [7, 9, 5].
-    """
-    if gamma < 1 or len(tokens) < 2:
-        return []
-    array = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(max_n, len(array) - 1), min_n - 1, -1):
-        suffix = array[-n:]
-        # Windows that start early enough to have a token after them and are not the
-        # suffix itself: starts 0 .. len - n - 1.
-        windows = sliding_window_view(array[:-1], n)
-        starts = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(starts):
-            follow = int(starts[-1]) + n
-            return array[follow : follow + gamma].tolist()
-    return []
+    """`NgramIndex.draft` of a sequence seen once."""
+    return NgramIndex().draft(list(tokens), gamma, min_n=min_n, max_n=max_n)
 
 
 def point_mass_logprobs(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from hydra_jury.poe import (
     Distributions,
+    NgramIndex,
     acceptance_probs,
     ngram_draft,
     point_mass_logprobs,
@@ -28,6 +31,38 @@ def test_no_match_no_draft():
     assert ngram_draft([7], 4) == []
     assert ngram_draft([1, 1], 0) == []
     assert ngram_draft([1, 1, 1], 3, max_n=1) == [1]  # the latest match: one token follows
+
+
+def latest_lookup(tokens: list[int], gamma: int, max_n: int = 3) -> list[int]:
+    """The definition, by brute force: the longest suffix first, its latest earlier
+    occurrence (one with a token after it), continued."""
+    for n in range(min(max_n, len(tokens) - 1), 0, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + gamma]
+    return []
+
+
+def test_an_index_fed_a_growing_sequence_drafts_what_the_definition_does():
+    rng = random.Random(0)
+    for vocabulary in (2, 5, 40):
+        index, tokens = NgramIndex(), []
+        for _ in range(300):
+            tokens.append(rng.randrange(vocabulary))
+            gamma = rng.randint(0, 5)
+            expected = latest_lookup(tokens, gamma) if gamma else []
+            assert index.draft(tokens, gamma) == expected
+            assert ngram_draft(tokens, gamma) == expected
+            token = rng.randrange(vocabulary)
+            assert index.occurs(tokens, token) is (token in tokens)
+
+
+def test_an_index_given_another_sequence_starts_again():
+    index = NgramIndex()
+    assert index.draft([1, 2, 3, 1, 2], 2) == [3, 1]
+    assert index.draft([7, 8, 7], 2) == [8, 7]  # shorter: not an extension
+    assert index.draft([7, 9, 9, 7], 1) == [9]  # same length so far, another token
+    assert not index.occurs([4, 5], 7)
 
 
 def test_a_point_mass_draft_is_accepted_with_the_target_probability():
