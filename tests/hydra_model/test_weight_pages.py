@@ -54,13 +54,28 @@ def pair(wide_jury_checkpoint) -> tuple[HydraModel, HydraModel]:
     return left, moved
 
 
+@pytest.fixture(scope="module")
+def advised_by_loading_left(wide_jury_checkpoint) -> list[tuple[int, int]]:
+    """The mappings advised for huge pages while a load with them off ran."""
+    before = set(advised_regions())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(VARIABLE, "off")
+        HydraModel.load(wide_jury_checkpoint)
+    return [region for region in advised_regions() if region not in before]
+
+
 @needs_huge_pages
-def test_every_weight_moves_into_one_advised_arena(pair):
+def test_every_weight_moves_into_one_advised_arena(pair, advised_by_loading_left):
     left, moved = pair
     regions = advised_regions()
     homes = {region_of(t, regions) for t in weights(moved)}
     assert len(homes) == 1 and None not in homes
-    assert all(region_of(t, regions) is None for t in weights(left))
+    # Turned off, a load advises nothing, and none of its weights is in the arena. (Not
+    # "in no advised mapping at all": once in a full run, on one xdist worker after many
+    # other models had been loaded and freed, a weight of the load turned off was found
+    # in an advised mapping that this load had not made.)
+    assert advised_by_loading_left == []
+    assert all(region_of(t, regions) not in homes for t in weights(left))
     # The arena starts on a huge page: its first weight's address is a multiple of 2 MiB.
     assert min(t.data_ptr() for t in weights(moved)) % HUGE_PAGE == 0
 
