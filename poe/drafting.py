@@ -29,17 +29,17 @@ class NgramIndex:
 
     def __init__(self) -> None:
         self._positions: dict[int, list[int]] = {}
-        self._indexed: list[int] = []  # the tokens indexed, in order
+        self._length = 0  # how many tokens are indexed
+        self._last: int | None = None  # the last of them
 
     def _sync(self, tokens: Sequence[int]) -> None:
-        indexed = self._indexed
-        held = len(indexed)
-        if held > len(tokens) or (held and tokens[held - 1] != indexed[-1]):
-            self._positions, self._indexed, held = {}, [], 0
+        held = self._length
+        if held > len(tokens) or (held and tokens[held - 1] != self._last):
+            self._positions, held = {}, 0
         for position in range(held, len(tokens)):
-            token = tokens[position]
-            self._positions.setdefault(token, []).append(position)
-            self._indexed.append(token)
+            self._positions.setdefault(tokens[position], []).append(position)
+        self._length = len(tokens)
+        self._last = tokens[-1] if tokens else None
 
     def occurs(self, tokens: Sequence[int], token: int) -> bool:
         """Whether `token` occurs in `tokens`: whether, once it is appended, a draft of at

@@ -71,11 +71,10 @@ class _Session:
 @dataclass
 class _Work:
     """One call of a batch, its session moved to the call's start and its trunk outputs
-    `rows` stored from `start`: `heads` (hosted indices) to run up to `end`, logits of the
+    `rows` stored up to `end`: `heads` (hosted indices) to run up to `end`, logits of the
     last `scored`."""
 
     state: _Session
-    start: int
     rows: torch.Tensor
     end: int
     heads: list[int]
@@ -158,7 +157,7 @@ class JuryWorker:
             state.lengths = [min(length, call.start) for length in state.lengths]
             state.hidden[call.start : end] = rows
             state.length = end
-            work.append(_Work(state, call.start, rows, end, named, len(rows) if scored else 0))
+            work.append(_Work(state, rows, end, named, len(rows) if scored else 0))
         placed = self._plan(work)
         self.counters.calls += bool(placed)
         runs = [run for run, _ in placed]
@@ -238,8 +237,9 @@ class JuryWorker:
         for index, held in need:
             item = work[index]
             length = item.end - held
-            # (the call's own rows, just stored, where the head has nothing to catch up)
-            pieces.append(item.rows if held == item.start else item.state.hidden[held : item.end])
+            # The call's own rows, just stored, where the head has nothing to catch up.
+            caught_up = length == len(item.rows)
+            pieces.append(item.rows if caught_up else item.state.hidden[held : item.end])
             segments.append(Segment(item.state.cache.members(members, held), held, length))
             rows.append((offset + length - item.scored, offset + length))
             entries.append((index, slice(scored, scored + item.scored)))
