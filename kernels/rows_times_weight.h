@@ -184,16 +184,24 @@ static inline void int4_output_rows(const uint8_t* w, const float* scale, const 
       acc[r] = fma16(lanes, load16(x.step + at / 4), acc[r]);
     }
   };
+  // Each block's group by counting, not dividing: two integer divisions a chunk cost
+  // more than the chunk's own arithmetic.
+  int64_t g = 0, block_in_group = 0;
+  auto next_group = [&]() {
+    int64_t current = g;
+    if (++block_in_group == group_blocks) block_in_group = 0, ++g;
+    return current;
+  };
   int64_t c = 0;
   for (; c < inputs / 64; ++c) {
     __builtin_prefetch(w + c * 32 + kPrefetchBytes);
-    int64_t g0 = 2 * c / group_blocks, g1 = (2 * c + 1) / group_blocks;
+    int64_t g0 = next_group(), g1 = next_group();
     add(c, unpack_int4_chunk(w + c * 32), pair16(scale[g0], scale[g1]),
         pair16(minimum[g0], minimum[g1]));
   }
   if (inputs % 64) {
-    int64_t g = 2 * c / group_blocks;
-    add(c, unpack_int4_tail(w + c * 32), pair16(scale[g], 0.0f), pair16(minimum[g], 0.0f));
+    int64_t last = next_group();
+    add(c, unpack_int4_tail(w + c * 32), pair16(scale[last], 0.0f), pair16(minimum[last], 0.0f));
   }
   for (int r = 0; r < kRows; ++r) y[r * y_row] = sum16(acc[r]);
 }

@@ -35,15 +35,17 @@ def test_the_kernels_are_built_here():
 def _weights(stack: int, outputs: int, inputs: int) -> dict[str, torch.Tensor | QuantizedWeight]:
     generator = torch.Generator().manual_seed(outputs + inputs)
     w = torch.randn(stack, outputs, inputs, generator=generator)
-    return {
+    weights = {
         "float32": w,
         "int8": quantize(w, "int8"),
         "int4/32": quantize(w, "int4", 32),
-        "int4/64": quantize(w, "int4", 64),
         "int8, int8 activations": quantize(w, "int8", int8_activations=True),
         "int4/32, int8 activations": quantize(w, "int4", 32, int8_activations=True),
-        "int4/64, int8 activations": quantize(w, "int4", 64, int8_activations=True),
     }
+    if inputs % 64 == 0:
+        weights["int4/64"] = quantize(w, "int4", 64)
+        weights["int4/64, int8 activations"] = quantize(w, "int4", 64, int8_activations=True)
+    return weights
 
 
 def _reference(x: torch.Tensor, weight) -> torch.Tensor:
@@ -56,9 +58,10 @@ def _reference(x: torch.Tensor, weight) -> torch.Tensor:
 
 @pytest.mark.parametrize("stack", [1, 3])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 17, KERNEL_MAX_ROWS])
-def test_products_match_the_reference_on_every_instruction_set(kernels, stack, rows):
-    x = torch.randn(stack, rows, 128, generator=torch.Generator().manual_seed(rows))
-    for name, weight in _weights(stack, 96, 128).items():
+@pytest.mark.parametrize("inputs", [128, 96])  # 96: a last block of 32 alone (a chunk's tail)
+def test_products_match_the_reference_on_every_instruction_set(kernels, stack, rows, inputs):
+    x = torch.randn(stack, rows, inputs, generator=torch.Generator().manual_seed(rows))
+    for name, weight in _weights(stack, 96, inputs).items():
         results = {}
         for isa in kernels:
             instruction_set(isa)
