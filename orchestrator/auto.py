@@ -179,6 +179,7 @@ class AutoState:
     acceptance: dict[DrafterKind, Acceptance] = field(
         default_factory=lambda: {d: Acceptance.prior(d) for d in PRIOR_ACCEPTANCE}
     )
+    planned: Choice | None = None  # the next round's choice, made early by a plain step
 
     @classmethod
     def starting(cls, costs: CostModel) -> AutoState:

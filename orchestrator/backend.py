@@ -175,13 +175,19 @@ class DecodingBackend(ABC):
         make the call it would send)."""
         return False
 
-    def draft_ahead(self, call: DraftCall) -> Future[DraftResult] | None:
+    def draft_ahead(self, call: DraftCall) -> Future[tuple[DraftResult, ModelShare]] | None:
         """Starts `call` so that it runs while this thread makes its next calls (pipelined
         rounds: the next round's draft beside this round's score), or None where this
-        backend does not pipeline rounds (the default). The caller waits for the future
-        before it calls the trunk about the session again: the position rule holds only
-        for one call of a session at a time."""
+        backend does not pipeline rounds (the default). The future gives the result and
+        what the call cost (`ModelShare`, for `count_ahead`). The caller waits for the
+        future before it calls the trunk about the session again: the position rule
+        holds only for one call of a session at a time."""
         return None
+
+    def count_ahead(self, share: ModelShare) -> None:
+        """Counts a call sent ahead in the scope of the round that uses its result
+        (`sharing`): what it cost is that round's, though it ran before the round began."""
+        self._shared(share.waited, share.share)
 
     @abstractmethod
     def score(self, call: ScoreCall) -> ScoreResult:

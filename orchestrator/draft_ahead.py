@@ -26,6 +26,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from hydra_jury.orchestrator.backend import ModelShare
 from hydra_jury.workers.calls import DraftCall, DraftResult
 
 DECAY = 0.8  # per round: a request's last few rounds decide
@@ -38,7 +39,7 @@ class DraftAhead:
     """The next round's draft, sent before this round's verdict."""
 
     call: DraftCall  # as the next round makes it if every draft token of this one is kept
-    future: Future[DraftResult]
+    future: Future[tuple[DraftResult, ModelShare]]  # the result, and what it cost
     sent_at: float = field(default_factory=time.perf_counter)
     answered_at: float | None = None  # set when the future is done
 

@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from hydra_jury.orchestrator.backend import DecodingBackend
+from hydra_jury.orchestrator.backend import DecodingBackend, ModelShare
 from hydra_jury.orchestrator.discovery import Discovery, StaticDiscovery
 from hydra_jury.orchestrator.layout import Layout, LayoutError, check_layout
 from hydra_jury.orchestrator.placement import Placements
@@ -369,7 +369,7 @@ class GrpcBackend(DecodingBackend):
     def pipelines(self) -> bool:
         return self._ahead is not None
 
-    def draft_ahead(self, call: DraftCall) -> Future[DraftResult] | None:
+    def draft_ahead(self, call: DraftCall) -> Future[tuple[DraftResult, ModelShare]] | None:
         if self._ahead is None:
             return None
         deadline = getattr(self._scope, "deadline", None)
@@ -379,9 +379,11 @@ class GrpcBackend(DecodingBackend):
         except RuntimeError:  # closing: the round makes its draft call itself
             return None
 
-    def _draft_before(self, deadline: float | None, call: DraftCall) -> DraftResult:
-        with self.call_scope(deadline):
-            return self.draft(call)
+    def _draft_before(
+        self, deadline: float | None, call: DraftCall
+    ) -> tuple[DraftResult, ModelShare]:
+        with self.call_scope(deadline), self.sharing() as share:
+            return self.draft(call), share
 
     def uncertainty(self, session: str, call: UncertaintyCall) -> UncertaintyResult:
         targets = self._targets([self.trunk], session)

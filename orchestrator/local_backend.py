@@ -21,7 +21,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from hydra_jury.hydra_model import DraftModel, HydraModel
-from hydra_jury.orchestrator.backend import DecodingBackend, ModelInfo
+from hydra_jury.orchestrator.backend import DecodingBackend, ModelInfo, ModelShare
 from hydra_jury.serving.batcher import BatchLimits
 from hydra_jury.serving.errors import CallCancelled, DeadlineExceeded, InternalServiceError
 from hydra_jury.serving.metrics import ServiceMetrics
@@ -181,7 +181,7 @@ class LocalBackend(DecodingBackend):
     def pipelines(self) -> bool:
         return self.batchers is not None
 
-    def draft_ahead(self, call: DraftCall) -> Future[DraftResult] | None:
+    def draft_ahead(self, call: DraftCall) -> Future[tuple[DraftResult, ModelShare]] | None:
         """Batched (the single-process server), a plain step's `call` goes to the Draft
         batcher now and runs with the other sessions' steps while this thread goes on;
         else None. Not a head draft: sent before the verdict, it would be wasted work
@@ -190,8 +190,9 @@ class LocalBackend(DecodingBackend):
         if self.batchers is None or call.draft_head is not None or call.draft_model:
             return None
         started = threading.Event()
+        sent = time.perf_counter()
         submitted = self.batchers.submit("Draft", call, started)
-        result: Future[DraftResult] = Future()
+        result: Future[tuple[DraftResult, ModelShare]] = Future()
 
         def done(future: Future) -> None:
             if future.cancelled():
@@ -199,7 +200,8 @@ class LocalBackend(DecodingBackend):
             elif future.exception() is not None:
                 result.set_exception(future.exception())
             else:
-                result.set_result(future.result()[0])
+                draft, share = future.result()
+                result.set_result((draft, ModelShare(time.perf_counter() - sent, share)))
 
         submitted.add_done_callback(done)
         # This round's metrics, commit and stream wait (at most a batch window) until the

@@ -16,8 +16,10 @@ import grpc
 import pytest
 
 from hydra_jury.orchestrator.__main__ import build_parser
+from hydra_jury.orchestrator.auto import AutoState, Choice
 from hydra_jury.orchestrator.config import ConfigFileError, OrchestratorConfig
 from hydra_jury.orchestrator.draft_ahead import AheadPolicy
+from hydra_jury.orchestrator.request import DrafterKind
 from tests.grpc_stack import Stack, wait_for
 from tests.orchestrator.sessions.test_sessions_api import chat, user
 from tests.orchestrator.test_concurrent_sessions import PROMPTS, SESSION_ROOM
@@ -122,6 +124,23 @@ def test_greedy_pipelined_speculation_gives_the_non_speculative_tokens(stack):
         # A plain step sends the next one's trunk step once its token is drawn: every
         # round but the last, and every one is used (no draft to reject).
         stats = plain_step.stats
+        assert stats.drafts_ahead == stats.drafts_ahead_used == stats.rounds - 1
+
+
+def test_the_automatic_modes_plain_steps_are_pipelined(stack, monkeypatch):
+    """A plain step of the automatic mode chooses the next round at once and, when that
+    is a plain step too, sends its trunk step ahead: with every choice a plain step,
+    every round but the last sends one and every one is used, and the tokens are
+    non-speculative sampling's."""
+    monkeypatch.setattr(AutoState, "choose", lambda *args: Choice(DrafterKind.NONE, 0))
+    pipelined = stack.generation("pipelined")
+    for seed, prompt in enumerate(PROMPTS[:3]):
+        options = dict(max_new_tokens=12, ignore_eos=True, temperature=0.8, seed=seed)
+        plain_step = pipelined.Generate(to_pb(prompt, rule="verifier_only", **options), timeout=30)
+        auto = pipelined.Generate(to_pb(prompt, drafter="auto", **options), timeout=30)
+        assert list(auto.token_ids) == list(plain_step.token_ids)
+        stats = auto.stats
+        assert dict(stats.rounds_by_drafter) == {"none": 12}
         assert stats.drafts_ahead == stats.drafts_ahead_used == stats.rounds - 1
 
 

@@ -191,7 +191,7 @@ def test_a_plain_step_goes_ahead_through_the_draft_batcher(jury_model):
             call = DraftCall("s", 3, 6, 1, None, SamplingParams(temperature=0.0), 0)
             future = local.draft_ahead(call)
             assert (future is not None) == ahead
-            steps.append(future.result(timeout=30) if ahead else local.draft(call))
+            steps.append(future.result(timeout=30)[0] if ahead else local.draft(call))
         torch.testing.assert_close(steps[0].hidden.tensor(), steps[1].hidden.tensor())
         head = DraftCall("s", 4, 7, 2, "head0", SamplingParams(temperature=0.0), 0)
         assert backend.draft_ahead(head) is None
