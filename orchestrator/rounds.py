@@ -175,8 +175,9 @@ class Rounds:
         sends its trunk call ahead: under load it then joins the other sessions' batch
         while this round's metrics, commit and stream are done, as non-speculative
         decoding's steps do. (8 sessions of `serve`, trained demo checkpoint, float32,
-        rounds nearly all plain: chosen at each round, the automatic mode ran at
-        0.88-0.94x non-speculative decoding.) Whether the step was sent."""
+        rounds nearly all plain, taken turn about with non-speculative decoding on one
+        2-core Intel server: chosen at each round, the automatic mode ran at 0.83-0.94x
+        of it; chosen here and sent ahead, 0.93-0.96x.) Whether the step was sent."""
         run.auto.planned = self._choose(run, [*run.committed, token], remaining)
         return run.auto.planned.drafter == DrafterKind.NONE and self._send_ahead_from(
             run, token, 1, 1, trunk_only=True

@@ -191,8 +191,17 @@ def test_a_plain_step_goes_ahead_through_the_draft_batcher(jury_model):
             call = DraftCall("s", 3, 6, 1, None, SamplingParams(temperature=0.0), 0)
             future = local.draft_ahead(call)
             assert (future is not None) == ahead
+            if ahead:
+                sent = future
             steps.append(future.result(timeout=30)[0] if ahead else local.draft(call))
         torch.testing.assert_close(steps[0].hidden.tensor(), steps[1].hidden.tensor())
+        # What the step cost comes with it, for the round that uses it: alone in its
+        # batch, the whole batch, within the time from sending to the answer.
+        cost = sent.result()[1]
+        assert 0 < cost.share <= cost.waited
+        with backend.sharing() as round_share:
+            backend.count_ahead(cost)
+        assert (round_share.waited, round_share.share) == (cost.waited, cost.share)
         head = DraftCall("s", 4, 7, 2, "head0", SamplingParams(temperature=0.0), 0)
         assert backend.draft_ahead(head) is None
         # The round goes on once its step has gone to the model thread, or after a batch
