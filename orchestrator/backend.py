@@ -150,11 +150,6 @@ class DecodingBackend(ABC):
         """Processes the tokens in the trunk and the jury."""
 
     @abstractmethod
-    def trunk_forward(self, call: PrefillCall) -> HiddenStates:
-        """Processes the tokens in the trunk only; their hidden states, for a `score`
-        call (one-pass verification of an outside draft)."""
-
-    @abstractmethod
     def trunk_forward_batch(self, calls: list[PrefillCall]) -> list[HiddenStates]:
         """Several sessions' tokens through the trunk in one batched forward (the beams
         of a beam search); their hidden states, in order."""

@@ -329,7 +329,8 @@ class GrpcBackend(DecodingBackend):
     def _targets(self, components: list[_Component], cache: str):
         return [(c, self._replica(c, cache)) for c in components]
 
-    def trunk_forward(self, call: PrefillCall) -> HiddenStates:
+    def _trunk_prefill(self, call: PrefillCall) -> HiddenStates:
+        """The tokens through the trunk; their hidden states, for the shards' prefill."""
         trunk = self._targets([self.trunk], call.session)
         (response,) = self._call_all(trunk, "Prefill", [wire.prefill_call_to_pb(call)])
         return wire.forwarded_hidden(response.hidden)
@@ -348,7 +349,7 @@ class GrpcBackend(DecodingBackend):
         return [wire.forwarded_hidden(result.hidden) for result in response.results]
 
     def prefill(self, call: PrefillCall) -> None:
-        hidden = self.trunk_forward(call)
+        hidden = self._trunk_prefill(call)
         request = wire.jury_prefill_call_to_pb(
             JuryPrefillCall(call.session, call.start, hidden, call.heads)
         )

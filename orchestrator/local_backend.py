@@ -157,9 +157,6 @@ class LocalBackend(DecodingBackend):
         hidden = self.trunk.prefill(call)
         self.jury.prefill(JuryPrefillCall(call.session, call.start, hidden, call.heads))
 
-    def trunk_forward(self, call: PrefillCall) -> HiddenStates:
-        return self.trunk_forward_batch([call])[0]
-
     def trunk_forward_batch(self, calls: list[PrefillCall]) -> list[HiddenStates]:
         if self.batchers is not None:
             return self._batched("TrunkForward", calls)

@@ -64,7 +64,6 @@ from hydra_jury.workers.calls import (
     DraftCall,
     DraftResult,
     HiddenStates,
-    PrefillCall,
     ScoreCall,
     ScoreResult,
 )
@@ -287,11 +286,13 @@ class Rounds:
         pending: int,
         draft_model: bool = False,
         trunk_only: bool = False,
+        outside_drafts: list[int] | None = None,
     ) -> DraftCall:
         """The draft call of a round starting at `start` from the token `pending`;
-        `trunk_only`: a plain step's (the trunk alone, nothing drawn)."""
+        `trunk_only`: a plain step's (the trunk alone, nothing drawn); `outside_drafts`:
+        a one-pass round's (the trunk alone, over `pending` and these drafts)."""
         prepared = run.prepared
-        trunk_only = trunk_only or prepared.rule == Rule.VERIFIER_ONLY
+        trunk_only = trunk_only or outside_drafts is not None or prepared.rule == Rule.VERIFIER_ONLY
         return DraftCall(
             run.session,
             start,
@@ -302,6 +303,7 @@ class Rounds:
             prepared.seed,
             with_decision=_decides_apart(run) and not trunk_only,
             draft_model=draft_model,
+            outside_drafts=tuple(outside_drafts or ()),
         )
 
     def _draft(self, run: Run, call: DraftCall, done: DraftResult | None = None) -> DraftResult:
@@ -313,13 +315,12 @@ class Rounds:
         return done
 
     def _ngram_round(self, run: Run, drafts: list[int]) -> Verdict:
-        """Prompt-lookup drafts (point masses), checked in one pass; the trunk forward
-        over the pending token and the k drafts is this round's only trunk call. No
-        draft: a plain step."""
-        tokens = torch.tensor([run.committed[-1], *drafts])
-        with run.timer.phase("draft_s"):
-            hidden = self.backend.trunk_forward(PrefillCall(run.session, run.start, tokens))
-        _count_work(run.progress.stats, len(tokens), 0)
+        """Prompt-lookup drafts (point masses), checked in one pass; the trunk step over
+        the pending token and the k drafts (a draft call of outside drafts, which a
+        server batches with the other sessions' plain steps) is this round's only trunk
+        call. No draft: a plain step."""
+        call = self._draft_call(run, 1, run.start, run.committed[-1], outside_drafts=drafts)
+        hidden = self._draft(run, call).hidden
         draft_tokens = torch.tensor(drafts, dtype=torch.long)
         point_mass = point_mass_logprobs(draft_tokens, self.backend.info.vocab_size)
         decision = point_mass if _decides_apart(run) else None

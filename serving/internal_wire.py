@@ -174,6 +174,7 @@ def draft_call_to_pb(call: DraftCall) -> internal_pb2.DraftRequest:
         seed=call.seed,
         with_decision=call.with_decision,
         draft_model=call.draft_model,
+        outside_drafts=call.outside_drafts,
     )
 
 
@@ -198,6 +199,7 @@ def draft_call_from_pb(request: internal_pb2.DraftRequest) -> DraftCall:
         request.seed,
         request.with_decision,
         request.draft_model,
+        tuple(request.outside_drafts),
     )
 
 

@@ -9,9 +9,12 @@ event loop of their own thread and run each batch on the model thread:
 
 - **prefill**: the trunk's ragged forward, then the jury's, over every session's tokens
   (a long prompt in chunks, each in its own batch, as the trunk service chunks it);
-- **trunk forward**: the trunk alone (one-pass verification of an outside draft);
-- **draft**: one position per batch of every session drafting (`DraftScheduler`): a
-  call joins at the next step and leaves when its γ positions are done;
+- **trunk forward**: the trunk alone (a beam search's step over its beams);
+- **draft**: one step per batch of every session drafting (`DraftScheduler`): a call
+  joins at the next step and leaves when its γ steps are done. A plain step and a
+  one-pass check of outside drafts (its pending token and drafts) are one step each, so
+  a one-pass round shares the plain steps' trunk forward instead of running one of its
+  own beside it;
 - **score**: the jury's ragged forward over every session's drafted positions.
 
 A call that fails fails alone (`run_isolated`); results come back on the host, as the
@@ -92,7 +95,8 @@ class WorkerBatchers:
             "TrunkForward": batcher(
                 "TrunkForward", self._trunk_forward_batch, lambda call: len(call.tokens)
             ),
-            "Draft": batcher("Draft", self._draft_batch, lambda call: 1),  # a step each
+            # A position per step; a one-pass check's step, its pending token and drafts.
+            "Draft": batcher("Draft", self._draft_batch, lambda call: len(call.trunk_tokens)),
             "Score": batcher("Score", self._score_batch, lambda call: call.hidden.rows),
         }
 

@@ -32,11 +32,12 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
         self, worker: TrunkWorker, thread: ModelThread, batch_limits: BatchLimits | None = None
     ) -> None:
         super().__init__(worker, thread, batch_limits)
-        # Concurrent prefills (one-pass checks included) of different sessions run as one
-        # trunk forward. Draft calls (plain steps and head drafts) are stepped by the
-        # draft scheduler: each batch of the Draft batcher runs one position of every
-        # session drafting, so a call joins at the step after it arrives and leaves once
-        # its γ positions are done.
+        # Concurrent prefills of different sessions run as one trunk forward. Draft calls
+        # (plain steps, one-pass checks and head drafts) are stepped by the draft
+        # scheduler: each batch of the Draft batcher runs one step of every session
+        # drafting (a one-pass check's pending token and outside drafts are its one
+        # step), so a call joins at the step after it arrives and leaves once its γ
+        # steps are done.
         self._prefills = self.batcher(
             "Prefill",
             lambda request: wire.prefill_call_from_pb(request),
@@ -50,7 +51,8 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
             "TrunkServicer.Draft",
             thread,
             self._draft_batch,
-            lambda request: 1,  # one position per step
+            # One position per step; a one-pass check's step, its pending token and drafts.
+            lambda request: 1 + len(request.outside_drafts),
             self.batch_limits,
             self.metrics.observer("Draft"),
         )

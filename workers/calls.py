@@ -115,8 +115,12 @@ class JuryPrefillCall:
 class DraftCall:
     """γ trunk + draft-head steps from the pending token at position `start`; with
     `draft_model`, γ steps of the trunk service's draft model and then one trunk forward
-    over the pending token and the γ drafts (γ + 1 positions); with neither
-    (non-speculative decoding) one trunk step and no draft."""
+    over the pending token and the γ drafts (γ + 1 positions); with neither, one trunk
+    step and no draft: over the pending token alone (non-speculative decoding), or over
+    it and `outside_drafts`, k tokens drafted outside the services (prompt lookup) that
+    the jury then checks in one pass (k + 1 positions). A one-pass check is a step like a
+    plain one, so a server batches it with the other sessions' steps: one trunk forward
+    for all, where a forward of its own would stream the weights twice per step."""
 
     session: str
     start: int
@@ -127,6 +131,7 @@ class DraftCall:
     seed: int
     with_decision: bool = False  # also return the decision distributions
     draft_model: bool = False  # draft with the draft model instead of a head
+    outside_drafts: tuple[int, ...] = ()  # fed after the pending token; nothing drawn
 
     def __post_init__(self) -> None:
         _check_session(self.session, self.start)
@@ -134,6 +139,14 @@ class DraftCall:
             raise InvalidArgument(f"gamma: must be in 1..{MAX_GAMMA}, got {self.gamma}")
         if self.draft_model and self.draft_head is not None:
             raise InvalidArgument("draft_head: must be empty when drafting with the draft model")
+        if self.outside_drafts and (self.draft_model or self.draft_head is not None):
+            raise InvalidArgument(
+                "outside_drafts: only a call that drafts nothing itself checks outside drafts"
+            )
+        if len(self.outside_drafts) > MAX_GAMMA:
+            raise InvalidArgument(
+                f"outside_drafts: at most {MAX_GAMMA}, got {len(self.outside_drafts)}"
+            )
         if self.draft_head is None and not self.draft_model and self.gamma != 1:
             raise InvalidArgument(
                 f"gamma: must be 1 without a draft_head (one trunk step), got {self.gamma}"
@@ -141,6 +154,12 @@ class DraftCall:
         if not 0 <= self.seed < MAX_SEED:
             raise InvalidArgument(f"seed: must be below 2**63 and >= 0, got {self.seed}")
         check_sampling(self.sampling)
+
+    @property
+    def trunk_tokens(self) -> list[int]:
+        """The tokens the call's first trunk step runs over: the pending token, and the
+        outside drafts after it."""
+        return [self.pending, *self.outside_drafts]
 
 
 @dataclass(frozen=True)

@@ -318,6 +318,8 @@ class TrunkWorker:
     def _check_draft(self, call: DraftCall) -> None:
         vocab_size = self.model.config.vocab_size
         check_token_id("pending_token", call.pending, vocab_size)
+        for index, token in enumerate(call.outside_drafts):
+            check_token_id(f"outside_drafts[{index}]", token, vocab_size)
         check_sampling(call.sampling, vocab_size)
         if call.draft_head is not None and call.draft_head not in self.drafters:
             raise InvalidArgument(
@@ -329,13 +331,16 @@ class TrunkWorker:
                 "draft_model: this trunk service hosts no draft model (start it with "
                 "--draft-model DIR)"
             )
-        # A draft-model round runs the trunk over the pending token and γ drafts.
-        check_capacity(call.start + call.gamma + call.draft_model, self.max_session_tokens)
+        # A draft-model round runs the trunk over the pending token and γ drafts, a
+        # one-pass check over the pending token and its outside drafts.
+        end = call.start + call.gamma + call.draft_model + len(call.outside_drafts)
+        check_capacity(end, self.max_session_tokens)
 
     def draft(self, call: DraftCall) -> DraftResult:
         """Feeds the pending token (position `start`) and then each new draft token
         through the trunk and the draft head: γ trunk steps, γ draft tokens at positions
-        start+1..start+γ. Without a draft head only the trunk runs, once."""
+        start+1..start+γ. Without a draft head only the trunk runs, once, over the
+        pending token and the call's outside drafts."""
         return self.draft_batch([call])[0]
 
     def draft_batch(self, calls: list[DraftCall]) -> list[DraftResult]:
@@ -384,7 +389,7 @@ class TrunkWorker:
             active.append(entry)
         if not active:
             return
-        work = [(e.state, torch.tensor([e.token]), e.call.start + e.step) for e in active]
+        work = [(e.state, torch.tensor(e.step_tokens()), e.call.start + e.step) for e in active]
         for entry, hidden in zip(active, self._trunk_steps(work), strict=True):
             entry.hiddens.append(hidden)
         by_head: dict[int, list[Drafting]] = {}
@@ -475,12 +480,18 @@ class Drafting:
     def done(self) -> bool:
         return self.error is not None or self.step >= self.call.gamma
 
+    def step_tokens(self) -> list[int]:
+        """The tokens the next step feeds the trunk: the token fed next, and at the first
+        step the call's outside drafts after it."""
+        return self.call.trunk_tokens if self.step == 0 else [self.token]
+
     def result(self) -> DraftResult:
         if self.error is not None:
             raise self.error
-        if self.head is None:  # a plain step: the pending token's hidden state only
-            hidden = HiddenStates(1, self.hiddens[0])
-            return DraftResult(NO_TOKENS, None, None, hidden, trunk_steps=1)
+        if self.head is None:  # a plain step or a one-pass check: its trunk outputs only
+            rows = len(self.hiddens[0])
+            hidden = HiddenStates(rows, self.hiddens[0])
+            return DraftResult(NO_TOKENS, None, None, hidden, trunk_steps=rows)
         hidden = torch.cat(self.hiddens)
         gamma = self.call.gamma
         return self.draws.result(

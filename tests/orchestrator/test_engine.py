@@ -98,16 +98,13 @@ class CountingBackend(LocalBackend):
         super().prefill(call)
 
     def draft(self, call):
-        self.calls.append(("draft", call.start, call.gamma))
+        # γ steps; a one-pass check's one step runs its pending token and outside drafts.
+        self.calls.append(("draft", call.start, call.gamma + len(call.outside_drafts)))
         return super().draft(call)
 
     def score(self, call):
         self.calls.append(("score", call.start, call.hidden.rows))
         return super().score(call)
-
-    def trunk_forward(self, call):
-        self.calls.append(("trunk", call.start, len(call.tokens)))
-        return super().trunk_forward(call)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -552,9 +549,9 @@ def test_greedy_ngram_speculation_equals_non_speculative_poe(engine, prompt):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_one_pass_rounds_do_no_wasted_work(jury_model, tokenizer, temperature):
-    """Each round: one trunk forward over the pending token and the k draft tokens, one
-    jury call over the same k + 1 positions, both at the processed length; a round that
-    keeps every draft commits k + 1 tokens (the bonus)."""
+    """Each round: one trunk step over the pending token and the k draft tokens (a draft
+    call of outside drafts), one jury call over the same k + 1 positions, both at the
+    processed length; a round that keeps every draft commits k + 1 tokens (the bonus)."""
     backend = CountingBackend(jury_model, limits=SessionLimits(1, 128))
     prompt = "abcabcabcabc"
     prompt_tokens = tokenizer.encode(prompt, add_special_tokens=False)
@@ -578,12 +575,12 @@ def test_one_pass_rounds_do_no_wasted_work(jury_model, tokenizer, temperature):
     for (kind_t, start_t, rows_t), (kind_s, start_s, rows_s), size in zip(
         calls[1::2], calls[2::2], output.rounds, strict=True
     ):
-        assert (kind_t, kind_s) == ("trunk", "score")
+        assert (kind_t, kind_s) == ("draft", "score")
         assert start_t == start_s == processed and rows_t == rows_s
         assert size <= rows_t  # at most k + 1 tokens from k + 1 positions
         processed += size
     assert stats["emitted"] == 40 and stats["rounds"] == len(output.rounds)
-    assert stats["trunk_steps"] == sum(rows for kind, _, rows in calls if kind == "trunk")
+    assert stats["trunk_steps"] == sum(rows for kind, _, rows in calls if kind == "draft")
     # Every round commits its kept drafts and one more: a replacement, a sample or a bonus.
     assert bonuses > 0 and stats["emitted"] == stats["accepted"] + stats["rounds"]
 

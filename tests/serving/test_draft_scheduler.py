@@ -56,6 +56,25 @@ def test_calls_join_between_steps_and_get_what_they_get_alone(jury_model):
         )
 
 
+def test_a_one_pass_check_shares_the_plain_steps_trunk_step(jury_model):
+    """A one-pass check (outside drafts after the pending token) is a step like a plain
+    one: both run in one trunk forward, ending in that batch with what each gets alone."""
+    worker = worker_with(jury_model, ["a", "b"])
+    scheduler = DraftScheduler(worker)
+    plain = draft("a", 1, None)
+    check = DraftCall("b", len(PROMPT), 11, 1, None, SAMPLED, 3, outside_drafts=(12, 13))
+    steps = worker.counters.trunk_calls
+    results = scheduler.run([plain, check], as_is)
+    assert worker.counters.trunk_calls - steps == 1 and len(scheduler) == 0
+    alone = worker_with(jury_model, ["a", "b"])
+    for call, result in zip([plain, check], results, strict=True):
+        expected = alone.draft(call)
+        assert result.hidden.rows == expected.hidden.rows == 1 + len(call.outside_drafts)
+        torch.testing.assert_close(
+            result.hidden.tensor(), expected.hidden.tensor(), atol=1e-5, rtol=1e-5
+        )
+
+
 def test_a_plain_step_ends_in_its_first_batch(jury_model):
     worker = worker_with(jury_model, ["s"])
     (result,) = DraftScheduler(worker).run([draft("s", 1, None)], as_is)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -24,6 +26,8 @@ def test_trunk_calls_round_trip():
             "s", 3, 9, 1 if draft_head is None else 4, draft_head, sampling, 7, True
         )
         assert wire.draft_call_from_pb(wire.draft_call_to_pb(draft)) == draft
+    check = replace(calls.draft("s", 3, 9, 1, None, SamplingParams(), 7), outside_drafts=(4, 2))
+    assert wire.draft_call_from_pb(wire.draft_call_to_pb(check)) == check
 
 
 def test_a_draft_without_sampling_options_needs_no_draft_head():

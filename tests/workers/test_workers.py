@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hydra_jury.poe import SamplingParams
+from hydra_jury.workers.calls import MAX_GAMMA, DraftCall
 from hydra_jury.workers.errors import (
     CapacityError,
     InvalidArgument,
@@ -63,6 +64,35 @@ def test_session_and_length_limits(jury_model):
     with pytest.raises(InvalidArgument, match="start: must be >= 0, got -1"):
         calls.prefill("b", -1, torch.tensor([5]))
     trunk.prefill(calls.prefill("b", 0, torch.tensor([5])))
+
+
+def test_a_one_pass_check_runs_its_outside_drafts_in_one_trunk_step(jury_model):
+    """A draft call of outside drafts, drafting nothing itself: one trunk step over the
+    pending token and the drafts, the hidden states a prefill of those tokens gives.
+    Refused where it would draft too, names a token outside the vocabulary or passes the
+    session's length limit."""
+    trunk = TrunkWorker(jury_model, limits=SessionLimits(2, 12))
+    for session in ("check", "prefill"):
+        trunk.prefill(calls.prefill(session, 0, torch.tensor([5, 6, 7])))
+    steps = trunk.counters.trunk_calls
+    result = trunk.draft(DraftCall("check", 3, 8, 1, None, GREEDY, 0, outside_drafts=(9, 10)))
+    assert trunk.counters.trunk_calls - steps == 1
+    assert result.tokens.numel() == 0 and result.logprobs is None
+    assert result.hidden.rows == result.trunk_steps == 3
+    expected = trunk.prefill(calls.prefill("prefill", 3, torch.tensor([8, 9, 10])))
+    assert torch.equal(result.hidden.tensor(), expected.tensor())
+
+    with pytest.raises(InvalidArgument, match="only a call that drafts nothing itself"):
+        DraftCall("check", 3, 8, 1, "head0", GREEDY, 0, outside_drafts=(9,))
+    with pytest.raises(InvalidArgument, match=f"outside_drafts: at most {MAX_GAMMA}"):
+        DraftCall("check", 3, 8, 1, None, GREEDY, 0, outside_drafts=(9,) * (MAX_GAMMA + 1))
+    with pytest.raises(InvalidArgument, match=r"outside_drafts\[1\]: token id 32 is outside"):
+        trunk.draft(DraftCall("check", 6, 8, 1, None, GREEDY, 0, outside_drafts=(9, 32)))
+    with pytest.raises(CapacityError, match="over the limit of 12 tokens per session"):
+        trunk.draft(DraftCall("check", 6, 8, 1, None, GREEDY, 0, outside_drafts=(9,) * 6))
+    # Refused calls touched nothing: the session still holds its 6 positions.
+    again = trunk.draft(DraftCall("check", 6, 8, 1, None, GREEDY, 0, outside_drafts=(9,) * 5))
+    assert again.hidden.rows == 6
 
 
 def test_idle_sessions_are_evicted(jury_model):
