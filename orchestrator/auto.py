@@ -54,6 +54,7 @@ VERIFY_POSITION_PRIOR = 0.05  # an extra verified position, in plain steps (batc
 MODEL_STEP_PRIOR = 0.3  # a draft-model step, in plain steps (a smaller model)
 PRIOR_ACCEPTANCE = {NGRAM: 0.5, HEAD: 0.7, MODEL: 0.5}
 PRIOR_WEIGHT = 2.0  # pseudo-positions behind the acceptance prior
+COST_DECAY = 0.95  # per round of each request running: recent rounds' costs count more
 ACCEPTANCE_DECAY = 0.9  # per round: recent rounds count more
 # Each kind of round is measured whatever it is predicted to cost once every this many
 # rounds of each request running (of the engine's rounds, EXPLORE_EVERY times the
@@ -69,7 +70,7 @@ class CostModel:
     included; HEAD; MODEL), and the acceptance of each drafter pooled over requests."""
 
     def __init__(self) -> None:
-        self.lines = {kind: LinearCost() for kind in (NGRAM, HEAD, MODEL)}
+        self.lines = {kind: LinearCost(COST_DECAY) for kind in (NGRAM, HEAD, MODEL)}
         self.acceptance = {d: Acceptance.prior(d) for d in PRIOR_ACCEPTANCE}
         self.rounds = 0  # the automatic rounds of every request
         # The round each kind was last measured at (as if 16 rounds before its first).
@@ -82,8 +83,15 @@ class CostModel:
         return self.lines[NGRAM]
 
     def observe(self, kind: DrafterKind, positions: int, seconds: float) -> None:
+        """A round's cost. The lines forget at COST_DECAY per round of each request
+        running: with n requests, every one of their rounds decays the earlier ones by
+        COST_DECAY^(1/n), so a line remembers as many rounds of each request as it does
+        of one alone. (With a decay per round whatever the load, 8 sessions fitted each
+        line over their last two or three rounds each, and its slope followed the one or
+        two rounds with drafts among them.)"""
         with self._lock:
-            self.lines[kind].observe(positions, seconds)
+            decay = COST_DECAY ** (1 / max(1, len(set(self._owners))))
+            self.lines[kind].observe(positions, seconds, decay)
 
     def count_round(self, request: object) -> None:
         """A round of `request` (its `AutoState`) is done."""

@@ -15,8 +15,10 @@ class LinearCost:
         self.w = self.x = self.y = self.xx = self.xy = 0.0
         self.sizes: set[int] = set()
 
-    def observe(self, positions: int, seconds: float) -> None:
-        d = self.decay
+    def observe(self, positions: int, seconds: float, decay: float | None = None) -> None:
+        """One measurement; `decay` (default: the line's own) is how much every earlier
+        one weighs from now on."""
+        d = self.decay if decay is None else decay
         self.w = d * self.w + 1
         self.x = d * self.x + positions
         self.y = d * self.y + seconds

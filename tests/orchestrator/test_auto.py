@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from hydra_jury.orchestrator.auto import AutoState, Choice, CostModel, expected_tokens
+from hydra_jury.orchestrator.auto import (
+    COST_DECAY,
+    AutoState,
+    Choice,
+    CostModel,
+    expected_tokens,
+)
 from hydra_jury.orchestrator.request import DrafterKind, GenerationRequest
 from hydra_jury.serving.cost_line import LinearCost
 from tests.orchestrator.test_engine import REPEATING
@@ -131,6 +137,29 @@ def test_the_engine_measures_as_often_whatever_the_number_of_requests():
     ] * 4
     rounds(1)  # 64
     assert requests[2].choose(costs, 3, head_cap=0, greedy=False) == Choice("ngram", 3)
+
+
+def test_the_cost_lines_remember_as_many_rounds_of_each_request_under_load():
+    """With n requests running, a line forgets at COST_DECAY per round of each: the
+    rounds it remembers of each request are as many as of one alone, so under load a
+    slope is not fitted over the last two or three rounds of every session."""
+
+    def after_a_change(requests: int) -> float:
+        """A one-pass position's predicted cost after each request's 10 rounds at a
+        new price (20 ms a position instead of 10), the plain steps' unchanged."""
+        costs, states = CostModel(), [AutoState() for _ in range(requests)]
+        for price, rounds in ((0.01, 60), (0.02, 10)):
+            for index in range(rounds * requests):
+                state = states[index % requests]
+                positions = 1 + index % 2  # plain steps and one-draft checks in turn
+                costs.observe(DrafterKind.NGRAM, positions, 0.05 + price * (positions - 1))
+                state.observe(costs, Choice("none", 0), reached=0, kept=0)
+        return costs.predict(DrafterKind.NGRAM, 2) - costs.predict(DrafterKind.NGRAM, 1)
+
+    alone = after_a_change(1)
+    assert 0.01 < alone < 0.02  # half way or so: the older rounds still weigh
+    assert after_a_change(8) == pytest.approx(alone, rel=0.05)
+    assert COST_DECAY ** (1 / 8) > 0.99  # 8 requests: each round decays the rest less
 
 
 class FixedCosts(CostModel):
