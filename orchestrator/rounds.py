@@ -20,9 +20,10 @@ discarded, and the next call to the trunk starts at the committed position (the
 position rule), so the trunk's cache never keeps a discarded draft. Draws are keyed
 by position, so a draft sent ahead is the draft the next round would make: pipelining
 never changes a token. Plain steps (`verifier_only`, and the automatic mode's rounds of
-no draft) send the next step's trunk call as soon as their token is drawn; the automatic
-mode then chooses the next round at once, and sends the step only when that choice is a
-plain step again. Head rounds of the automatic mode are not pipelined.
+no draft) send the next step's trunk call as soon as their token is drawn. Every round
+of the automatic mode chooses the next round as soon as its tokens are decided, and
+sends the next round's trunk step then when that choice is a plain step; a plain step
+after a round with drafts is pipelined too. No draft of the automatic mode is sent ahead.
 """
 
 from __future__ import annotations
@@ -130,6 +131,9 @@ class Rounds:
         self.costs.observe(kind, positions, cost)
         reached = reached_positions(verdict.drafted, verdict.accepted)
         run.auto.observe(self.costs, choice, reached, verdict.accepted)
+        left = remaining - len(verdict.tokens)
+        if left > 0:
+            verdict.sent_ahead = self._plan_next(run, verdict.tokens, left)
         return verdict
 
     def _chosen_round(
@@ -137,7 +141,7 @@ class Rounds:
     ) -> tuple[Choice, Verdict, DrafterKind, int]:
         """The round the automatic mode chooses, run: the choice, its verdict, and the
         kind and positions its cost is measured against. The choice was made by the
-        last round when that round was a plain step (`_plan_after_plain`)."""
+        last round, as soon as its tokens were known (`_plan_next`)."""
         choice, run.auto.planned = run.auto.planned, None
         if choice is None:
             choice = self._choose(run, run.committed, remaining)
@@ -154,8 +158,6 @@ class Rounds:
             kind, positions = DrafterKind.NGRAM, choice.drafts + 1
         else:
             verdict = self._plain_step(run, ahead, send_next=False)
-            if remaining > 1:
-                verdict.sent_ahead = self._plan_after_plain(run, verdict.tokens[-1], remaining - 1)
             kind, positions = DrafterKind.NGRAM, 1  # a one-pass round of no draft
         return choice, verdict, kind, positions
 
@@ -168,18 +170,20 @@ class Rounds:
         model_cap = min(prepared.gamma, remaining - 1) if self.backend.info.draft_model else 0
         return run.auto.choose(self.costs, offered, head_cap, prepared.sampling.greedy, model_cap)
 
-    def _plan_after_plain(self, run: Run, token: int, remaining: int) -> bool:
-        """Chooses the next round as soon as this plain step has drawn `token` (the
-        choice needs nothing this round's commit adds) and, when it is a plain step too,
-        sends its trunk call ahead: under load it then joins the other sessions' batch
-        while this round's metrics, commit and stream are done, as non-speculative
-        decoding's steps do. (8 sessions of `serve`, trained demo checkpoint, float32,
-        rounds nearly all plain, taken turn about with non-speculative decoding on one
-        2-core Intel server: chosen at each round, the automatic mode ran at 0.83-0.94x
-        of it; chosen here and sent ahead, 0.93-0.96x.) Whether the step was sent."""
-        run.auto.planned = self._choose(run, [*run.committed, token], remaining)
+    def _plan_next(self, run: Run, tokens: list[int], remaining: int) -> bool:
+        """Chooses the next round as soon as this one has decided its `tokens` (the
+        choice needs nothing this round's commit adds, and this round's costs and
+        acceptance are counted) and, when it is a plain step, sends its trunk call ahead:
+        under load it then joins the other sessions' batch while this round's metrics,
+        commit and stream are done, as non-speculative decoding's steps do. (8 sessions
+        of `serve`, trained demo checkpoint, float32, rounds nearly all plain, taken turn
+        about with non-speculative decoding on one 2-core Intel server: chosen at each
+        round, the automatic mode ran at 0.83-0.94x of it; chosen here and sent ahead,
+        0.93-0.96x.) A stop condition that cuts `tokens` ends the generation, and what
+        was sent is discarded. Whether the step was sent."""
+        run.auto.planned = self._choose(run, [*run.committed, *tokens], remaining)
         return run.auto.planned.drafter == DrafterKind.NONE and self._send_ahead_from(
-            run, token, 1, 1, trunk_only=True
+            run, tokens[-1], len(tokens), 1, trunk_only=True
         )
 
     def _beam_round(self, run: Run, remaining: int) -> Verdict:
