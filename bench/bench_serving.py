@@ -8,7 +8,11 @@ and inside a batch.
 
 Closed loop: each of N sessions sends its next request as soon as the previous one has
 finished (chat prompts, the same new tokens each, sampled at T = 0.8 with a seed per
-request). Per setting: aggregate tokens/s (every generated token over the wall time),
+request), `--requests` each; or with `--duration S`, for S seconds, counting the tokens
+streamed by then. The first measures until the slowest session's last request ends:
+sessions that speculation sped up then sit idle while it finishes, and their batches
+shrink; the second keeps every session busy, as a server under steady load is. Per
+setting: aggregate tokens/s (every generated token over the wall time),
 and p50/p95 of the time to first token (the first streamed round) and of the time per
 output token after it. The services, and `serve`'s in-process workers, batch concurrent
 calls of different sessions into one forward (continuous batching); with `--unbatched`
@@ -102,25 +106,70 @@ def timed(stub, request) -> tuple[list[int], float, float]:
     return tokens, first - began, (ended - first) / max(1, len(tokens) - 1)
 
 
-def measure(address: str, sessions: int, requests: int, new_tokens: int, options: dict):
+def until(stub, request, deadline: float) -> tuple[int, tuple[float, float] | None]:
+    """The tokens of `request` streamed before `deadline` (perf_counter seconds), and its
+    time to first token and per output token after it if it finished by then (a request
+    still running at the deadline is cancelled)."""
+    began = time.perf_counter()
+    first, tokens = None, 0
+    stream = stub.GenerateStream(request, timeout=900)
+    for message in stream:
+        now = time.perf_counter()
+        if now >= deadline:
+            stream.cancel()
+            return tokens, None
+        if message.tokens and first is None:
+            first = now
+        tokens += len(message.tokens)
+    ended = time.perf_counter()
+    return tokens, (first - began, (ended - first) / max(1, tokens - 1))
+
+
+def measure(
+    address: str,
+    sessions: int,
+    requests: int,
+    new_tokens: int,
+    options: dict,
+    duration: float | None = None,
+):
+    """Aggregate tokens/s, TTFTs and TPOTs of `sessions` in a closed loop: `requests`
+    each, over the wall time until the last ends; or with `duration`, requests until
+    `duration` seconds have passed, over the tokens streamed by then (a session that
+    finishes early starts its next request, so the batches stay as full as the load)."""
     channel = grpc.insecure_channel(address)
     stub = generation_pb2_grpc.GenerationStub(channel)
-    results: list[tuple[list[int], float, float]] = []
+    counts: list[int] = []
+    latencies: list[tuple[float, float]] = []
+    began = time.perf_counter()
+    deadline = None if duration is None else began + duration
+
+    def more(turn: int) -> bool:
+        return turn < requests if deadline is None else time.perf_counter() < deadline
 
     def session_loop(index: int) -> None:
-        for turn in range(requests):
-            results.append(timed(stub, sampled(index, new_tokens, options, turn)))
+        turn = 0
+        while more(turn):
+            request = sampled(index, new_tokens, options, turn)
+            if deadline is None:
+                tokens, ttft, tpot = timed(stub, request)
+                counts.append(len(tokens))
+                latencies.append((ttft, tpot))
+            else:
+                count, latency = until(stub, request, deadline)
+                counts.append(count)
+                if latency is not None:
+                    latencies.append(latency)
+            turn += 1
 
     threads = [threading.Thread(target=session_loop, args=(i,)) for i in range(sessions)]
-    began = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    wall = time.perf_counter() - began
+    wall = time.perf_counter() - began if duration is None else duration
     channel.close()
-    tokens = sum(len(result[0]) for result in results)
-    return tokens / wall, [r[1] for r in results], [r[2] for r in results]
+    return sum(counts) / wall, [ttft for ttft, _ in latencies], [tpot for _, tpot in latencies]
 
 
 def invariance(address: str, count: int, new_tokens: int, options: dict) -> tuple[int, int]:
@@ -148,6 +197,12 @@ def main() -> int:
     parser.add_argument("--checkpoint", default="var/models/smollm2-hydra")
     parser.add_argument("--sessions", default="1,2,4,8,16", help="comma-separated counts")
     parser.add_argument("--requests", type=int, default=1, help="requests per session")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        help="seconds of sustained load: each session sends requests until then, and the "
+        "tokens streamed by then count (instead of --requests each, timed to the last)",
+    )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
     parser.add_argument(
@@ -171,7 +226,11 @@ def main() -> int:
     print(
         f"{os.cpu_count()} cores, {args.checkpoint}, the split stack (trunk, 2 shards, "
         f"orchestrator) and serve, {args.new_tokens} new tokens, T = 0.8 seeded, "
-        f"{args.requests} request(s) per session (closed loop)"
+        + (
+            f"requests for {args.duration:g} s per setting (sustained closed loop)"
+            if args.duration
+            else f"{args.requests} request(s) per session (closed loop)"
+        )
     )
     print(
         "| server | dtype | batching | mode | sessions | tokens/s | × one session | "
@@ -218,7 +277,9 @@ def run_modes(address: str, modes: dict, counts: list[int], args) -> Iterator[tu
     for name, options in modes.items():
         single = None
         for count in counts:
-            rate, ttft, tpot = measure(address, count, args.requests, args.new_tokens, options)
+            rate, ttft, tpot = measure(
+                address, count, args.requests, args.new_tokens, options, args.duration
+            )
             single = single or rate
             yield name, count, rate, single, ttft, tpot
 
