@@ -223,7 +223,12 @@ def _distributions(response, name: str, rows: int, vocab_size: int) -> torch.Ten
 def draft_result_from_pb(
     response: internal_pb2.DraftResponse, call: DraftCall, vocab_size: int
 ) -> DraftResult:
-    """The result of `call`; the hidden states stay a message, forwarded to the jury."""
+    """The result of `call`; the hidden states stay a message, forwarded to the jury.
+    `CodecError` where they are not of the call's positions (a trunk service older than
+    `outside_drafts` answers a one-pass check as a plain step, one position)."""
+    hidden = forwarded_hidden(response.hidden)
+    if hidden.rows != call.positions:
+        raise CodecError(f"hidden: {hidden.rows} positions, where the call runs {call.positions}")
     rows = len(response.tokens)
     drafting = call.draft_head is not None or call.draft_model
     decision = drafting and call.with_decision
@@ -231,7 +236,7 @@ def draft_result_from_pb(
         torch.tensor(list(response.tokens), dtype=torch.long),
         _distributions(response, "logprobs", rows, vocab_size) if drafting else None,
         _distributions(response, "decision_logprobs", rows, vocab_size) if decision else None,
-        forwarded_hidden(response.hidden),
+        hidden,
         trunk_steps=response.trunk_steps,
         head_evaluations=response.head_evaluations,
     )

@@ -156,6 +156,15 @@ class DraftCall:
         check_sampling(self.sampling)
 
     @property
+    def positions(self) -> int:
+        """The positions whose trunk outputs the call returns, from `start`: γ drafted by
+        a head, γ + 1 with the draft model, else the pending token and the outside
+        drafts."""
+        if self.draft_head is not None:
+            return self.gamma
+        return self.gamma + 1 if self.draft_model else 1 + len(self.outside_drafts)
+
+    @property
     def trunk_tokens(self) -> list[int]:
         """The tokens the call's first trunk step runs over: the pending token, and the
         outside drafts after it."""

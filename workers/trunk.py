@@ -331,10 +331,7 @@ class TrunkWorker:
                 "draft_model: this trunk service hosts no draft model (start it with "
                 "--draft-model DIR)"
             )
-        # A draft-model round runs the trunk over the pending token and γ drafts, a
-        # one-pass check over the pending token and its outside drafts.
-        end = call.start + call.gamma + call.draft_model + len(call.outside_drafts)
-        check_capacity(end, self.max_session_tokens)
+        check_capacity(call.start + call.positions, self.max_session_tokens)
 
     def draft(self, call: DraftCall) -> DraftResult:
         """Feeds the pending token (position `start`) and then each new draft token

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hydra_jury.poe import SamplingParams
+from hydra_jury.protos.codec import CodecError
 from hydra_jury.protos.hydrajury.v1 import internal_pb2
 from hydra_jury.serving import internal_wire as wire
 from hydra_jury.workers.calls import DraftResult, HiddenStates, ScoreResult
@@ -34,6 +35,19 @@ def test_a_draft_without_sampling_options_needs_no_draft_head():
     request = internal_pb2.DraftRequest(session="s", gamma=2, draft_head="head0")
     with pytest.raises(InvalidArgument, match="sampling: required when drafting"):
         wire.draft_call_from_pb(request)
+
+
+def test_a_draft_result_must_hold_the_positions_of_its_call():
+    """A one-pass check answered as a plain step (by a trunk service older than
+    `outside_drafts`, one position) is a malformed response, not a round scored over the
+    wrong positions."""
+    check = replace(calls.draft("s", 3, 9, 1, None, SamplingParams(), 7), outside_drafts=(4, 2))
+    no_tokens = torch.zeros(0, dtype=torch.long)
+    plain = DraftResult(no_tokens, None, None, HiddenStates(1, torch.ones(1, 8)))
+    with pytest.raises(CodecError, match="hidden: 1 positions, where the call runs 3"):
+        wire.draft_result_from_pb(wire.draft_result_to_pb(plain), check, 6)
+    three = replace(plain, hidden=HiddenStates(3, torch.ones(3, 8)))
+    assert wire.draft_result_from_pb(wire.draft_result_to_pb(three), check, 6).hidden.rows == 3
 
 
 def test_jury_calls_round_trip_and_hidden_states_pass_through_encoded():
