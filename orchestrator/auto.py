@@ -90,8 +90,13 @@ class CostModel:
         line over their last two or three rounds each, and its slope followed the one or
         two rounds with drafts among them.)"""
         with self._lock:
-            decay = COST_DECAY ** (1 / max(1, len(set(self._owners))))
+            decay = COST_DECAY ** (1 / self._requests_running())
             self.lines[kind].observe(positions, seconds, decay)
+
+    def _requests_running(self) -> int:
+        """The requests that made the last CONCURRENCY_ROUNDS rounds (at least one); the
+        caller holds the lock."""
+        return max(1, len(set(self._owners)))
 
     def count_round(self, request: object) -> None:
         """A round of `request` (its `AutoState`) is done."""
@@ -107,7 +112,7 @@ class CostModel:
         request measuring every 16 of its rounds: 0.76x the non-speculative tokens/s
         with 16 sessions of `serve`; every 16 of the engine's: 0.84x)."""
         with self._lock:
-            every = EXPLORE_EVERY * max(1, len(set(self._owners)))
+            every = EXPLORE_EVERY * self._requests_running()
             if self.rounds - self._explored[kind] < every:
                 return False
             self._explored[kind] = self.rounds
@@ -187,7 +192,7 @@ class AutoState:
     acceptance: dict[DrafterKind, Acceptance] = field(
         default_factory=lambda: {d: Acceptance.prior(d) for d in PRIOR_ACCEPTANCE}
     )
-    planned: Choice | None = None  # the next round's choice, made early by a plain step
+    planned: Choice | None = None  # the next round's choice, made as the last one ended
 
     @classmethod
     def starting(cls, costs: CostModel) -> AutoState:
