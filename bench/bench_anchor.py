@@ -14,9 +14,10 @@ and the engine path, each as a fraction of the bytes roofline.
 - engine: `generate --local --rule verifier_only --jury head0` in-process (the engine, the
   round, metrics and detokenizer, with no timer patched in), prompt included, beside the
   bare loop with its prompt included too (`bench_round.raw_rate`), runs of the two taken
-  turn about: the ratio is the engine's own cost. And the steady state alone: a round
-  after the first against a bare step after the first (`--pairs` pairs taken turn
-  about; the median of the pairs' ratios, and their quartiles).
+  turn about: the ratio is the engine's own cost. And the steady state alone: the
+  rounds after the first against the bare loop's steps after the first, a round and a
+  step taken in turn within one run (`bench_round.steady_ratio`; `--pairs` runs, the
+  median of their ratios, and their quartiles).
 - Each hydra_model row's note splits a decode step: the products alone (every weight
   times one row, nothing else: how fast the kernels stream) against the whole step.
 - A second table: every projection of a step times 1 to 16 rows (what a speculative
@@ -48,9 +49,8 @@ from bench_round import (
     copy_bandwidth,
     cpu_model,
     engine_rate,
-    engine_round_seconds,
     raw_rate,
-    raw_steps,
+    steady_ratio,
 )
 
 from hydra_jury.hydra_model import HydraModel
@@ -185,7 +185,9 @@ def main() -> None:
     parser.add_argument("--llama-cpp", type=Path, default=Path("var/llama.cpp"))
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--pairs", type=int, default=12, help="steady-state pairs per engine row")
+    parser.add_argument(
+        "--pairs", type=int, default=12, help="head-to-head pairs; steady-state runs per engine row"
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -222,11 +224,11 @@ def main() -> None:
                 lambda e=engine: engine_rate(e, ["head0"], args.new_tokens),
                 lambda m=model: raw_rate(m, prompt, 1, args.new_tokens),
             )
-            steady = paired_ratios(
-                args.pairs,
-                lambda m=model: raw_steps(m, prompt, 1, args.new_tokens)[1],
-                lambda e=engine: engine_round_seconds(e, ["head0"], args.new_tokens),
-            )
+            steady_ratio(model, prompt, engine, ["head0"], args.new_tokens)  # warm-up
+            steady = [
+                steady_ratio(model, prompt, engine, ["head0"], args.new_tokens)
+                for _ in range(args.pairs)
+            ]
             quartiles = statistics.quantiles(steady, n=4)
             note = (
                 f"{through_engine / raw:.2f}x the bare loop with its prompt ({raw:.1f}); "

@@ -27,6 +27,7 @@ import argparse
 import platform
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -89,19 +90,28 @@ def raw_steps(
 ) -> tuple[float, float]:
     """`raw_rate`'s loop: the seconds of its first step (the prompt's) and of each step
     after it."""
+    steps = bare_steps(model, prompt, size, new_tokens)
+    began = time.perf_counter()
+    next(steps)
+    prompted = time.perf_counter()
+    for _ in steps:
+        pass
+    return prompted - began, (time.perf_counter() - prompted) / max(1, new_tokens - 1)
+
+
+def bare_steps(model: HydraModel, prompt: list[int], size: int, new_tokens: int) -> Iterator[None]:
+    """The bare greedy loop over the trunk and `size` heads (head 0's argmax), one step
+    per `next`: the prompt's first, then one position each."""
     stack = model.heads.select(0, size)  # the jury of the first `size` heads
     capacity = len(prompt) + new_tokens
     trunk_cache, head_cache = model.trunk_cache(capacity), model.head_cache(size, capacity)
     tokens, start = torch.tensor(prompt), 0
-    began = prompted = time.perf_counter()
-    for step in range(new_tokens):
+    for _ in range(new_tokens):
         hidden = model.trunk.forward(tokens, trunk_cache, start)
         logits = stack.forward(hidden, head_cache, start)
         start += len(tokens)
         tokens = logits[0, -1:].argmax(-1)
-        if step == 0:
-            prompted = time.perf_counter()
-    return prompted - began, (time.perf_counter() - prompted) / max(1, new_tokens - 1)
+        yield
 
 
 def request(jury: list[str], new_tokens: int) -> GenerationRequest:
@@ -123,16 +133,30 @@ def engine_rate(engine: Engine, jury: list[str], new_tokens: int) -> float:
     return len(output.token_ids) / (time.perf_counter() - began)
 
 
-def engine_round_seconds(engine: Engine, jury: list[str], new_tokens: int) -> float:
-    """The seconds of each round of one request after its first (which prefills the
-    prompt), with no timer patched in: the engine's steady state, to set beside
-    `raw_steps`' steps after the first."""
+def steady_ratio(
+    model: HydraModel, prompt: list[int], engine: Engine, jury: list[str], new_tokens: int
+) -> float:
+    """The bare loop's mean step over the engine's mean round, both after their first
+    (the prompt's), in one run where a bare step and an engine round take turns: each
+    round is timed beside a step taken a few milliseconds before it, so a machine whose
+    speed drifts from one second to the next weighs on both alike (runs of each taken
+    turn about, a second apart, differ by more than the engine's own cost). `prompt` is
+    the chat prompt `request` gives the engine; the bare loop's jury is its first
+    len(jury) heads."""
+    steps = bare_steps(model, prompt, len(jury), new_tokens)
     rounds = iter(engine.start(request(jury, new_tokens)))
-    next(rounds)
-    began, count = time.perf_counter(), 0
-    for _ in rounds:
-        count += 1
-    return (time.perf_counter() - began) / count
+    next(steps), next(rounds)
+    bare = through_engine = 0.0
+    done = object()
+    while True:
+        began = time.perf_counter()
+        if next(steps, done) is done:
+            break
+        stepped = time.perf_counter()
+        next(rounds)  # a round of one token for each step of the bare loop
+        bare += stepped - began
+        through_engine += time.perf_counter() - stepped
+    return bare / through_engine
 
 
 def in_process(engine: Engine, jury: list[str], new_tokens: int) -> tuple[float, dict, list]:
