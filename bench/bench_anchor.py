@@ -13,11 +13,12 @@ and the engine path, each as a fraction of the bytes roofline.
   matrix, as stored (quantized values and their scales).
 - engine: `generate --local --rule verifier_only --jury head0` in-process (the engine, the
   round, metrics and detokenizer, with no timer patched in), prompt included, beside the
-  bare loop with its prompt included too (`bench_round.raw_rate`), runs of the two taken
-  turn about: the ratio is the engine's own cost. And the steady state alone: the
-  rounds after the first against the bare loop's steps after the first, a round and a
-  step taken in turn within one run (`bench_round.steady_ratio`; `--pairs` runs, the
-  median of their ratios, and their quartiles).
+  bare loop with its prompt included too (`bench_round.raw_rate`), `--pairs` runs of the
+  two taken turn about, the median of the pairs' ratios and their quartiles: the ratio is
+  the engine's own cost. And the steady state alone: the rounds after the first against
+  the bare loop's steps after the first, a round and a step taken in turn within one run
+  (`bench_round.steady_ratio`; `--pairs` runs, the median of their ratios, and their
+  quartiles).
 - Each hydra_model row's note splits a decode step: the products alone (every weight
   times one row, nothing else: how fast the kernels stream) against the whole step.
 - A second table: every projection of a step times 1 to 16 rows (what a speculative
@@ -164,12 +165,10 @@ def median_of(runs: int, measure) -> float:
     return statistics.median(measure() for _ in range(runs))
 
 
-def interleaved(runs: int, first, second) -> tuple[float, float]:
-    """The medians of `runs` runs of two measures taken turn about (after a warm-up of
-    each), so that a slow spell of the machine weighs on both alike."""
-    first(), second()
-    pairs = [(first(), second()) for _ in range(runs)]
-    return statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
+def spread(ratios: list[float]) -> str:
+    """The median of `ratios` and their quartiles."""
+    quartiles = statistics.quantiles(ratios, n=4)
+    return f"{statistics.median(ratios):.2f}x ({quartiles[0]:.2f}-{quartiles[2]:.2f})"
 
 
 def paired_ratios(pairs: int, numerator, denominator) -> list[float]:
@@ -219,21 +218,23 @@ def main() -> None:
         rows.append(("hydra_model", label, size, rate, note))
         if variant in ENGINE_ROWS:
             engine = Engine(LocalBackend(model, limits=SessionLimits(1, 4096)), tokenizer)
-            through_engine, raw = interleaved(
-                args.runs,
-                lambda e=engine: engine_rate(e, ["head0"], args.new_tokens),
-                lambda m=model: raw_rate(m, prompt, 1, args.new_tokens),
-            )
+            engine_rate(engine, ["head0"], args.new_tokens)  # warm-up
+            whole = [
+                (
+                    engine_rate(engine, ["head0"], args.new_tokens),
+                    raw_rate(model, prompt, 1, args.new_tokens),
+                )
+                for _ in range(args.pairs)
+            ]
+            through_engine = statistics.median(rate for rate, _ in whole)
             steady_ratio(model, prompt, engine, ["head0"], args.new_tokens)  # warm-up
             steady = [
                 steady_ratio(model, prompt, engine, ["head0"], args.new_tokens)
                 for _ in range(args.pairs)
             ]
-            quartiles = statistics.quantiles(steady, n=4)
             note = (
-                f"{through_engine / raw:.2f}x the bare loop with its prompt ({raw:.1f}); "
-                f"steady {statistics.median(steady):.2f}x "
-                f"({quartiles[0]:.2f}-{quartiles[2]:.2f})"
+                f"{spread([rate / raw for rate, raw in whole])} the bare loop with its prompt "
+                f"({statistics.median(raw for _, raw in whole):.1f}); steady {spread(steady)}"
             )
             rows.append(("engine", label, bytes_per_token(model, 1), through_engine, note))
     head_to_head = []
