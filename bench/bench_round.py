@@ -140,7 +140,9 @@ def steady_ratio(
     (the prompt's), in one run where a bare step and an engine round take turns: each
     round is timed beside a step taken a few milliseconds before it, so a machine whose
     speed drifts from one second to the next weighs on both alike (runs of each taken
-    turn about, a second apart, differ by more than the engine's own cost). `prompt` is
+    turn about, a second apart, differ by more than the engine's own cost). What the
+    engine's round costs the next step's weights in the caches (it touches more memory
+    than a bare step) falls on both alike here: a whole request shows it. `prompt` is
     the chat prompt `request` gives the engine; the bare loop's jury is its first
     len(jury) heads."""
     steps = bare_steps(model, prompt, len(jury), new_tokens)
