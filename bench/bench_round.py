@@ -155,7 +155,8 @@ def steady_ratio(
         if next(steps, done) is done:
             break
         stepped = time.perf_counter()
-        next(rounds)  # a round of one token for each step of the bare loop
+        if next(rounds, done) is done:  # a round of one token for each step of the bare loop
+            raise RuntimeError("the engine's request ended before the bare loop's steps")
         bare += stepped - began
         through_engine += time.perf_counter() - stepped
     return bare / through_engine
