@@ -132,11 +132,16 @@ def measure(
     new_tokens: int,
     options: dict,
     duration: float | None = None,
+    stagger: bool = False,
 ):
     """Aggregate tokens/s, TTFTs and TPOTs of `sessions` in a closed loop: `requests`
     each, over the wall time until the last ends; or with `duration`, requests until
     `duration` seconds have passed, over the tokens streamed by then (a session that
-    finishes early starts its next request, so the batches stay as full as the load)."""
+    finishes early starts its next request, so the batches stay as full as the load).
+    With `stagger`, session i's first request asks for (i + 1) / sessions of
+    `new_tokens`, so that from then on the sessions' requests end at times spread over
+    a request's length, in every mode alike, as independent users' do (otherwise
+    every non-speculative request starts and ends in step with the others)."""
     channel = grpc.insecure_channel(address)
     stub = generation_pb2_grpc.GenerationStub(channel)
     counts: list[int] = []
@@ -150,7 +155,10 @@ def measure(
     def session_loop(index: int) -> None:
         turn = 0
         while more(turn):
-            request = sampled(index, new_tokens, options, turn)
+            tokens = new_tokens
+            if stagger and turn == 0:
+                tokens = max(1, round(new_tokens * (index + 1) / sessions))
+            request = sampled(index, tokens, options, turn)
             if deadline is None:
                 tokens, ttft, tpot = timed(stub, request)
                 counts.append(len(tokens))
@@ -203,6 +211,12 @@ def main() -> int:
         help="seconds of sustained load: each session sends requests until then, and the "
         "tokens streamed by then count (instead of --requests each, timed to the last)",
     )
+    parser.add_argument(
+        "--stagger",
+        action="store_true",
+        help="with --duration: the sessions' first requests of 1/N, 2/N, .. N/N of "
+        "--new-tokens, so that their requests end at spread times in every mode",
+    )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
     parser.add_argument(
@@ -221,13 +235,16 @@ def main() -> int:
         "--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}"
     )
     args = parser.parse_args()
+    if args.stagger and not args.duration:
+        parser.error("--stagger needs --duration (sustained load)")
     counts = [int(count) for count in args.sessions.split(",")]
     modes = dict(MODES[name] for name in args.modes.split(","))
     print(
         f"{os.cpu_count()} cores, {args.checkpoint}, the split stack (trunk, 2 shards, "
         f"orchestrator) and serve, {args.new_tokens} new tokens, T = 0.8 seeded, "
         + (
-            f"requests for {args.duration:g} s per setting (sustained closed loop)"
+            f"requests for {args.duration:g} s per setting (sustained closed loop"
+            + (", staggered)" if args.stagger else ")")
             if args.duration
             else f"{args.requests} request(s) per session (closed loop)"
         )
@@ -278,7 +295,13 @@ def run_modes(address: str, modes: dict, counts: list[int], args) -> Iterator[tu
         single = None
         for count in counts:
             rate, ttft, tpot = measure(
-                address, count, args.requests, args.new_tokens, options, args.duration
+                address,
+                count,
+                args.requests,
+                args.new_tokens,
+                options,
+                args.duration,
+                args.stagger,
             )
             single = single or rate
             yield name, count, rate, single, ttft, tpot
