@@ -155,10 +155,10 @@ def measure(
     def session_loop(index: int) -> None:
         turn = 0
         while more(turn):
-            tokens = new_tokens
+            length = new_tokens
             if stagger and turn == 0:
-                tokens = max(1, round(new_tokens * (index + 1) / sessions))
-            request = sampled(index, tokens, options, turn)
+                length = max(1, round(new_tokens * (index + 1) / sessions))
+            request = sampled(index, length, options, turn)
             if deadline is None:
                 tokens, ttft, tpot = timed(stub, request)
                 counts.append(len(tokens))
