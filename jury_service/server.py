@@ -102,4 +102,5 @@ JURY_SERVICE = WorkerServiceSpec(
     load_trunk=False,
     build_servicer=_build_servicer,
     add_servicer=internal_pb2_grpc.add_JuryServicer_to_server,
+    shares_host_turn=True,
 )

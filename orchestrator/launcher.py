@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -113,7 +114,11 @@ class LocalStack:
     # `taskset -c` takes them ("0", "1-3"); benchmarks place processes as if each group
     # ran on a machine of its own. Unnamed children run anywhere.
     cpus: dict[str, str] = field(default_factory=dict)
+    # The trunk and the shards take turns on the host's cores (`serving.host_turn`),
+    # unless `cpus` gives them cores of their own.
+    host_turn: bool = True
     children: list[Child] = field(default_factory=list)
+    _turn_file: str | None = None  # the host turn's lock file, removed at `stop`
     redis: LocalRedis | None = None  # the private Redis, once started
 
     @property
@@ -153,6 +158,11 @@ class LocalStack:
     def _start(self, heads: list[str], timeout_s: float) -> str:
         if self.redis_url is None:
             self.redis = LocalRedis().start()
+        turn = []
+        if self.host_turn and not self.cpus:
+            handle, self._turn_file = tempfile.mkstemp(prefix="hydra-jury-", suffix=".turn")
+            os.close(handle)
+            turn = ["--host-turn", self._turn_file]
         trunk = self._spawn(
             "trunk",
             self.command(
@@ -161,6 +171,7 @@ class LocalStack:
                 f"{self.host}:{self._port(1)}",
                 *(["--draft-model", self.draft_model] if self.draft_model else []),
                 *self._service_tls_args(),
+                *turn,
                 *self.extra_service_args,
             ),
             timeout_s,
@@ -176,6 +187,7 @@ class LocalStack:
                     "--listen",
                     f"{self.host}:{self._port(2 + i)}",
                     *self._service_tls_args(),
+                    *turn,
                     *self.extra_service_args,
                     *(["--threads", str(self.shard_threads)] if self.shard_threads else []),
                 ),
@@ -282,4 +294,8 @@ class LocalStack:
         self.children.clear()
         if self.redis is not None:
             self.redis.stop()
+        if self._turn_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._turn_file)
+            self._turn_file = None
         return codes

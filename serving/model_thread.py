@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from hydra_jury.serving.host_turn import HostTurn
+
 T = TypeVar("T")
 
 
@@ -114,6 +116,8 @@ class ModelThread:
         self._turn: asyncio.Lock | None = None
         self._arrivals: asyncio.Event | None = None
         self.batchers: list[Any] = []  # the CallBatchers that run their batches here
+        # Services sharing the host's cores take turns for their batches (None: alone).
+        self.host_turn: HostTurn | None = None
 
     def _started(self) -> None:
         self._ident = threading.get_ident()
@@ -151,3 +155,5 @@ class ModelThread:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self.host_turn is not None:
+            self.host_turn.close()

@@ -40,6 +40,7 @@ from hydra_jury.serving.flags import (
     batch_limits_from,
 )
 from hydra_jury.serving.health_port import health_port
+from hydra_jury.serving.host_turn import HostTurn
 from hydra_jury.serving.logs import configure_logging
 from hydra_jury.serving.metrics import serve_metrics
 from hydra_jury.serving.model_thread import ModelThread, set_compute_threads, start_model_thread
@@ -75,6 +76,9 @@ class ServiceOptions:
     metrics_port: int | None = None  # None: no metrics served; 0 picks a free port
     metrics_address: str = METRICS_ADDRESS
     tls: ServerTls | None = None  # None: plaintext
+    # The lock file of the services sharing this host's cores (`serving.host_turn`);
+    # None: the service has its cores to itself.
+    host_turn: str | Path | None = None
 
     @property
     def limits(self) -> SessionLimits:
@@ -96,6 +100,9 @@ class WorkerServiceSpec:
     build_servicer: Callable[[HydraModel, list[str], ServiceOptions, ModelThread], WorkerServicer]
     add_servicer: Callable[[Any, grpc.aio.Server], None]
     hosts_draft_model: bool = False  # takes --draft-model
+    # Holds the host turn beside the other services of its kind (the jury shards, which
+    # score the same positions at once), not alone.
+    shares_host_turn: bool = False
 
 
 def llm_heads_in_order(checkpoint: str | Path, names: Sequence[str] | None, option: str):
@@ -121,6 +128,8 @@ async def serve_worker(spec: WorkerServiceSpec, options: ServiceOptions) -> Runn
     heads = llm_heads_in_order(options.checkpoint, options.heads, spec.heads_option)
 
     def build(thread: ModelThread) -> WorkerServicer:
+        if options.host_turn is not None:
+            thread.host_turn = HostTurn(options.host_turn, shared=spec.shares_host_turn)
         model = HydraModel.load(
             options.checkpoint,
             dtype=options.dtype,
@@ -195,6 +204,13 @@ def build_parser(spec: WorkerServiceSpec, prog: str) -> argparse.ArgumentParser:
     add_model_flags(parser)
     add_threads_flag(parser)
     add_batching_flags(parser)
+    parser.add_argument(
+        "--host-turn",
+        metavar="FILE",
+        help="a lock file named by every service of this host that shares its cores (the "
+        "local stack): their batches take turns, each with every core, instead of "
+        "running at once (default: none, the service has its cores to itself)",
+    )
     add_metrics_flags(parser)
     add_grace_flag(parser)
     add_tls_flags(parser)
@@ -240,6 +256,7 @@ def service_main(
                 metrics_port=args.metrics_port,
                 metrics_address=args.metrics_address,
                 tls=ServerTls.from_settings(args),
+                host_turn=args.host_turn,
             )
             running = await serve_worker(spec, options)
             detail = running.servicer.listening_detail()

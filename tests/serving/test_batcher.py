@@ -480,3 +480,81 @@ def test_sessions_that_come_once_are_not_waited_for(start_jury):
     began = time.monotonic()
     jury.stub.Prefill(jury_prefill_request("d", 0, positions=3), timeout=10)
     assert time.monotonic() - began < 0.5
+
+
+def score_batches(jury) -> float:
+    return jury.servicer.metrics.registry.get_sample_value(
+        "hydrajury_batch_calls_count", {"rpc": "Score"}
+    )
+
+
+def test_calls_arriving_while_another_service_holds_the_host_turn_join_one_batch(
+    start_jury, tmp_path
+):
+    """Services sharing a host's cores take turns: a shard's batch waits while the trunk
+    holds the turn, and is chosen once the turn is its own, so the calls that arrived
+    meanwhile run in it."""
+    from hydra_jury.serving.host_turn import HostTurn
+
+    path = tmp_path / "host.turn"
+    jury = start_jury(max_sessions=4, host_turn=path, batch_limits=BatchLimits(window_s=0))
+    for session in ("a", "b"):
+        jury.stub.Prefill(jury_prefill_request(session, 0, positions=3), timeout=10)
+    before = score_batches(jury)
+    trunk = HostTurn(path)
+    try:
+        assert trunk.try_acquire()
+        first = jury.stub.Score.future(score_request("a", 3), timeout=10)
+        time.sleep(0.2)
+        assert not first.done()  # its batch waits for the turn
+        second = jury.stub.Score.future(score_request("b", 3), timeout=10)
+        wait_until(lambda: jury.servicer.batchers["Score"].queued == 2)
+        trunk.release()
+        assert first.result().log_product.shape == second.result().log_product.shape
+    finally:
+        trunk.close()
+    assert score_batches(jury) == before + 1
+
+
+def test_the_window_lasts_while_another_service_holds_the_host_turn(start_jury, tmp_path):
+    """Waiting for an expected session costs the host nothing while another service's
+    batch runs: the window starts again once the turn is free. Here it would have ended
+    while the trunk held the turn, and the second session come too late."""
+    from hydra_jury.serving.host_turn import HostTurn
+
+    path = tmp_path / "host.turn"
+    jury = start_jury(max_sessions=4, host_turn=path, batch_limits=BatchLimits(window_s=0.3))
+    for session in ("a", "b", "c"):
+        jury.stub.Prefill(jury_prefill_request(session, 0, positions=3), timeout=10)
+    batched(jury, "Score", score_request("c", 3), [score_request("a", 3), score_request("b", 3)])
+    before = score_batches(jury)
+    trunk = HostTurn(path)
+    try:
+        assert trunk.try_acquire()
+        first = jury.stub.Score.future(score_request("a", 3), timeout=10)
+        time.sleep(0.6)  # two windows with the turn held
+        trunk.release()
+        time.sleep(0.1)
+        jury.stub.Score(score_request("b", 3), timeout=10)
+        first.result()
+    finally:
+        trunk.close()
+    assert score_batches(jury) == before + 1
+
+
+def test_the_window_starts_again_at_each_call_that_arrives(start_jury):
+    """Sessions come back one after another: a batch waits for them as long as they
+    keep arriving, each within a window of the one before (here the third arrives after
+    the first's window)."""
+    jury = start_jury(max_sessions=4, batch_limits=BatchLimits(window_s=0.3))
+    for session in ("a", "b", "c", "d"):
+        jury.stub.Prefill(jury_prefill_request(session, 0, positions=3), timeout=10)
+    batched(jury, "Score", score_request("d", 3), [score_request(s, 3) for s in ("a", "b", "c")])
+    before = score_batches(jury)
+    first = jury.stub.Score.future(score_request("a", 3), timeout=10)
+    time.sleep(0.2)
+    second = jury.stub.Score.future(score_request("b", 3), timeout=10)
+    time.sleep(0.2)
+    jury.stub.Score(score_request("c", 3), timeout=10)
+    first.result(), second.result()
+    assert score_batches(jury) == before + 1

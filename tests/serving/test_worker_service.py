@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from hydra_jury.orchestrator.launcher import start_child
+from hydra_jury.orchestrator.launcher import LocalStack, start_child
 from hydra_jury.protos.hydrajury.v1 import internal_pb2, internal_pb2_grpc
 from hydra_jury.serving import internal_wire as wire
 from hydra_jury.serving.worker_service import ServiceOptions, serve_worker, service_main
@@ -121,6 +121,36 @@ def test_a_service_that_cannot_start_exits_2_with_one_line(
     assert f"trunk service: error: Failed to bind to address {trunk.address}" in (
         capsys.readouterr().err
     )
+    turn = str(tmp_path / "missing" / "host.turn")
+    assert trunk_main(["--checkpoint", str(jury_checkpoint), "--host-turn", turn]) == 2
+    assert "--host-turn: cannot open the lock file" in capsys.readouterr().err
+
+
+def test_the_local_stack_gives_its_services_one_host_turn(jury_checkpoint, monkeypatch):
+    """The local stack's trunk and shards share the host's cores: they name one lock file,
+    removed when the stack stops; placed on cores of their own, they name none."""
+    commands = {}
+
+    def spawn(stack, name, command, timeout_s):
+        commands[name] = command
+        return "127.0.0.1:1"
+
+    monkeypatch.setattr(LocalStack, "_spawn", spawn)
+    stack = LocalStack(str(jury_checkpoint), shards=2, redis_url="redis://127.0.0.1:1/0")
+    stack.start()
+    turns = {
+        name: command[command.index("--host-turn") + 1]
+        for name, command in commands.items()
+        if "--host-turn" in command
+    }
+    assert sorted(turns) == ["jury0", "jury1", "trunk"] and len(set(turns.values())) == 1
+    assert os.path.exists(turns["trunk"])
+    stack.stop()
+    assert not os.path.exists(turns["trunk"])
+    commands.clear()
+    placed = {"trunk": "0", "jury0": "1", "jury1": "1", "orchestrator": "1"}
+    LocalStack(str(jury_checkpoint), redis_url="redis://127.0.0.1:1/0", cpus=placed).start()
+    assert commands and not any("--host-turn" in command for command in commands.values())
 
 
 def test_services_run_from_the_command_line_and_stop_on_sigterm(jury_checkpoint):
