@@ -183,6 +183,13 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
         help="CPU threads per jury shard (default: torch's, every core; on a 2-core host one "
         "thread each measured slower)",
     )
+    parser.add_argument(
+        "--host-turn",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the trunk and the shards run their batches in turn, each with every core of "
+        "the host they share, rather than at once (default: on)",
+    )
     add_http_listen_flag(parser)
     add_redis_url_flag(parser, ", else a private redis-server, stopped with the stack")
     add_draft_model_flag(parser, "on the trunk service: ")
@@ -228,6 +235,7 @@ def _run_up(args: argparse.Namespace) -> int:
             port=args.port,
             metrics_port=args.metrics_port,
             shard_threads=args.shard_threads,
+            host_turn=args.host_turn,
             redis_url=args.redis_url or os.environ.get(REDIS_URL_VARIABLE),
             draft_model=resolved_draft_model(args.draft_model),
             tls=certificates,

@@ -48,6 +48,15 @@ def test_up_passes_the_api_key_flags_to_the_orchestrator(tmp_path):
 SERVICE_ARGV = ["--checkpoint", "x"]
 
 
+def test_up_gives_its_services_a_host_turn_unless_told_not_to():
+    assert build_parser().parse_args(["up"]).host_turn is True
+    assert build_parser().parse_args(["up", "--no-host-turn"]).host_turn is False
+    for spec in (TRUNK_SERVICE, JURY_SERVICE):
+        parser = service_parser(spec, "service")
+        assert parser.parse_args(SERVICE_ARGV).host_turn is None
+        assert parser.parse_args([*SERVICE_ARGV, "--host-turn", "/tmp/t"]).host_turn == "/tmp/t"
+
+
 @pytest.mark.parametrize(
     ("parser", "argv"),
     [
