@@ -290,6 +290,7 @@ def served(checkpoint: Path, servers: list[str], counts: list[int], new_tokens: 
             port=0,
             extra_service_args=SERVER_ARGS,
             orchestrator_args=["--max-concurrency", "64"],
+            host_turn=False,  # their batches run on the GPU, not on the host's cores
         )
         try:
             rates["split"] = over_modes(stack.start(), counts, new_tokens)
