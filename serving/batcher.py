@@ -196,15 +196,10 @@ class CallBatcher(Generic[Request, Response]):
             async with self.thread.turn():
                 if not carried:  # calls arriving during a stepped call join its next step
                     await self._gather()
+                # The batch is chosen once the host's cores are this service's.
                 host = self.thread.host_turn
-                if host is None:
+                async with host.holding() if host is not None else contextlib.nullcontext():
                     carried = await self._run_batch(carried)
-                    continue
-                await host.acquire()  # the batch is chosen once the host's cores are free
-                try:
-                    carried = await self._run_batch(carried)
-                finally:
-                    host.release()
         self._carried = 0
 
     @property

@@ -20,8 +20,10 @@ expects back while another service holds the turn, since that wait costs the hos
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 
@@ -52,6 +54,15 @@ class HostTurn:
             return False
         self.held = True
         return True
+
+    @contextlib.asynccontextmanager
+    async def holding(self) -> AsyncIterator[None]:
+        """The turn, from `acquire` to `release`."""
+        await self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
 
     async def acquire(self) -> None:
         """Waits for the turn (on a worker thread, off the event loop). Cancelled while

@@ -95,3 +95,18 @@ def test_the_turn_is_between_processes_and_a_dead_holder_lets_go(tmp_path, turns
 def test_a_lock_file_that_cannot_be_opened_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"--host-turn: cannot open the lock file .*missing"):
         HostTurn(tmp_path / "missing" / "host.turn")
+
+
+def test_holding_keeps_the_turn_for_its_block_and_lets_go_on_an_error(turns):
+    turn, other = turns(), turns()
+
+    async def scenario() -> None:
+        async with turn.holding():
+            assert turn.held and other.busy()
+        assert not turn.held and not other.busy()
+        with pytest.raises(RuntimeError, match="a batch failed"):
+            async with turn.holding():
+                raise RuntimeError("a batch failed")
+        assert not other.busy()
+
+    asyncio.run(scenario())
