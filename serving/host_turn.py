@@ -32,14 +32,12 @@ class HostTurn:
     (`shared=False`, the trunk) or beside the other shared holders (the jury shards)."""
 
     def __init__(self, path: str | Path, shared: bool = False) -> None:
-        self.path = Path(path)
-        self.shared = shared
         self._mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
         try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as error:
             raise ValueError(
-                f"--host-turn: cannot open the lock file {self.path}: {error.strerror}"
+                f"--host-turn: cannot open the lock file {path}: {error.strerror}"
             ) from error
         self.held = False
 
