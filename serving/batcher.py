@@ -271,7 +271,9 @@ class CallBatcher(Generic[Request, Response]):
         while another service of the host holds the host turn (the batch could not run
         before it ends anyway), up to `WINDOW_STRETCH` windows in all. A window that ends
         short forgets them but for those waiting now: a session has gone, and the next
-        batches do not wait for it."""
+        batches do not wait for it. The host turn's exclusive holder (the trunk) does not
+        wait while a shared holder (a jury shard) waits with calls queued: the sessions
+        each waits for may be queued at the other (`serving.host_turn`)."""
         expected = self._expected()
         window = self.limits.window_s
         if not window or len(self._queue) >= expected:
@@ -280,24 +282,33 @@ class CallBatcher(Generic[Request, Response]):
         deadline, longest = began + window, began + WINDOW_STRETCH * window
         arrived = len(self._queue)
         arrivals, host = self.thread.arrivals(), self.thread.host_turn
-        while len(self._queue) < expected and not self.thread.others_pending(self):
-            now = time.monotonic()
-            if len(self._queue) > arrived or (host is not None and host.busy()):
-                arrived = len(self._queue)
-                deadline = min(now + window, longest)
-            left = deadline - now
-            if left <= 0:
-                self._recent.clear()
-                self._recent.append(_callers([entry.request for entry in self._queue]))
-                return
-            # Woken by the next call of any batcher of the thread, not by polling: the
-            # sessions on their way here need the interpreter more than this loop does.
-            # (Another service's batch ending wakes nothing: that is looked at often.)
+        try:
+            while len(self._queue) < expected and not self.thread.others_pending(self):
+                now = time.monotonic()
+                if host is not None:
+                    if host.yields():  # the sessions waited for may be waiting for these
+                        return
+                    host.mark_gathering()
+                if len(self._queue) > arrived or (host is not None and host.busy()):
+                    arrived = len(self._queue)
+                    deadline = min(now + window, longest)
+                left = deadline - now
+                if left <= 0:
+                    self._recent.clear()
+                    self._recent.append(_callers([entry.request for entry in self._queue]))
+                    return
+                # Woken by the next call of any batcher of the thread, not by polling: the
+                # sessions on their way here need the interpreter more than this loop
+                # does. (Another service's batch ending wakes nothing: that is looked at
+                # often.)
+                if host is not None:
+                    left = min(left, HOST_TURN_POLL_S)
+                arrivals.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(arrivals.wait(), left)
+        finally:
             if host is not None:
-                left = min(left, HOST_TURN_POLL_S)
-            arrivals.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(arrivals.wait(), left)
+                host.unmark_gathering()
 
     def _expected(self) -> int:
         """The calls the next batch waits for: as many as the largest of the last

@@ -11,6 +11,8 @@ stopped when the test ends.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -157,3 +159,35 @@ def trunk(start_trunk) -> Service:
 @pytest.fixture
 def jury(start_jury) -> Service:
     return start_jury()
+
+
+class TurnPeer:
+    """Another process's HostTurn on `path` (record locks belong to a process: one
+    process's marks never stand in its own way), driven line by line: `ask("yields")`,
+    `ask("mark_gathering")`, `ask("unmark_gathering")` answer what the method returned."""
+
+    SCRIPT = (
+        "import sys\n"
+        "from hydra_jury.serving.host_turn import HostTurn\n"
+        "turn = HostTurn(sys.argv[1], shared=sys.argv[2] == 'shared')\n"
+        "for line in sys.stdin:\n"
+        "    print(getattr(turn, line.strip())(), flush=True)\n"
+    )
+
+    def __init__(self, path, shared: bool) -> None:
+        role = "shared" if shared else "alone"
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", self.SCRIPT, str(path), role],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def ask(self, method: str) -> str:
+        self.process.stdin.write(method + "\n")
+        self.process.stdin.flush()
+        return self.process.stdout.readline().strip()
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()

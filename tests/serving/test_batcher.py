@@ -15,6 +15,7 @@ from hydra_jury.protos.hydrajury.v1 import internal_pb2
 from hydra_jury.serving.batcher import BatchLimits, run_isolated
 from tests.worker_services import (
     HIDDEN_SIZE,
+    TurnPeer,
     assert_error,
     decoded,
     draft_request,
@@ -558,3 +559,46 @@ def test_the_window_starts_again_at_each_call_that_arrives(start_jury):
     jury.stub.Score(score_request("c", 3), timeout=10)
     first.result(), second.result()
     assert score_batches(jury) == before + 1
+
+
+def test_the_trunk_runs_at_once_while_a_shard_waits_with_calls_queued(start_trunk, tmp_path):
+    """Sessions split into two groups, one's calls queued at the trunk and the other's
+    at the shards, each waiting for the group the other holds, would wait out both
+    windows and go round apart for good: the trunk does not wait while a shard waits with
+    calls queued. Without that mark it waits out its window for the session it expects."""
+    path = tmp_path / "host.turn"
+    trunk = start_trunk(max_sessions=4, host_turn=path, batch_limits=BatchLimits(window_s=0.5))
+    for session in ("a", "b", "c"):
+        trunk.stub.Prefill(prefill_request(session), timeout=10)
+    steps = [draft_request(session, draft_head="", gamma=1) for session in ("a", "b", "c")]
+    batched(trunk, "Draft", steps[2], steps[:2])  # the next Draft batch expects 2 calls
+    shard = TurnPeer(path, shared=True)
+    try:
+        shard.ask("mark_gathering")
+        began = time.monotonic()
+        trunk.stub.Draft(steps[0], timeout=10)
+        assert time.monotonic() - began < 0.3
+        shard.ask("unmark_gathering")
+        began = time.monotonic()
+        trunk.stub.Draft(steps[0], timeout=10)
+        assert time.monotonic() - began >= 0.5
+    finally:
+        shard.close()
+
+
+def test_a_shard_marks_that_it_waits_while_its_window_lasts(start_jury, tmp_path):
+    path = tmp_path / "host.turn"
+    jury = start_jury(max_sessions=4, host_turn=path, batch_limits=BatchLimits(window_s=1.0))
+    for session in ("a", "b", "c"):
+        jury.stub.Prefill(jury_prefill_request(session, 0, positions=3), timeout=10)
+    batched(jury, "Score", score_request("c", 3), [score_request("a", 3), score_request("b", 3)])
+    trunk = TurnPeer(path, shared=False)
+    try:
+        assert trunk.ask("yields") == "False"
+        first = jury.stub.Score.future(score_request("a", 3), timeout=10)
+        wait_until(lambda: trunk.ask("yields") == "True")  # "a" waits for "b"
+        jury.stub.Score(score_request("b", 3), timeout=10)
+        first.result()
+        assert trunk.ask("yields") == "False"
+    finally:
+        trunk.close()

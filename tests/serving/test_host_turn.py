@@ -1,5 +1,6 @@
 """The host turn (`serving.host_turn`): the trunk holds it alone, the jury shards beside
-one another, across processes; a cancelled wait never keeps it."""
+one another, across processes; a cancelled wait never keeps it; a shard waiting with
+calls queued makes the trunk run its batch at once."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from hydra_jury.serving.host_turn import HostTurn
+from tests.worker_services import TurnPeer
 
 
 @pytest.fixture
@@ -110,3 +112,42 @@ def test_holding_keeps_the_turn_for_its_block_and_lets_go_on_an_error(turns):
         assert not other.busy()
 
     asyncio.run(scenario())
+
+
+def test_a_shard_gathering_makes_the_trunk_yield_until_it_stops_or_dies(tmp_path, turns):
+    """Each role in a process of its own, as the services run (a process's record locks
+    are its own: one of its turns taking the byte would take another's mark with it)."""
+    path = tmp_path / "host.turn"
+    trunk = turns()
+    shards = [TurnPeer(path, shared=True) for _ in range(2)]
+    try:
+        assert not trunk.yields()
+        shards[0].ask("mark_gathering")
+        assert trunk.yields() and trunk.yields()  # a look leaves the mark in place
+        shards[1].ask("mark_gathering")  # two shards waiting side by side
+        shards[0].ask("unmark_gathering")
+        assert trunk.yields()
+        shards[1].ask("unmark_gathering")
+        assert not trunk.yields()
+        shards[0].ask("mark_gathering")
+        assert shards[0].ask("yields") == "False"  # a shard is the one waited on
+    finally:
+        for peer in shards:
+            peer.close()  # a dead shard's mark goes with it
+    assert not trunk.yields()
+
+
+def test_only_a_shard_marks_that_it_is_gathering(tmp_path, turns):
+    path = tmp_path / "host.turn"
+    shard = turns(shared=True)
+    trunks = [TurnPeer(path, shared=False) for _ in range(2)]
+    try:
+        shard.mark_gathering()
+        assert trunks[0].ask("yields") == "True"
+        shard.unmark_gathering()
+        assert trunks[0].ask("yields") == "False"
+        trunks[1].ask("mark_gathering")  # the trunk has no one to make yield
+        assert trunks[0].ask("yields") == "False"
+    finally:
+        for peer in trunks:
+            peer.close()
