@@ -40,6 +40,7 @@ class JuryServicer(WorkerServicer, internal_pb2_grpc.JuryServicer):
             worker.prefill,
             lambda _: internal_pb2.JuryPrefillResponse(),
             lambda request: rows_of(request.hidden),
+            recurring=False,
         )
         self._scores = self.batcher(
             "Score",

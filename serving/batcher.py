@@ -120,7 +120,9 @@ class CallBatcher(Generic[Request, Response]):
     request in order, its response, its exception, or `CONTINUE` (run it again in the
     next batch); `size(request)` is the positions it runs per batch, for the token
     budget. An `observer` gets each batch's size, tokens, time
-    and waits, and each refusal."""
+    and waits, and each refusal. `recurring`: a session that made a call makes the
+    next too (a round's calls: Draft, Score), unlike a prefill, which a session makes
+    once a request (`_expected`)."""
 
     def __init__(
         self,
@@ -130,8 +132,10 @@ class CallBatcher(Generic[Request, Response]):
         size: Callable[[Request], int],
         limits: BatchLimits | None = None,
         observer: BatchObserver | None = None,
+        recurring: bool = True,
     ) -> None:
         self.name = name
+        self.recurring = recurring
         self.thread = thread
         self.handle = handle
         self.size = size
@@ -312,15 +316,21 @@ class CallBatcher(Generic[Request, Response]):
 
     def _expected(self) -> int:
         """The calls the next batch waits for: as many as the largest of the last
-        batches, or as many sessions as came back in them (twice or more: sessions in a
-        closed loop, not the one-off calls of sessions that come and go, as prefills)."""
+        batches, or as many sessions as came in them — once, for calls that recur every
+        round; twice or more otherwise (sessions in a closed loop, not the one-off calls
+        of sessions that come and go, as prefills). Waiting for only the round's
+        sessions seen twice, two jury shards that each ran 7 of 8 sessions (each the
+        first 7 to reach it) went on scoring different sessions, and every session's
+        round waited for the slower shard (the split stack, 8 sessions, 2-core Intel
+        Xeon: Draft batches of 5.7–7.5 sessions; waiting for every one seen, 7.6–7.8)."""
         if not self._recent:
             return 1
         largest = max(len(c) if isinstance(c, frozenset) else c for c in self._recent)
         if not all(isinstance(callers, frozenset) for callers in self._recent):
             return largest
         seen = Counter(session for callers in self._recent for session in callers)
-        return max(largest, sum(1 for count in seen.values() if count > 1))
+        least = 1 if self.recurring else 2
+        return max(largest, sum(1 for count in seen.values() if count >= least))
 
     def _take(self, tokens: int = 0, first_fits: bool = True) -> list[_Queued]:
         """Queued calls in order while the token budget (`tokens` of it used) lasts, the

@@ -151,9 +151,12 @@ class WorkerServicer:
         run_one: Callable[[Call], Result],
         encode: Callable[[Result], Response],
         size: Callable[[Any], int],
+        recurring: bool = True,
     ) -> CallBatcher:
         """A batcher for the requests of `rpc`: each batch is decoded, run (a call that
-        fails alone fails alone) and encoded in one trip to the model thread."""
+        fails alone fails alone) and encoded in one trip to the model thread.
+        `recurring`: whether each session makes such a call every round
+        (`CallBatcher`)."""
 
         def handle(requests: list) -> list:
             decoded = []
@@ -192,6 +195,7 @@ class WorkerServicer:
             size,
             self.batch_limits,
             self.metrics.observer(rpc),
+            recurring,
         )
         self.batchers[rpc] = batcher
         return batcher

@@ -86,12 +86,16 @@ class WorkerBatchers:
         )
         self._loop_thread.start()
 
-        def batcher(rpc: str, handle: Callable, size: Callable[[Any], int]) -> CallBatcher:
+        def batcher(
+            rpc: str, handle: Callable, size: Callable[[Any], int], recurring: bool = True
+        ) -> CallBatcher:
             observer = metrics.observer(rpc) if metrics is not None else None
-            return CallBatcher(rpc, thread, handle, size, self.limits, observer)
+            return CallBatcher(rpc, thread, handle, size, self.limits, observer, recurring)
 
         self.batchers: dict[str, CallBatcher] = {
-            "Prefill": batcher("Prefill", self._prefill_batch, lambda call: len(call.tokens)),
+            "Prefill": batcher(
+                "Prefill", self._prefill_batch, lambda call: len(call.tokens), recurring=False
+            ),
             "TrunkForward": batcher(
                 "TrunkForward", self._trunk_forward_batch, lambda call: len(call.tokens)
             ),

@@ -45,6 +45,7 @@ class TrunkServicer(WorkerServicer, internal_pb2_grpc.TrunkServicer):
             worker.prefill,
             lambda hidden: internal_pb2.TrunkPrefillResponse(hidden=wire.hidden_to_pb(hidden)),
             lambda request: max(1, len(request.tokens)),
+            recurring=False,
         )
         self.draft_scheduler: DraftScheduler[internal_pb2.DraftRequest] = DraftScheduler(worker)
         self._drafts = self.batchers["Draft"] = CallBatcher(

@@ -472,6 +472,22 @@ def test_sessions_split_over_two_batches_meet_again_in_the_next(start_jury):
     assert batches("hydrajury_batch_calls_count", {"rpc": "Score"}) == before + 1
 
 
+def test_a_round_s_calls_wait_for_every_session_seen_in_the_last_batches(start_jury):
+    """Score calls come every round: a session seen once in the last batches is waited
+    for, so that shards that each ran a different part of the sessions wait for all of
+    them again (prefills, which come once a request, are not: the test below)."""
+    jury = start_jury(max_sessions=4, batch_limits=BatchLimits(window_s=1.0))
+    for session in ("a", "b"):
+        jury.stub.Prefill(jury_prefill_request(session, 0, positions=3), timeout=10)
+    batched(jury, "Score", score_request("a", 3), [score_request("b", 3)])  # {a}, then {b}
+    before = score_batches(jury)
+    first = jury.stub.Score.future(score_request("a", 3), timeout=10)
+    time.sleep(0.1)  # "b" arrives inside the window "a" waits in
+    jury.stub.Score(score_request("b", 3), timeout=10)
+    first.result()
+    assert score_batches(jury) == before + 1
+
+
 def test_sessions_that_come_once_are_not_waited_for(start_jury):
     """Prefills of sessions that each come once (one-off requests) do not make the next
     prefill wait for more: the window waits for sessions that came back."""
