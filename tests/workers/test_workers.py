@@ -50,6 +50,41 @@ def test_draft_head_switch_catches_up_from_kept_hidden_states(jury_model):
     assert torch.allclose(switched.logprobs, fresh.logprobs, atol=1e-6)
 
 
+def test_sessions_drafting_with_different_heads_share_one_lm_head_product(
+    hydra_checkpoints, monkeypatch
+):
+    """A step of sessions drafting with different heads runs each head's layers over its
+    sessions, and the shared LM head once over all their rows; each session drafts what
+    it drafts alone."""
+    from hydra_jury.hydra_model import HydraModel, heads
+
+    model = HydraModel.load(hydra_checkpoints["qwen2"])  # tied: one LM head for all
+    assert model.heads.shares_lm_head
+    first, last = model.head_names[0], model.head_names[-1]
+    trunk = TrunkWorker(model, limits=SessionLimits(3, 32))
+    for session in ("a", "b", "c"):
+        trunk.prefill(calls.prefill(session, 0, torch.tensor([5, 6, 7, 9, 10])))
+    drafts = [
+        calls.draft("a", 5, 11, 3, first, GREEDY, 0),
+        calls.draft("b", 5, 11, 3, last, GREEDY, 0),
+        calls.draft("c", 5, 12, 3, first, GREEDY, 0),
+    ]
+    alone = [trunk.draft(call) for call in drafts]
+    products = []
+    product = heads.shared_lm_head
+
+    def counted(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        products.append(len(rows))
+        return product(rows, weight)
+
+    monkeypatch.setattr(heads, "shared_lm_head", counted)
+    together = trunk.draft_batch(drafts)
+    assert products == [3, 3, 3]  # one product a step, over the rows of both heads
+    for one, joined in zip(alone, together, strict=True):
+        assert torch.equal(one.tokens, joined.tokens)
+        assert torch.allclose(one.logprobs, joined.logprobs, atol=1e-6)
+
+
 def test_session_and_length_limits(jury_model):
     trunk = TrunkWorker(jury_model, limits=SessionLimits(1, 8))
     trunk.prefill(calls.prefill("a", 0, torch.tensor([5, 6])))
