@@ -390,8 +390,9 @@ class TrunkWorker:
     def draft_step(self, drafting: list[Drafting]) -> None:
         """One position of every unfinished `Drafting`: one trunk forward over all of
         them (each at its own position), then each draft head's layers over its
-        sessions, and a shared LM head once over all their rows. Sessions may join and leave between steps. One whose session was
-        released meanwhile fails alone (`Drafting.error`), its caches untouched."""
+        sessions, and a shared LM head once over all their rows. Sessions may join and
+        leave between steps. One whose session was released meanwhile fails alone
+        (`Drafting.error`), its caches untouched."""
         active = []
         for entry in drafting:
             if entry.done:
