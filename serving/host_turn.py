@@ -21,7 +21,7 @@ trunk and the other's at the shards, each service waiting for the group the othe
 Both windows then end together, both run a part, and the groups go round apart for good
 (8 sessions, 2-core Intel Xeon: Draft batches of 5.2 sessions and 62–65 tokens/s, against
 7.8 and 77 in step). So a shard that waits with calls queued says so (a shared lock on
-one byte of the file: `gathering`), and the trunk, seeing it, runs its batch at once
+one byte of the file: `mark_gathering`), and the trunk, seeing it, runs its batch at once
 (`yields`) while the shards wait on: their window lasts while the trunk's batch runs, the
 trunk's group comes to them, and the next Score batch holds every session.
 """
@@ -46,7 +46,6 @@ class HostTurn:
 
     def __init__(self, path: str | Path, shared: bool = False) -> None:
         self._mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
-        self.shared = shared
         self._gathering = False  # this shared holder's mark is set (`mark_gathering`)
         try:
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -55,6 +54,10 @@ class HostTurn:
                 f"--host-turn: cannot open the lock file {path}: {error.strerror}"
             ) from error
         self.held = False
+
+    @property
+    def shared(self) -> bool:
+        return self._mode == fcntl.LOCK_SH
 
     def close(self) -> None:
         os.close(self._fd)
@@ -118,7 +121,7 @@ class HostTurn:
 
     def unmark_gathering(self) -> None:
         if self._gathering:
-            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, GATHERING_BYTE)
+            self._record_unlock()
             self._gathering = False
 
     def yields(self) -> bool:
@@ -129,7 +132,7 @@ class HostTurn:
             return False
         if not self._record_lock(fcntl.LOCK_EX):
             return True
-        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, GATHERING_BYTE)
+        self._record_unlock()
         return False
 
     def _record_lock(self, mode: int) -> bool:
@@ -139,3 +142,6 @@ class HostTurn:
         except (BlockingIOError, PermissionError):
             return False
         return True
+
+    def _record_unlock(self) -> None:
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, GATHERING_BYTE)
