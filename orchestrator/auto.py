@@ -76,6 +76,7 @@ class CostModel:
         # The round each kind was last measured at (as if 16 rounds before its first).
         self._explored = {kind: at - EXPLORE_EVERY for kind, at in EXPLORE_AT.items()}
         self._owners: deque[int] = deque(maxlen=CONCURRENCY_ROUNDS)  # the last rounds' requests
+        self._running = 1  # the requests among them (at least one)
         self._lock = threading.Lock()
 
     @property
@@ -90,19 +91,15 @@ class CostModel:
         line over their last two or three rounds each, and its slope followed the one or
         two rounds with drafts among them.)"""
         with self._lock:
-            decay = COST_DECAY ** (1 / self._requests_running())
+            decay = COST_DECAY ** (1 / self._running)
             self.lines[kind].observe(positions, seconds, decay)
-
-    def _requests_running(self) -> int:
-        """The requests that made the last CONCURRENCY_ROUNDS rounds (at least one); the
-        caller holds the lock."""
-        return max(1, len(set(self._owners)))
 
     def count_round(self, request: object) -> None:
         """A round of `request` (its `AutoState`) is done."""
         with self._lock:
             self.rounds += 1
             self._owners.append(id(request))
+            self._running = max(1, len(set(self._owners)))
 
     def explores(self, kind: DrafterKind) -> bool:
         """Whether this round measures `kind` whatever it is predicted to cost: one
@@ -112,7 +109,7 @@ class CostModel:
         request measuring every 16 of its rounds: 0.76x the non-speculative tokens/s
         with 16 sessions of `serve`; every 16 of the engine's: 0.84x)."""
         with self._lock:
-            every = EXPLORE_EVERY * self._requests_running()
+            every = EXPLORE_EVERY * self._running
             if self.rounds - self._explored[kind] < every:
                 return False
             self._explored[kind] = self.rounds
@@ -137,19 +134,30 @@ class CostModel:
 
     def predict(self, kind: DrafterKind, positions: int) -> float:
         """Predicted seconds of a round (relative units before any measurement)."""
+        fixed, per_position = self.predictions()[kind]
+        return fixed + per_position * positions
+
+    def predictions(self) -> dict[DrafterKind, tuple[float, float]]:
+        """Each kind's predicted seconds of a round as a line against its positions,
+        (fixed, per position), taken together: a choice reads them under one lock, as
+        it is made between a round's token and the next step's call."""
         with self._lock:
             plain = self.one_pass.mean() if self.one_pass.known else 1.0
-            cost = self.lines[kind]
-            line = cost.line()
-            if line is not None:
-                return line[0] + line[1] * positions
-            if kind == NGRAM:
-                return plain * (1 + VERIFY_POSITION_PRIOR * (positions - 1))
-            # A drafted round: γ steps of its drafter and a jury call.
-            step = HEAD_STEP_PRIOR if kind == HEAD else MODEL_STEP_PRIOR
-            if cost.known:  # one size seen: scale it by γ
-                return cost.mean() * (0.5 + step * positions) / (0.5 + step * max(cost.sizes))
-            return plain * (1 + step * positions)
+            return {kind: self._prediction(kind, plain) for kind in self.lines}
+
+    def _prediction(self, kind: DrafterKind, plain: float) -> tuple[float, float]:
+        cost = self.lines[kind]
+        line = cost.line()
+        if line is not None:
+            return line
+        if kind == NGRAM:  # plain · (1 + prior · (positions − 1))
+            return plain * (1 - VERIFY_POSITION_PRIOR), plain * VERIFY_POSITION_PRIOR
+        # A drafted round: γ steps of its drafter and a jury call.
+        step = HEAD_STEP_PRIOR if kind == HEAD else MODEL_STEP_PRIOR
+        if cost.known:  # one size seen: scaled by γ, cost · (0.5 + step · γ) / (0.5 + step · seen)
+            scale = cost.mean() / (0.5 + step * max(cost.sizes))
+            return 0.5 * scale, step * scale
+        return plain, plain * step
 
 
 @dataclass
@@ -210,10 +218,16 @@ class AutoState:
             return Choice(NGRAM, ngram_drafts) if ngram_drafts else Choice(NONE, 0)
         if ngram_drafts and costs.explores(NGRAM):
             return Choice(NGRAM, ngram_drafts)  # and now and then
-        best, best_rate = Choice(NONE, 0), 1.0 / costs.predict(NGRAM, 1)
+        predicted = costs.predictions()
+
+        def seconds(kind: DrafterKind, positions: int) -> float:
+            fixed, per_position = predicted[kind]
+            return fixed + per_position * positions
+
+        best, best_rate = Choice(NONE, 0), 1.0 / seconds(NGRAM, 1)
         alpha = self.acceptance[NGRAM].rate
         for k in range(1, ngram_drafts + 1):
-            rate = expected_tokens(alpha, k, bonus=True) / costs.predict(NGRAM, k + 1)
+            rate = expected_tokens(alpha, k, bonus=True) / seconds(NGRAM, k + 1)
             if rate > best_rate:
                 best, best_rate = Choice(NGRAM, k), rate
         # (drafter, the most it may draft, whether its rounds end with a bonus token)
@@ -225,7 +239,7 @@ class AutoState:
                 return Choice(drafter, cap)  # measure it now and then
             alpha = self.acceptance[drafter].rate
             for gamma in range(1, cap + 1):
-                rate = expected_tokens(alpha, gamma, bonus) / costs.predict(drafter, gamma)
+                rate = expected_tokens(alpha, gamma, bonus) / seconds(drafter, gamma)
                 if rate > best_rate:
                     best, best_rate = Choice(drafter, gamma), rate
         return best

@@ -12,8 +12,13 @@ from hydra_jury.orchestrator.auto import (
     CostModel,
     expected_tokens,
 )
+from hydra_jury.orchestrator.engine import Engine
+from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.request import DrafterKind, GenerationRequest
+from hydra_jury.serving.batcher import BatchLimits
 from hydra_jury.serving.cost_line import LinearCost
+from hydra_jury.serving.model_thread import ModelThread
+from hydra_jury.workers.sessions import SessionLimits
 from tests.orchestrator.test_engine import REPEATING
 
 
@@ -175,6 +180,11 @@ class FixedCosts(CostModel):
         return None
 
 
+def use_costs(engine: Engine, costs: CostModel) -> None:
+    """The engine's requests start from and choose by `costs`."""
+    engine.costs = engine.rounds.costs = costs
+
+
 def request(prompt: str, **options) -> GenerationRequest:
     values = {"max_new_tokens": 48, "ignore_eos": True, "seed": 9, **options}
     return GenerationRequest(prompt=prompt, **values)
@@ -192,7 +202,7 @@ def test_auto_gives_the_non_speculative_tokens(engine, prompt, temperature, cost
     non-speculative PoE over every head: greedy by argmax, sampled by the coupling. (Up
     to rounding: rows computed in batches of other shapes can flip a near tie.)"""
     reference = engine.generate(request(prompt, rule="verifier_only", temperature=temperature))
-    engine.costs = FixedCosts(costs)
+    use_costs(engine, FixedCosts(costs))
     output = engine.generate(request(prompt, temperature=temperature))
     assert output.token_ids == reference.token_ids
     assert output.jury == ["head0", "head1", "head2", "head3"]
@@ -203,3 +213,38 @@ def test_auto_gives_the_non_speculative_tokens(engine, prompt, temperature, cost
     inputs = output.stats["auto_inputs"]
     assert 0 < inputs["ngram_acceptance"] < 1 and inputs["plain_step_s"] > 0
     assert output.stats["drafted"] > 0  # it did speculate
+
+
+class NeverExplores(FixedCosts):
+    def explores(self, kind: DrafterKind) -> bool:
+        return False
+
+
+def test_a_plain_step_is_sent_before_its_round_is_counted(jury_model, tokenizer):
+    """Batched (`serve`), the automatic mode sends a plain round's next step as soon as
+    its token is drawn, and counts the round (its cost, its acceptance) after: the
+    bookkeeping runs while the step joins the other sessions' batch, not between the
+    token and the call."""
+    thread = ModelThread("test-model")
+    backend = LocalBackend(
+        jury_model, limits=SessionLimits(2, 128), thread=thread, batching=BatchLimits()
+    )
+    engine = Engine(backend, tokenizer)
+    use_costs(engine, NeverExplores(measured(verify=(0.001, 1.0))))  # drafts never pay
+    counted_when_sent = []
+    send = backend.draft_ahead
+
+    def draft_ahead(call):
+        counted_when_sent.append((call.start, engine.costs.rounds))
+        return send(call)
+
+    backend.draft_ahead = draft_ahead
+    try:
+        output = engine.generate(request("Count the sheep.", max_new_tokens=5, temperature=0.8))
+    finally:
+        backend.close()
+    assert output.stats["rounds_by_drafter"] == {"none": 5}
+    # The step after round r (r = 1..4) went before round r was counted.
+    starts = [start for start, _ in counted_when_sent]
+    assert [rounds for _, rounds in counted_when_sent] == list(range(4))
+    assert starts == list(range(starts[0], starts[0] + 4))
