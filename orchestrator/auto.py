@@ -19,7 +19,9 @@ Inputs
   sessions the fixed cost is spread thin and a verified position costs about what a
   whole plain step's share does, so drafts that are mostly rejected stop paying and the
   mode stops speculating; alone, the share is the round's time and nothing changes.
-- acceptance (measured): how often a draft token is kept, per drafter — decayed counts
+- acceptance (measured): how often a draft token is kept, per drafter (prompt lookup's
+  per length of the suffix its drafts continue: its one-token matches draft far worse
+  than its longer ones, and under load only the longer ones pay) — decayed counts
   over the request's rounds, starting from the engine's pooled counts over earlier
   requests (how well a head or a draft model drafts is mostly a property of the
   models), or from a prior before any.
@@ -43,6 +45,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hydra_jury.orchestrator.request import DrafterKind
+from hydra_jury.poe.drafting import NGRAM_MAX, NGRAM_MIN
 from hydra_jury.serving.cost_line import LinearCost
 
 HEAD, MODEL, NGRAM, NONE = DrafterKind.HEAD, DrafterKind.MODEL, DrafterKind.NGRAM, DrafterKind.NONE
@@ -52,7 +55,25 @@ HEAD, MODEL, NGRAM, NONE = DrafterKind.HEAD, DrafterKind.MODEL, DrafterKind.NGRA
 HEAD_STEP_PRIOR = 0.6
 VERIFY_POSITION_PRIOR = 0.05  # an extra verified position, in plain steps (batched)
 MODEL_STEP_PRIOR = 0.3  # a draft-model step, in plain steps (a smaller model)
-PRIOR_ACCEPTANCE = {NGRAM: 0.5, HEAD: 0.7, MODEL: 0.5}
+
+
+def acceptance_key(drafter: DrafterKind, match: int = NGRAM_MIN) -> str:
+    """Whose acceptance a round's drafts count to: its drafter's, and for prompt lookup
+    that of the length of the suffix its drafts continue (`NgramIndex.lookup`)."""
+    return f"{drafter}{match}" if drafter == NGRAM else str(drafter)
+
+
+# Per position, until measured. Prompt lookup's by the length of its match, from the demo
+# checkpoint's model-written answers (a draft's first token kept after 11%, 37% and 47%
+# of one-, two- and three-token matches; 0.18, 0.63 and 0.90 of its 4 tokens on average).
+PRIOR_ACCEPTANCE = {
+    **{
+        acceptance_key(NGRAM, n): rate
+        for n, rate in zip(range(NGRAM_MIN, NGRAM_MAX + 1), (0.15, 0.4, 0.5), strict=True)
+    },
+    acceptance_key(HEAD): 0.7,
+    acceptance_key(MODEL): 0.5,
+}
 PRIOR_WEIGHT = 2.0  # pseudo-positions behind the acceptance prior
 COST_DECAY = 0.95  # per round of each request running: recent rounds' costs count more
 ACCEPTANCE_DECAY = 0.9  # per round: recent rounds count more
@@ -67,11 +88,12 @@ CONCURRENCY_ROUNDS = 64
 class CostModel:
     """What an engine's requests measure for each other: the costs of the three kinds
     of rounds, keyed by their drafter (NGRAM: every one-pass round, a plain step
-    included; HEAD; MODEL), and the acceptance of each drafter pooled over requests."""
+    included; HEAD; MODEL), and the acceptance of each drafter pooled over requests
+    (`acceptance_key`)."""
 
     def __init__(self) -> None:
         self.lines = {kind: LinearCost(COST_DECAY) for kind in (NGRAM, HEAD, MODEL)}
-        self.acceptance = {d: Acceptance.prior(d) for d in PRIOR_ACCEPTANCE}
+        self.acceptance = {key: Acceptance.prior(key) for key in PRIOR_ACCEPTANCE}
         self.rounds = 0  # the automatic rounds of every request
         # The round each kind was last measured at (as if 16 rounds before its first).
         self._explored = {kind: at - EXPLORE_EVERY for kind, at in EXPLORE_AT.items()}
@@ -115,17 +137,17 @@ class CostModel:
             self._explored[kind] = self.rounds
             return True
 
-    def observe_acceptance(self, drafter: DrafterKind, reached: int, kept: int) -> None:
+    def observe_acceptance(self, key: str, reached: int, kept: int) -> None:
         with self._lock:
-            self.acceptance[drafter].observe(reached, kept)
+            self.acceptance[key].observe(reached, kept)
 
     def starting_acceptance(self) -> dict[str, Acceptance]:
         """A new request's acceptance counts: the pooled ones, scaled down to the prior's
         weight so that the request's own rounds soon dominate."""
         with self._lock:
             return {
-                drafter: Acceptance(counts.rate * PRIOR_WEIGHT, PRIOR_WEIGHT)
-                for drafter, counts in self.acceptance.items()
+                key: Acceptance(counts.rate * PRIOR_WEIGHT, PRIOR_WEIGHT)
+                for key, counts in self.acceptance.items()
             }
 
     def known(self, kind: DrafterKind) -> bool:
@@ -162,14 +184,15 @@ class CostModel:
 
 @dataclass
 class Acceptance:
-    """Decayed counts of drafts reached and kept, for one drafter, from a prior."""
+    """Decayed counts of drafts reached and kept, for one drafter (`acceptance_key`), from
+    a prior."""
 
     kept: float
     reached: float
 
     @classmethod
-    def prior(cls, drafter: DrafterKind) -> Acceptance:
-        return cls(PRIOR_ACCEPTANCE[drafter] * PRIOR_WEIGHT, PRIOR_WEIGHT)
+    def prior(cls, key: str) -> Acceptance:
+        return cls(PRIOR_ACCEPTANCE[key] * PRIOR_WEIGHT, PRIOR_WEIGHT)
 
     def observe(self, reached: int, kept: int) -> None:
         self.kept = ACCEPTANCE_DECAY * self.kept + kept
@@ -191,14 +214,19 @@ def expected_tokens(acceptance: float, drafts: int, bonus: bool) -> float:
 class Choice:
     drafter: DrafterKind  # NONE (a plain step), NGRAM, HEAD or MODEL
     drafts: int  # k n-gram drafts, or γ head or draft-model drafts
+    match: int = NGRAM_MIN  # NGRAM: the length of the suffix its drafts continue
+
+    @property
+    def acceptance_key(self) -> str:
+        return acceptance_key(self.drafter, self.match)
 
 
 @dataclass
 class AutoState:
     """One request's side of the automatic mode."""
 
-    acceptance: dict[DrafterKind, Acceptance] = field(
-        default_factory=lambda: {d: Acceptance.prior(d) for d in PRIOR_ACCEPTANCE}
+    acceptance: dict[str, Acceptance] = field(
+        default_factory=lambda: {key: Acceptance.prior(key) for key in PRIOR_ACCEPTANCE}
     )
     planned: Choice | None = None  # the next round's choice, made as the last one ended
 
@@ -207,17 +235,24 @@ class AutoState:
         return cls(costs.starting_acceptance())
 
     def choose(
-        self, costs: CostModel, ngram_drafts: int, head_cap: int, greedy: bool, model_cap: int = 0
+        self,
+        costs: CostModel,
+        ngram_drafts: int,
+        head_cap: int,
+        greedy: bool,
+        model_cap: int = 0,
+        ngram_match: int = NGRAM_MIN,
     ) -> Choice:
-        """The best round: `ngram_drafts` tokens are on offer from prompt lookup; head
-        drafts (greedy only) up to `head_cap`; draft-model drafts up to `model_cap` (0:
-        no draft model)."""
+        """The best round: `ngram_drafts` tokens are on offer from prompt lookup,
+        continuing a suffix of `ngram_match` tokens; head drafts (greedy only) up to
+        `head_cap`; draft-model drafts up to `model_cap` (0: no draft model)."""
+        offer = Choice(NGRAM, ngram_drafts, ngram_match)
         if not costs.known(NGRAM):
             # Every other cost is predicted against a one-pass round (a plain step is
             # one): measure that first, or the predictions mix units.
-            return Choice(NGRAM, ngram_drafts) if ngram_drafts else Choice(NONE, 0)
+            return offer if ngram_drafts else Choice(NONE, 0)
         if ngram_drafts and costs.explores(NGRAM):
-            return Choice(NGRAM, ngram_drafts)  # and now and then
+            return offer  # and now and then
         predicted = costs.predictions()
 
         def seconds(kind: DrafterKind, positions: int) -> float:
@@ -225,11 +260,11 @@ class AutoState:
             return fixed + per_position * positions
 
         best, best_rate = Choice(NONE, 0), 1.0 / seconds(NGRAM, 1)
-        alpha = self.acceptance[NGRAM].rate
+        alpha = self.acceptance[offer.acceptance_key].rate if ngram_drafts else 0.0
         for k in range(1, ngram_drafts + 1):
             rate = expected_tokens(alpha, k, bonus=True) / seconds(NGRAM, k + 1)
             if rate > best_rate:
-                best, best_rate = Choice(NGRAM, k), rate
+                best, best_rate = Choice(NGRAM, k, ngram_match), rate
         # (drafter, the most it may draft, whether its rounds end with a bonus token)
         drafted = [(HEAD, head_cap if greedy else 0, False), (MODEL, model_cap, True)]
         for drafter, cap, bonus in drafted:
@@ -237,7 +272,7 @@ class AutoState:
                 continue
             if not costs.known(drafter) or costs.explores(drafter):
                 return Choice(drafter, cap)  # measure it now and then
-            alpha = self.acceptance[drafter].rate
+            alpha = self.acceptance[acceptance_key(drafter)].rate
             for gamma in range(1, cap + 1):
                 rate = expected_tokens(alpha, gamma, bonus) / seconds(drafter, gamma)
                 if rate > best_rate:
@@ -247,13 +282,13 @@ class AutoState:
     def observe(self, costs: CostModel, choice: Choice, reached: int, kept: int) -> None:
         costs.count_round(self)
         if choice.drafter != NONE:
-            self.acceptance[choice.drafter].observe(reached, kept)
-            costs.observe_acceptance(choice.drafter, reached, kept)
+            self.acceptance[choice.acceptance_key].observe(reached, kept)
+            costs.observe_acceptance(choice.acceptance_key, reached, kept)
 
     def inputs(self, costs: CostModel) -> dict[str, float]:
         """What the choices are made from, for the request's statistics."""
         return {
-            **{f"{drafter}_acceptance": counts.rate for drafter, counts in self.acceptance.items()},
+            **{f"{key}_acceptance": counts.rate for key, counts in self.acceptance.items()},
             "plain_step_s": costs.predict(NGRAM, 1),
             "verify_position_s": costs.predict(NGRAM, 2) - costs.predict(NGRAM, 1),
             "head_round_4_s": costs.predict(HEAD, 4),

@@ -179,11 +179,12 @@ class LocalBackend(DecodingBackend):
         return self.batchers is not None
 
     def draft_ahead(self, call: DraftCall) -> Future[tuple[DraftResult, ModelShare]] | None:
-        """Batched (the single-process server), a plain step's `call` goes to the Draft
-        batcher now and runs with the other sessions' steps while this thread goes on;
-        else None. Not a head draft: sent before the verdict, it would be wasted work
-        whenever a draft token is rejected, and in one process it has no jury on other
-        cores to overlap with — the model thread is the same."""
+        """Batched (the single-process server), a plain step's `call` (or a one-pass
+        check's of drafts made outside) goes to the Draft batcher now and runs with the
+        other sessions' steps while this thread goes on; else None. Not a head draft:
+        sent before the verdict, it would be wasted work whenever a draft token is
+        rejected, and in one process it has no jury on other cores to overlap with — the
+        model thread is the same."""
         if self.batchers is None or call.draft_head is not None or call.draft_model:
             return None
         started = threading.Event()

@@ -154,7 +154,7 @@ class Rounds:
             kind, positions = DrafterKind.MODEL, choice.drafts
         elif choice.drafts:  # a one-pass round over the pending token and k n-gram drafts
             drafts = run.ngrams.draft(run.committed, choice.drafts)
-            verdict = self._ngram_round(run, drafts)
+            verdict = self._ngram_round(run, drafts, ahead)
             kind, positions = DrafterKind.NGRAM, choice.drafts + 1
         else:
             verdict = self._plain_step(run, ahead, send_next=False)
@@ -165,18 +165,20 @@ class Rounds:
         """The automatic mode's choice for a round after `committed`, with `remaining`
         tokens left to generate."""
         prepared = run.prepared
-        offered = len(run.ngrams.draft(committed, min(prepared.gamma, remaining - 1)))
+        offered, match = run.ngrams.lookup(committed, min(prepared.gamma, remaining - 1))
         head_cap = min(prepared.gamma, remaining) if prepared.draft_head else 0
         model_cap = min(prepared.gamma, remaining - 1) if self.backend.info.draft_model else 0
-        return run.auto.choose(self.costs, offered, head_cap, prepared.sampling.greedy, model_cap)
+        greedy = prepared.sampling.greedy
+        return run.auto.choose(self.costs, len(offered), head_cap, greedy, model_cap, match)
 
     def _plan_next(self, run: Run, tokens: list[int], remaining: int) -> bool:
         """Chooses the next round as soon as this one has decided its `tokens` (the
         choice needs nothing this round's commit adds; it reads the costs and acceptance
         counted up to the round before, as this round's are counted after the call has
-        gone) and, when it is a plain step, sends its trunk call ahead:
-        under load it then joins the other sessions' batch while this round's metrics,
-        commit and stream are done, as non-speculative decoding's steps do. (8 sessions
+        gone) and, when it is a plain step or a one-pass check of prompt-lookup drafts
+        (known now), sends its trunk call ahead: under load it then joins the other
+        sessions' batch while this round's metrics, commit and stream are done, as
+        non-speculative decoding's steps do. (8 sessions
         of `serve`, trained demo checkpoint, float32, rounds nearly all plain, taken turn
         about with non-speculative decoding on one 2-core Intel server: chosen at each
         round, the automatic mode ran at 0.83-0.94x of it; chosen here and sent ahead,
@@ -187,10 +189,14 @@ class Rounds:
         average before, 0.973x after; 4 sessions 0.916x and 0.929x.) A stop condition
         that cuts `tokens` ends the generation, and what was sent is discarded. Whether
         the step was sent."""
-        run.auto.planned = self._choose(run, [*run.committed, *tokens], remaining)
-        return run.auto.planned.drafter == DrafterKind.NONE and self._send_ahead_from(
-            run, tokens[-1], len(tokens), 1, trunk_only=True
-        )
+        committed = [*run.committed, *tokens]
+        run.auto.planned = planned = self._choose(run, committed, remaining)
+        if planned.drafter == DrafterKind.NONE:
+            return self._send_ahead_from(run, tokens[-1], len(tokens), 1, trunk_only=True)
+        if planned.drafter == DrafterKind.NGRAM:
+            drafts = run.ngrams.draft(committed, planned.drafts)
+            return self._send_ahead_from(run, tokens[-1], len(tokens), 1, outside_drafts=drafts)
+        return False
 
     def _beam_round(self, run: Run, remaining: int) -> Verdict:
         """The whole beam search as one round: its best hypothesis (`orchestrator.beam_search`)."""
@@ -274,14 +280,23 @@ class Rounds:
         return self._send_ahead_from(run, tokens[-1], len(tokens), gamma)
 
     def _send_ahead_from(
-        self, run: Run, token: int, emitted: int, gamma: int, trunk_only: bool = False
+        self,
+        run: Run,
+        token: int,
+        emitted: int,
+        gamma: int,
+        trunk_only: bool = False,
+        outside_drafts: list[int] | None = None,
     ) -> bool:
         """Sends the draft call of the round after this one, if this one emits `emitted`
-        tokens ending with `token` (`trunk_only`: a plain step's). Whether the backend
-        took it."""
+        tokens ending with `token` (`trunk_only`: a plain step's; `outside_drafts`: a
+        one-pass check's). Whether the backend took it."""
         if not self.backend.pipelines:
             return False
-        call = self._draft_call(run, gamma, run.start + emitted, token, trunk_only=trunk_only)
+        start = run.start + emitted
+        call = self._draft_call(
+            run, gamma, start, token, trunk_only=trunk_only, outside_drafts=outside_drafts
+        )
         future = self.backend.draft_ahead(call)
         if future is None:
             return False
@@ -324,18 +339,22 @@ class Rounds:
         _count_work(run.progress.stats, done.trunk_steps, done.head_evaluations)
         return done
 
-    def _ngram_round(self, run: Run, drafts: list[int]) -> Verdict:
+    def _ngram_round(self, run: Run, drafts: list[int], ahead: DraftAhead | None = None) -> Verdict:
         """Prompt-lookup drafts (point masses), checked in one pass; the trunk step over
         the pending token and the k drafts (a draft call of outside drafts, which a
         server batches with the other sessions' plain steps) is this round's only trunk
-        call. No draft: a plain step."""
+        call, or the one the last round sent `ahead` if it is this one. No draft: a plain
+        step."""
         call = self._draft_call(run, 1, run.start, run.committed[-1], outside_drafts=drafts)
-        hidden = self._draft(run, call).hidden
+        used_ahead = ahead is not None and ahead.call == call
+        hidden = self._draft(run, call, self._take(ahead) if used_ahead else None).hidden
         draft_tokens = torch.tensor(drafts, dtype=torch.long)
         point_mass = point_mass_logprobs(draft_tokens, self.backend.info.vocab_size)
         decision = point_mass if _decides_apart(run) else None
         draft = DraftResult(draft_tokens, point_mass, decision, hidden)
-        return self._check_in_one_pass(run, draft, DrafterKind.NGRAM, coupled=True)
+        verdict = self._check_in_one_pass(run, draft, DrafterKind.NGRAM, coupled=True)
+        verdict.used_ahead = used_ahead
+        return verdict
 
     def _model_round(self, run: Run, gamma: int, *, coupled: bool) -> Verdict:
         """γ drafts from the trunk service's draft model, which then runs the trunk over

@@ -51,16 +51,18 @@ def test_expected_tokens():
 
 def test_the_choice_follows_costs_and_acceptance():
     costs, state = measured(), AutoState()
-    # Cheap extra positions and a fair acceptance (0.5): draft, but not all 6 on offer —
-    # the 5th and later would almost never be reached.
-    assert state.choose(costs, ngram_drafts=6, head_cap=0, greedy=False) == Choice("ngram", 4)
+    # Cheap extra positions and a fair acceptance (0.5, the prior after a three-token
+    # match): draft, but not all 6 on offer — the 5th and later would almost never be
+    # reached.
+    offer = {"ngram_drafts": 6, "head_cap": 0, "greedy": False, "ngram_match": 3}
+    assert state.choose(costs, **offer) == Choice("ngram", 4, match=3)
     # Nothing on offer: a plain step.
     assert state.choose(costs, ngram_drafts=0, head_cap=0, greedy=False) == Choice("none", 0)
     # Drafts that keep being rejected: it stops drafting (re-decided as acceptance falls).
     expensive = measured(verify=(0.05, 0.04))
     for _ in range(30):
-        state.observe(costs, Choice("ngram", 4), reached=1, kept=0)
-    assert state.choose(expensive, ngram_drafts=6, head_cap=0, greedy=False) == Choice("none", 0)
+        state.observe(costs, Choice("ngram", 4, match=3), reached=1, kept=0)
+    assert state.choose(expensive, **offer) == Choice("none", 0)
     # Head drafts only under greedy decoding, and only when they pay.
     cheap_heads = measured(head=(0.01, 0.002))
     greedy_state = AutoState()
@@ -71,6 +73,29 @@ def test_the_choice_follows_costs_and_acceptance():
     assert greedy_state.choose(cheap_heads, 0, head_cap=8, greedy=False).drafter == "none"
 
 
+def test_prompt_lookup_drafts_are_judged_by_the_length_of_their_match():
+    """A one-token match drafts far worse than a three-token one: its acceptance is its
+    own, and where an extra verified position costs half a plain step (under load) only
+    the longer match is drafted from."""
+    costs, state = measured(verify=(0.05, 0.025)), AutoState()
+    costs.rounds = 1  # between two measuring rounds: chosen on merit
+    # The priors: 0.15 a position after a one-token match, 0.5 after three tokens.
+    assert state.choose(costs, 3, head_cap=0, greedy=False, ngram_match=1) == Choice("none", 0)
+    assert state.choose(costs, 3, 0, False, ngram_match=3) == Choice("ngram", 1, match=3)
+    # Rounds after three-token matches that keep nothing count to those alone.
+    for _ in range(10):
+        state.observe(costs, Choice("ngram", 1, match=3), reached=1, kept=0)
+    assert state.acceptance["ngram3"].rate < 0.05
+    assert state.acceptance["ngram1"].rate == pytest.approx(0.15)
+    assert costs.acceptance["ngram3"].rate < 0.1 and costs.acceptance["ngram2"].rate == 0.4
+    costs.rounds = 1
+    assert state.choose(costs, 3, 0, False, ngram_match=3) == Choice("none", 0)
+    # Alone, where a position costs little, even a one-token match pays.
+    alone = measured(verify=(0.05, 0.001))
+    alone.rounds = 1
+    assert state.choose(alone, 3, 0, False, ngram_match=1).drafter == "ngram"
+
+
 def test_a_new_request_starts_from_the_pooled_acceptance():
     costs = measured()
     for _ in range(50):
@@ -78,7 +103,7 @@ def test_a_new_request_starts_from_the_pooled_acceptance():
     fresh = AutoState.starting(costs)
     assert fresh.acceptance["head"].rate > 0.95  # not the 0.7 prior
     assert fresh.acceptance["head"].reached == pytest.approx(2.0)  # at the prior's weight
-    assert fresh.acceptance["ngram"].rate == pytest.approx(0.5)  # nothing seen yet
+    assert fresh.acceptance["ngram1"].rate == pytest.approx(0.15)  # nothing seen yet
 
 
 def test_each_kind_of_round_is_measured_first_and_now_and_then():
@@ -211,7 +236,7 @@ def test_auto_gives_the_non_speculative_tokens(engine, prompt, temperature, cost
         assert "head" not in chosen  # no head drafts under sampling
         assert chosen.get("ngram", 0) > 0, chosen  # the repeating prompts offer drafts
     inputs = output.stats["auto_inputs"]
-    assert 0 < inputs["ngram_acceptance"] < 1 and inputs["plain_step_s"] > 0
+    assert 0 < inputs["ngram1_acceptance"] < 1 and inputs["plain_step_s"] > 0
     assert output.stats["drafted"] > 0  # it did speculate
 
 
@@ -248,3 +273,31 @@ def test_a_plain_step_is_sent_before_its_round_is_counted(jury_model, tokenizer)
     starts = [start for start, _ in counted_when_sent]
     assert [rounds for _, rounds in counted_when_sent] == list(range(4))
     assert starts == list(range(starts[0], starts[0] + 4))
+
+
+@pytest.mark.parametrize("prompt", REPEATING[:2])
+def test_a_prompt_lookup_check_goes_ahead_as_a_plain_step_does(jury_model, tokenizer, prompt):
+    """Batched (`serve`), the next round's trunk call goes as soon as this round's tokens
+    are known when it is a plain step or a one-pass check of prompt-lookup drafts (both
+    known by then), and that round uses it: every round but the first. The tokens stay
+    non-speculative PoE's."""
+    limits = SessionLimits(2, 128)
+    reference = Engine(LocalBackend(jury_model, limits=limits), tokenizer).generate(
+        request(prompt, rule="verifier_only", temperature=0.9)
+    )
+    thread = ModelThread("test-model")
+    backend = LocalBackend(jury_model, limits=limits, thread=thread, batching=BatchLimits())
+    engine = Engine(backend, tokenizer)
+    use_costs(engine, NeverExplores(measured()))  # drafts pay
+    sent, used = [], []
+    send, count_ahead = backend.draft_ahead, backend.count_ahead
+    backend.draft_ahead = lambda call: sent.append(call) or send(call)
+    backend.count_ahead = lambda share: used.append(share) or count_ahead(share)
+    try:
+        output = engine.generate(request(prompt, temperature=0.9))
+    finally:
+        backend.close()
+    assert output.token_ids == reference.token_ids
+    assert output.stats["rounds_by_drafter"]["ngram"] > 0
+    assert any(call.outside_drafts for call in sent)
+    assert len(sent) == len(used) == output.stats["rounds"] - 1

@@ -119,7 +119,8 @@ def test_the_automatic_mode_gives_the_non_speculative_tokens_over_grpc(stack, en
     assert sum(response.stats.rounds_by_drafter.values()) == response.stats.rounds
     assert response.stats.rounds_by_drafter["model"] > 0
     assert set(response.stats.auto_inputs) >= {
-        "ngram_acceptance",
+        "ngram1_acceptance",
+        "ngram3_acceptance",
         "model_acceptance",
         "plain_step_s",
         "model_round_4_s",

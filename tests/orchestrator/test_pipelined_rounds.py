@@ -144,12 +144,12 @@ def test_the_automatic_modes_plain_steps_are_pipelined(stack, monkeypatch):
         assert stats.drafts_ahead == stats.drafts_ahead_used == stats.rounds - 1
 
 
-def test_a_plain_step_after_a_round_with_drafts_is_pipelined_too(stack, monkeypatch):
+def test_prompt_lookup_rounds_are_pipelined_too(stack, monkeypatch):
     """Every round of the automatic mode chooses the next as soon as its tokens are
-    decided: a round that checked prompt-lookup drafts sends the plain step after it
-    ahead, as a plain step does. With drafts chosen whenever lookup offers some, every
-    plain step but a first one uses a step sent ahead, and the tokens are
-    non-speculative sampling's."""
+    decided, and sends its trunk call ahead when it is a plain step or a one-pass check
+    of prompt-lookup drafts (known by then), whatever this round was. With drafts chosen
+    whenever lookup offers some, every round but the first uses a call sent ahead, and
+    the tokens are non-speculative sampling's."""
 
     def drafts_when_offered(self, costs, ngram_drafts, *args) -> Choice:
         return Choice(DrafterKind.NGRAM, 1) if ngram_drafts else Choice(DrafterKind.NONE, 0)
@@ -163,10 +163,9 @@ def test_a_plain_step_after_a_round_with_drafts_is_pipelined_too(stack, monkeypa
         auto = pipelined.Generate(to_pb(prompt, drafter="auto", **options), timeout=30)
         assert list(auto.token_ids) == list(plain_step.token_ids)
         stats, rounds = auto.stats, dict(auto.stats.rounds_by_drafter)
-        assert stats.drafts_ahead == stats.drafts_ahead_used
-        assert rounds.get("none", 0) - 1 <= stats.drafts_ahead <= rounds.get("none", 0)
-        after_drafts += rounds.get("ngram", 0) > 0 and stats.drafts_ahead > 0
-    assert after_drafts  # some request mixed rounds with drafts and pipelined plain steps
+        assert stats.drafts_ahead == stats.drafts_ahead_used == stats.rounds - 1
+        after_drafts += rounds.get("ngram", 0) > 1 and rounds.get("none", 0) > 1
+    assert after_drafts  # some request mixed rounds with drafts and plain steps
 
 
 def test_sessions_running_together_give_their_tokens_alone(stack):

@@ -26,6 +26,14 @@ def test_the_latest_occurrence_of_the_longest_suffix_is_continued():
     assert ngram_draft([4, 5, 4], 5) == [5, 4]
 
 
+def test_a_lookup_tells_the_length_of_the_suffix_it_continues():
+    index = NgramIndex()
+    assert index.lookup([5, 6, 7, 9, 5, 6], 3) == ([7, 9, 5], 2)
+    assert index.lookup([5, 6, 7, 9, 5, 6, 7], 1) == ([9], 3)
+    assert index.lookup([1, 2, 3], 2) == ([], 0)
+    assert index.lookup([4, 5, 4], 2, max_n=1) == ([5, 4], 1)
+
+
 def test_no_match_no_draft():
     assert ngram_draft([1, 2, 3], 4) == []
     assert ngram_draft([7], 4) == []
@@ -33,14 +41,14 @@ def test_no_match_no_draft():
     assert ngram_draft([1, 1, 1], 3, max_n=1) == [1]  # the latest match: one token follows
 
 
-def latest_lookup(tokens: list[int], gamma: int, max_n: int = 3) -> list[int]:
+def latest_lookup(tokens: list[int], gamma: int, max_n: int = 3) -> tuple[list[int], int]:
     """The definition, by brute force: the longest suffix first, its latest earlier
-    occurrence (one with a token after it), continued."""
+    occurrence (one with a token after it), continued; and that suffix's length."""
     for n in range(min(max_n, len(tokens) - 1), 0, -1):
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start : start + n] == tokens[-n:]:
-                return tokens[start + n : start + n + gamma]
-    return []
+                return tokens[start + n : start + n + gamma], n
+    return [], 0
 
 
 def test_an_index_fed_a_growing_sequence_drafts_what_the_definition_does():
@@ -50,7 +58,8 @@ def test_an_index_fed_a_growing_sequence_drafts_what_the_definition_does():
         for _ in range(300):
             tokens.append(rng.randrange(vocabulary))
             gamma = rng.randint(0, 5)
-            expected = latest_lookup(tokens, gamma) if gamma else []
+            expected, match = latest_lookup(tokens, gamma) if gamma else ([], 0)
+            assert index.lookup(tokens, gamma) == (expected, match if expected else 0)
             assert index.draft(tokens, gamma) == expected
             assert ngram_draft(tokens, gamma) == expected
             token = rng.randrange(vocabulary)
