@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import grpc
-from bench_drafters import OPEN  # this folder is on the path of `python bench/...`
+from bench_drafters import SETS  # this folder is on the path of `python bench/...`
 from bench_one_host import start_server
 
 from hydra_jury.orchestrator.convert import request_to_pb
@@ -44,7 +44,9 @@ from hydra_jury.orchestrator.launcher import LocalStack
 from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
 
-PROMPTS = OPEN  # free chat, as in the drafters' benchmark
+# The prompts requests cycle through (--prompts): free chat by default, as in the
+# drafters' benchmark; the extractive set copies from its prompts, where prompt lookup pays.
+PROMPTS = SETS["open"]
 # --modes name: (the table's label, the request's options)
 MODES = {
     "plain": ("non-speculative PoE", {"rule": "verifier_only"}),
@@ -218,6 +220,12 @@ def main() -> int:
         "--new-tokens, so that their requests end at spread times in every mode",
     )
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--prompts",
+        choices=sorted(SETS),
+        default="open",
+        help="the prompt set: open (free chat) or extractive (copying from the prompt)",
+    )
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
     parser.add_argument(
         "--invariance-requests",
@@ -237,11 +245,14 @@ def main() -> int:
     args = parser.parse_args()
     if args.stagger and not args.duration:
         parser.error("--stagger needs --duration (sustained load)")
+    global PROMPTS
+    PROMPTS = SETS[args.prompts]
     counts = [int(count) for count in args.sessions.split(",")]
     modes = dict(MODES[name] for name in args.modes.split(","))
     print(
         f"{os.cpu_count()} cores, {args.checkpoint}, the split stack (trunk, 2 shards, "
-        f"orchestrator) and serve, {args.new_tokens} new tokens, T = 0.8 seeded, "
+        f"orchestrator) and serve, {args.prompts} prompts, {args.new_tokens} new tokens, "
+        "T = 0.8 seeded, "
         + (
             f"requests for {args.duration:g} s per setting (sustained closed loop"
             + (", staggered)" if args.stagger else ")")
