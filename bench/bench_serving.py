@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -108,11 +109,36 @@ def timed(stub, request) -> tuple[list[int], float, float]:
     return tokens, first - began, (ended - first) / max(1, len(tokens) - 1)
 
 
-def until(stub, request, deadline: float) -> tuple[int, tuple[float, float] | None]:
+# A sustained setting's request that a full server refuses (RESOURCE_EXHAUSTED) is sent
+# again after this long, as a client following the retry hint would: right after a
+# setting, the streams it cancelled at its deadline still hold their slots for a round.
+RETRY_AFTER_S = 0.05
+
+
+def until(
+    stub, request, deadline: float, refusals: list[int]
+) -> tuple[int, tuple[float, float] | None]:
     """The tokens of `request` streamed before `deadline` (perf_counter seconds), and its
     time to first token and per output token after it if it finished by then (a request
-    still running at the deadline is cancelled)."""
+    still running at the deadline is cancelled). A refusal for a full server before the
+    first token is counted in `refusals` and the request sent again, the wait included
+    in its time to first token."""
     began = time.perf_counter()
+    while True:
+        try:
+            return _streamed(stub, request, deadline, began)
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            refusals.append(1)
+            if time.perf_counter() + RETRY_AFTER_S >= deadline:
+                return 0, None
+            time.sleep(RETRY_AFTER_S)
+
+
+def _streamed(
+    stub, request, deadline: float, began: float
+) -> tuple[int, tuple[float, float] | None]:
     first, tokens = None, 0
     stream = stub.GenerateStream(request, timeout=900)
     for message in stream:
@@ -148,6 +174,7 @@ def measure(
     stub = generation_pb2_grpc.GenerationStub(channel)
     counts: list[int] = []
     latencies: list[tuple[float, float]] = []
+    refusals: list[int] = []
     began = time.perf_counter()
     deadline = None if duration is None else began + duration
 
@@ -166,7 +193,7 @@ def measure(
                 counts.append(len(tokens))
                 latencies.append((ttft, tpot))
             else:
-                count, latency = until(stub, request, deadline)
+                count, latency = until(stub, request, deadline, refusals)
                 counts.append(count)
                 if latency is not None:
                     latencies.append(latency)
@@ -179,6 +206,12 @@ def measure(
         thread.join()
     wall = time.perf_counter() - began if duration is None else duration
     channel.close()
+    if refusals:
+        print(
+            f"bench_serving: {sessions} sessions, {len(refusals)} requests refused for a "
+            "full server and sent again",
+            file=sys.stderr,
+        )
     return sum(counts) / wall, [ttft for ttft, _ in latencies], [tpot for _, tpot in latencies]
 
 
