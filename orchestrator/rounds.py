@@ -144,7 +144,7 @@ class Rounds:
         last round, as soon as its tokens were known (`_plan_next`)."""
         choice, run.auto.planned = run.auto.planned, None
         if choice is None:
-            choice = self._choose(run, run.committed, remaining)
+            choice, _ = self._choose(run, run.committed, remaining)
         if choice.drafter == DrafterKind.HEAD:
             verdict = self._head_round(run, choice.drafts)
             kind, positions = DrafterKind.HEAD, choice.drafts
@@ -161,15 +161,17 @@ class Rounds:
             kind, positions = DrafterKind.NGRAM, 1  # a one-pass round of no draft
         return choice, verdict, kind, positions
 
-    def _choose(self, run: Run, committed: list[int], remaining: int) -> Choice:
+    def _choose(self, run: Run, committed: list[int], remaining: int) -> tuple[Choice, list[int]]:
         """The automatic mode's choice for a round after `committed`, with `remaining`
-        tokens left to generate."""
+        tokens left to generate, and the prompt-lookup drafts it was offered (an n-gram
+        choice of k drafts checks their first k)."""
         prepared = run.prepared
         offered, match = run.ngrams.lookup(committed, min(prepared.gamma, remaining - 1))
         head_cap = min(prepared.gamma, remaining) if prepared.draft_head else 0
         model_cap = min(prepared.gamma, remaining - 1) if self.backend.info.draft_model else 0
         greedy = prepared.sampling.greedy
-        return run.auto.choose(self.costs, len(offered), head_cap, greedy, model_cap, match)
+        choice = run.auto.choose(self.costs, len(offered), head_cap, greedy, model_cap, match)
+        return choice, offered
 
     def _plan_next(self, run: Run, tokens: list[int], remaining: int) -> bool:
         """Chooses the next round as soon as this one has decided its `tokens` (the
@@ -189,12 +191,12 @@ class Rounds:
         average before, 0.973x after; 4 sessions 0.916x and 0.929x.) A stop condition
         that cuts `tokens` ends the generation, and what was sent is discarded. Whether
         the step was sent."""
-        committed = [*run.committed, *tokens]
-        run.auto.planned = planned = self._choose(run, committed, remaining)
+        planned, offered = self._choose(run, [*run.committed, *tokens], remaining)
+        run.auto.planned = planned
         if planned.drafter == DrafterKind.NONE:
             return self._send_ahead_from(run, tokens[-1], len(tokens), 1, trunk_only=True)
         if planned.drafter == DrafterKind.NGRAM:
-            drafts = run.ngrams.draft(committed, planned.drafts)
+            drafts = offered[: planned.drafts]
             return self._send_ahead_from(run, tokens[-1], len(tokens), 1, outside_drafts=drafts)
         return False
 
@@ -230,9 +232,10 @@ class Rounds:
         `next_gamma` > 0: the next round's draft may be sent ahead."""
         rule, policy = run.prepared.rule, run.ahead_policy
         call = self._draft_call(run, gamma, run.start, run.committed[-1])
-        used_ahead = ahead is not None and ahead.call == call
+        sent = self._taken(ahead, call)
+        used_ahead = sent is not None
         began = time.perf_counter()
-        draft = self._draft(run, call, self._take(ahead) if used_ahead else None)
+        draft = self._draft(run, call, sent)
         drafted = time.perf_counter()
         if rule == Rule.DRAFTER_ONLY:
             return self._keep_draft(draft)
@@ -257,18 +260,21 @@ class Rounds:
         are done (where the backend batches sessions, beside theirs; never discarded but
         at the end)."""
         call = self._draft_call(run, 1, run.start, run.committed[-1], trunk_only=True)
-        used_ahead = ahead is not None and ahead.call == call
-        draft = self._draft(run, call, self._take(ahead) if used_ahead else None)
+        sent = self._taken(ahead, call)
+        draft = self._draft(run, call, sent)
         score = self._score(run, draft.hidden, with_decision=False)
         verdict = self._sample_target(run, target_rows(score.log_product), score)
         verdict.sent_ahead = send_next and self._send_ahead_from(
             run, verdict.tokens[-1], 1, 1, trunk_only=True
         )
-        verdict.used_ahead = used_ahead
+        verdict.used_ahead = sent is not None
         return verdict
 
-    def _take(self, ahead: DraftAhead) -> DraftResult:
-        """The result of a call sent ahead, counted as this round's cost."""
+    def _taken(self, ahead: DraftAhead | None, call: DraftCall) -> DraftResult | None:
+        """The result of the call the last round sent `ahead` when it is this round's
+        `call`, counted as this round's cost; else None (the round makes its call)."""
+        if ahead is None or ahead.call != call:
+            return None
         draft, share = ahead.future.result()
         self.backend.count_ahead(share)
         return draft
@@ -346,14 +352,14 @@ class Rounds:
         call, or the one the last round sent `ahead` if it is this one. No draft: a plain
         step."""
         call = self._draft_call(run, 1, run.start, run.committed[-1], outside_drafts=drafts)
-        used_ahead = ahead is not None and ahead.call == call
-        hidden = self._draft(run, call, self._take(ahead) if used_ahead else None).hidden
+        sent = self._taken(ahead, call)
+        hidden = self._draft(run, call, sent).hidden
         draft_tokens = torch.tensor(drafts, dtype=torch.long)
         point_mass = point_mass_logprobs(draft_tokens, self.backend.info.vocab_size)
         decision = point_mass if _decides_apart(run) else None
         draft = DraftResult(draft_tokens, point_mass, decision, hidden)
         verdict = self._check_in_one_pass(run, draft, DrafterKind.NGRAM, coupled=True)
-        verdict.used_ahead = used_ahead
+        verdict.used_ahead = sent is not None
         return verdict
 
     def _model_round(self, run: Run, gamma: int, *, coupled: bool) -> Verdict:
