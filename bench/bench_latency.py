@@ -20,9 +20,16 @@ scored the round before: that draft's hop overlaps the score's, and the round pa
 delay instead of two. (Its compute does not overlap here: the trunk and the jury share
 the same cores.) Speculation pays once t_s(d) < t_n(d), so the crossover delay is
 d* = (t_s(0) - t_n(0)) / (2 (1 - 1/a)) when speculation loses at 0 ms (it wins at every
-delay otherwise). Each row prints the measured tokens/s and the model's prediction; the
-crossover is printed as predicted and as measured (linear interpolation between the
-delays where the measured order flips).
+delay otherwise). Each row prints the measured tokens/s and the model's prediction.
+
+The crossover, measured. The gap it divides is small (a few percent of a token's time)
+and of the size of the machine's drift between runs, so the requests are made in turns
+(one of each mode a turn, on one stack) and compared within a turn: each turn gives a
+pair's gap, speculative minus non-speculative seconds per token. The prediction takes
+the median gap at 0 ms; the measured crossover is where the least-squares line through
+every pair at every delay crosses zero, with a 90% bootstrap interval (the pairs
+resampled); beside it, the old estimate, interpolated between the two delays' median
+gaps where they change sign.
 
 Two placements of the processes on the host:
 - shared: every process may run on every core (the services' default threads);
@@ -32,16 +39,21 @@ Two placements of the processes on the host:
   turns on the same cores and pipelining can only overlap the hops.)
 
 Greedy (T = 0, the heads' own distributions decide), `--new-tokens` tokens of one
-chat prompt, median of `--runs` requests per setting, the stacks restarted for each
-delay (one without pipelining, then one with), speculative rounds at each γ of
-`--gammas`.
+chat prompt, speculative rounds at each γ of `--gammas`. One set of services per
+placement (a trunk, two shards) and an orchestrator over them for each delay, with
+pipelining and without: `--runs` turns of one request of every mode at every delay
+(medians in the tables), so that every setting meets the same processes and the same
+drift.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import random
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import grpc
 from bench_round import cpu_model  # this folder is on the path of `python bench/...`
@@ -64,30 +76,64 @@ def mode_names(gamma: int) -> tuple[str, str]:
     return f"speculative PoE, head γ={gamma}", f"pipelined speculative PoE, head γ={gamma}"
 
 
-def measure(address: str, options: dict, new_tokens: int, runs: int) -> tuple[float, float, float]:
-    """Median seconds per token over `runs` requests (after a warm-up), the mean tokens
-    committed per round, and the fraction of rounds whose draft was sent ahead."""
-    channel = grpc.insecure_channel(address)
-    stub = generation_pb2_grpc.GenerationStub(channel)
-    request = request_to_pb(
-        GenerationRequest(
-            messages=[{"role": "user", "content": PROMPT}],
-            max_new_tokens=new_tokens,
-            ignore_eos=True,
-            temperature=0.0,
-            **options,
+Setting = tuple[float, str]  # (hop delay in seconds, mode)
+
+
+@dataclass
+class Sample:
+    """One mode's requests on one stack: seconds per token of each (in turn order), the
+    tokens committed per round and the fraction of rounds whose draft was sent ahead."""
+
+    per_token: list[float] = field(default_factory=list)
+    per_round: list[float] = field(default_factory=list)
+    ahead: list[float] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.per_token)
+
+
+def measure(
+    targets: dict[Setting, tuple[str, dict]], new_tokens: int, runs: int
+) -> dict[Setting, Sample]:
+    """`runs` turns (after a warm-up request of each setting), each one request of every
+    setting (its orchestrator's address, its request options), the first of a turn
+    rotating: so that the machine's drift weighs on every setting alike and a turn's
+    requests can be compared pairwise."""
+    channels = {address: grpc.insecure_channel(address) for address, _ in targets.values()}
+    stubs = {address: generation_pb2_grpc.GenerationStub(c) for address, c in channels.items()}
+    requests = {
+        setting: (
+            stubs[address],
+            request_to_pb(
+                GenerationRequest(
+                    messages=[{"role": "user", "content": PROMPT}],
+                    max_new_tokens=new_tokens,
+                    ignore_eos=True,
+                    temperature=0.0,
+                    **options,
+                )
+            ),
         )
-    )
-    stub.Generate(request, timeout=600)
-    per_token, per_round, ahead = [], [], []
-    for _ in range(runs):
-        began = time.perf_counter()
-        response = stub.Generate(request, timeout=600)
-        per_token.append((time.perf_counter() - began) / len(response.token_ids))
-        per_round.append(len(response.token_ids) / response.stats.rounds)
-        ahead.append(response.stats.drafts_ahead_used / response.stats.rounds)
-    channel.close()
-    return statistics.median(per_token), statistics.mean(per_round), statistics.mean(ahead)
+        for setting, (address, options) in targets.items()
+    }
+    for stub, request in requests.values():
+        stub.Generate(request, timeout=600)
+    samples = {setting: Sample() for setting in requests}
+    order = list(requests)
+    for turn in range(runs):
+        first = turn % len(order)
+        for setting in order[first:] + order[:first]:
+            stub, request = requests[setting]
+            began = time.perf_counter()
+            response = stub.Generate(request, timeout=600)
+            sample = samples[setting]
+            sample.per_token.append((time.perf_counter() - began) / len(response.token_ids))
+            sample.per_round.append(len(response.token_ids) / response.stats.rounds)
+            sample.ahead.append(response.stats.drafts_ahead_used / response.stats.rounds)
+    for channel in channels.values():
+        channel.close()
+    return samples
 
 
 def crossover(delays: list[float], gaps: list[float]) -> float | None:
@@ -98,6 +144,39 @@ def crossover(delays: list[float], gaps: list[float]) -> float | None:
         if g0 > 0 >= g1:
             return d0 + (d1 - d0) * g0 / (g0 - g1)
     return None
+
+
+def fitted_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through `points` (delay, gap)."""
+    mean_d = statistics.fmean(d for d, _ in points)
+    mean_g = statistics.fmean(g for _, g in points)
+    spread = sum((d - mean_d) ** 2 for d, _ in points)
+    slope = sum((d - mean_d) * (g - mean_g) for d, g in points) / spread
+    return mean_g - slope * mean_d, slope
+
+
+def fitted_crossover(pairs: dict[float, list[float]]) -> float | None:
+    """Where the least-squares line through every pair's gap (delay -> gaps of the
+    turns at that delay) crosses zero; None where it does not at a positive delay."""
+    intercept, slope = fitted_line([(d, g) for d, gaps in pairs.items() for g in gaps])
+    return -intercept / slope if intercept > 0 > slope else None
+
+
+def bootstrap_interval(pairs: dict[float, list[float]], draws: int = 2000) -> tuple[float, float]:
+    """A 90% interval of `fitted_crossover`, resampling each delay's pairs (fixed seed);
+    resamples without a crossover count as infinitely far."""
+    rng = random.Random(0)
+    found = sorted(
+        fitted_crossover({d: rng.choices(gaps, k=len(gaps)) for d, gaps in pairs.items()})
+        or math.inf
+        for _ in range(draws)
+    )
+    return found[draws // 20], found[draws - 1 - draws // 20]
+
+
+def hop_delay(delay: float) -> list[str]:
+    """An orchestrator's flags delaying every call to a service by `delay` seconds."""
+    return ["--inject-hop-delay-ms", f"{delay * 1000:g}"]
 
 
 def run_placement(placement: str, args, delays: list[float], gammas: list[int]) -> None:
@@ -111,47 +190,51 @@ def run_placement(placement: str, args, delays: list[float], gammas: list[int]) 
     for gamma in gammas:
         speculative, pipelined = mode_names(gamma)
         stacks[False][speculative] = stacks[True][pipelined] = {"drafter": "head", "gamma": gamma}
-    measured: dict[str, list[float]] = {}
-    per_round: dict[str, float] = {}  # at 0 ms: the model's `a`
-    ahead: dict[str, float] = {}  # at 0 ms: the model's `f`
-    for delay in delays:
-        for pipelining, modes in stacks.items():
-            flags = ["--inject-hop-delay-ms", f"{delay * 1000:g}"]
-            stack = LocalStack(
-                args.checkpoint,
-                shards=2,
-                port=0,
-                orchestrator_args=flags + (["--pipeline-rounds"] if pipelining else []),
-                extra_service_args=["--threads", str(threads)] if threads else [],
-                cpus=cpus,
-            )
-            try:
-                address = stack.start()
+    stack = LocalStack(
+        args.checkpoint,
+        shards=2,
+        port=0,
+        orchestrator_args=hop_delay(delays[0]),
+        extra_service_args=["--threads", str(threads)] if threads else [],
+        cpus=cpus,
+    )
+    try:
+        targets = {}
+        for delay in delays:
+            for pipelining, modes in stacks.items():
+                flags = hop_delay(delay) + (["--pipeline-rounds"] if pipelining else [])
+                # The stack's own orchestrator is the first setting's (0 ms, unpipelined).
+                address = stack.add_orchestrator(flags) if targets else stack.start()
                 for name, options in modes.items():
-                    seconds, tokens, used = measure(address, options, args.new_tokens, args.runs)
-                    measured.setdefault(name, []).append(seconds)
-                    per_round.setdefault(name, tokens)
-                    ahead.setdefault(name, used)
-            finally:
-                stack.stop()
+                    targets[delay, name] = (address, options)
+        samples = measure(targets, args.new_tokens, args.runs)
+    finally:
+        stack.stop()
+    measured: dict[str, list[Sample]] = {}  # mode -> its sample at each delay
+    for (_, name), sample in samples.items():
+        measured.setdefault(name, []).append(sample)
+    # At 0 ms: the model's `a` (tokens a round) and `f` (rounds using a draft sent ahead).
+    per_round = {name: statistics.fmean(samples[0].per_round) for name, samples in measured.items()}
+    ahead = {name: statistics.fmean(samples[0].ahead) for name, samples in measured.items()}
     predicted = {
         name: [
-            times[0] + (2 - ahead[name]) * d / (per_round[name] if name != PLAIN else 1)
+            samples[0].seconds + (2 - ahead[name]) * d / (per_round[name] if name != PLAIN else 1)
             for d in delays
         ]
-        for name, times in measured.items()
+        for name, samples in measured.items()
     }
     print(
         f"\n{placement}: {cpu_model()}, {args.checkpoint}, split stack (trunk, 2 shards, "
         f"orchestrator) on loopback, greedy, {args.new_tokens} new tokens, median of "
-        f"{args.runs}; tokens a round (a) and rounds using a draft sent ahead (f) at 0 ms: "
+        f"{args.runs} turns; tokens a round (a) and rounds using a draft sent ahead (f) at "
+        "0 ms: "
         + ", ".join(f"{name} a = {per_round[name]:.2f}, f = {ahead[name]:.2f}" for name in ahead)
     )
     print("| delay per hop (ms) | mode | tokens/s | predicted | error |")
     print("|---|---|---|---|---|")
     for index, delay in enumerate(delays):
-        for name, times in measured.items():
-            rate, model = 1 / times[index], 1 / predicted[name][index]
+        for name, samples in measured.items():
+            rate, model = 1 / samples[index].seconds, 1 / predicted[name][index]
             print(
                 f"| {delay * 1000:g} | {name} | {rate:.1f} | {model:.1f} | "
                 f"{100 * (model - rate) / rate:+.0f}% |"
@@ -161,22 +244,50 @@ def run_placement(placement: str, args, delays: list[float], gammas: list[int]) 
     for index, delay in enumerate(delays):
         for gamma in gammas:
             speculative, pipelined = mode_names(gamma)
-            rate = measured[speculative][index] / measured[pipelined][index]
+            rate = measured[speculative][index].seconds / measured[pipelined][index].seconds
             model = predicted[speculative][index] / predicted[pipelined][index]
             print(f"| {delay * 1000:g} | {gamma} | {rate:.2f} | {model:.2f} |")
     for gamma in gammas:
-        speculative, _ = mode_names(gamma)
-        a = per_round[speculative]
-        gaps = [s - n for s, n in zip(measured[speculative], measured[PLAIN], strict=True)]
-        found = crossover(delays, gaps)
-        gap = gaps[0]
-        model = gap / (2 * (1 - 1 / a)) if gap > 0 and a > 1 else None
-        print(
-            f"γ = {gamma}, crossover (speculation starts to pay): predicted "
-            + (f"{model * 1000:.2f} ms" if model is not None else "at every delay")
-            + ", measured "
-            + (f"{found * 1000:.2f} ms" if found is not None else "none within the delays")
+        print_crossover(gamma, delays, measured, per_round[mode_names(gamma)[0]])
+
+
+def print_crossover(gamma: int, delays: list[float], measured: dict, a: float) -> None:
+    """Speculation against non-speculative decoding at γ, from the pairs of requests
+    made in the same turn on one stack: their gap (speculative minus non-speculative
+    seconds per token) at 0 ms and the model's crossover from it, against the crossover
+    of the line fitted through every pair at every delay. (Greedy, each request's rounds
+    are the same at every delay, so the gap falls linearly with the delay by
+    construction; the fit spends every pair on the two numbers that place it, where
+    interpolating between two delays' medians rests on the noise of four requests.)"""
+    speculative = mode_names(gamma)[0]
+    pairs = {
+        delay: [s - n for s, n in zip(spec.per_token, plain.per_token, strict=True)]
+        for delay, spec, plain in zip(delays, measured[speculative], measured[PLAIN], strict=True)
+    }
+    gap = statistics.median(pairs[0.0])
+    model = gap / (2 * (1 - 1 / a)) if gap > 0 and a > 1 else None
+    intercept, slope = fitted_line([(d, g) for d, gaps in pairs.items() for g in gaps])
+    found = fitted_crossover(pairs)
+    low, high = bootstrap_interval(pairs)
+    between = crossover(delays, [statistics.median(gaps) for gaps in pairs.values()])
+
+    def ms(seconds: float | None) -> str:
+        return "none" if seconds is None or math.isinf(seconds) else f"{seconds * 1000:.2f} ms"
+
+    print(
+        f"γ = {gamma}: gap at 0 ms {gap * 1000:+.2f} ms a token (median of "
+        f"{len(pairs[0.0])} pairs; the fitted line's {intercept * 1000:+.2f}); slope "
+        f"{slope:+.3f} ms a token per ms of delay (model {-2 * (1 - 1 / a):+.3f}); crossover "
+        f"(speculation starts to pay): predicted "
+        + (ms(model) if model is not None else "at every delay (it wins at 0 ms)")
+        + f", measured {ms(found)} (90%: {ms(low)} to {ms(high)}), between the medians "
+        + ms(between)
+        + (
+            f"; prediction {100 * (model - found) / found:+.0f}%"
+            if model is not None and found is not None
+            else ""
         )
+    )
 
 
 def main() -> int:
@@ -188,7 +299,9 @@ def main() -> int:
         "--placements", default="shared,apart", help=f"comma-separated: {', '.join(PLACEMENTS)}"
     )
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--runs", type=int, default=8, help="turns per stack: one request of each mode a turn"
+    )
     args = parser.parse_args()
     delays = [float(delay) / 1000 for delay in args.delays_ms.split(",")]
     if delays[0] != 0:

@@ -118,6 +118,7 @@ class LocalStack:
     # unless `cpus` gives them cores of their own.
     host_turn: bool = True
     children: list[Child] = field(default_factory=list)
+    services: list[str] = field(default_factory=list)  # trunk, shards: addresses once started
     _turn_file: str | None = None  # the host turn's lock file, removed at `stop`
     redis: LocalRedis | None = None  # the private Redis, once started
 
@@ -195,20 +196,39 @@ class LocalStack:
             )
             for i, group in enumerate(groups)
         ]
-        command = self.command(
-            "hydra_jury.orchestrator",
-            *("--trunk", trunk, "--jury", ",".join(shards)),
-            *("--listen", f"{self.host}:{self.port}", "--redis-url", self.sessions_url),
-        )
+        self.services = [trunk, *shards]
+        command = self._orchestrator_command(self.port, self.orchestrator_args)
         if self.metrics_port is not None:
             command += ["--metrics-port", str(self.metrics_port)]
         if self.http_listen is not None:
             command += ["--http-listen", self.http_listen]
         if self.served_model_name is not None:
             command += ["--served-model-name", self.served_model_name]
-        command += self._orchestrator_tls_args()
-        command += self.orchestrator_args
         return self._spawn("orchestrator", command, timeout_s)
+
+    def add_orchestrator(self, args: list[str], timeout_s: float = 300.0) -> str:
+        """Starts one more orchestrator over the started stack's services and Redis, with
+        `args` in place of `orchestrator_args` (no metrics port or HTTP API: those are the
+        first one's), on any free port and the CPUs `cpus` gives "orchestrator"; returns
+        its address. Benchmarks compare orchestrator settings (a hop delay, pipelining)
+        on one set of services, whose processes then differ in nothing between them."""
+        if not self.services:
+            raise RuntimeError("the stack has not started")
+        started = sum(child.name.startswith("orchestrator") for child in self.children)
+        command = self._orchestrator_command(0, args)
+        return self._spawn(f"orchestrator{started}", command, timeout_s, placed_as="orchestrator")
+
+    def _orchestrator_command(self, port: int, args: list[str]) -> list[str]:
+        trunk, *shards = self.services
+        return [
+            *self.command(
+                "hydra_jury.orchestrator",
+                *("--trunk", trunk, "--jury", ",".join(shards)),
+                *("--listen", f"{self.host}:{port}", "--redis-url", self.sessions_url),
+            ),
+            *self._orchestrator_tls_args(),
+            *args,
+        ]
 
     def command(self, module: str, *args: str) -> list[str]:
         """The command line of a child: `python -m module` with the stack's checkpoint,
@@ -251,10 +271,14 @@ class LocalStack:
             return dict(os.environ)
         return {**os.environ, **OPENMP_WAITING["trunk" if child == "trunk" else "other"]}
 
-    def _spawn(self, name: str, command: list[str], timeout_s: float) -> str:
-        if name in self.cpus:
-            command = ["taskset", "-c", self.cpus[name], *command]
-        child = start_child(name, command, timeout_s, self.environment(name))
+    def _spawn(
+        self, name: str, command: list[str], timeout_s: float, placed_as: str | None = None
+    ) -> str:
+        """Starts the child `name`, on the CPUs `cpus` gives it (or gives `placed_as`)."""
+        placed_as = placed_as or name
+        if placed_as in self.cpus:
+            command = ["taskset", "-c", self.cpus[placed_as], *command]
+        child = start_child(name, command, timeout_s, self.environment(placed_as))
         self.children.append(child)
         if not child.address:
             raise RuntimeError(child.failure)
@@ -292,6 +316,7 @@ class LocalStack:
                 child.process.wait()
         codes = {child.name: child.process.returncode for child in self.children}
         self.children.clear()
+        self.services.clear()
         if self.redis is not None:
             self.redis.stop()
         if self._turn_file is not None:

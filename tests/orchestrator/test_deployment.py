@@ -182,22 +182,38 @@ def test_local_stack_serves_the_cli_and_shuts_down_gracefully(jury_checkpoint, e
 
 
 def test_local_stack_keeps_its_sessions_in_the_redis_it_is_given(jury_checkpoint, redis_url):
-    """... and runs a child on the CPUs it is given (`cpus`), the others anywhere."""
+    """... and runs a child on the CPUs it is given (`cpus`), the others anywhere; a
+    second orchestrator over the same services (`add_orchestrator`, as the latency
+    benchmark starts one per hop delay) is placed as the first and gives its tokens."""
+    with pytest.raises(RuntimeError, match="has not started"):
+        LocalStack(str(jury_checkpoint)).add_orchestrator([])
     stack = LocalStack(
-        str(jury_checkpoint), shards=1, port=0, redis_url=redis_url, cpus={"jury0": "0"}
+        str(jury_checkpoint),
+        shards=1,
+        port=0,
+        redis_url=redis_url,
+        cpus={"jury0": "0", "orchestrator": "0"},
+    )
+    request = request_to_pb(
+        GenerationRequest(prompt="hi", max_new_tokens=3, ignore_eos=True, temperature=0.0)
     )
     try:
         address = stack.start(timeout_s=120)
+        delayed = stack.add_orchestrator(["--inject-hop-delay-ms", "1"], timeout_s=120)
         assert stack.redis is None  # nothing of its own to start
         affinity = {c.name: os.sched_getaffinity(c.process.pid) for c in stack.children}
-        assert affinity["jury0"] == {0}
+        assert affinity["jury0"] == affinity["orchestrator"] == affinity["orchestrator1"] == {0}
         assert affinity["trunk"] == os.sched_getaffinity(0)
-        with grpc.insecure_channel(address) as channel:
-            response = generation_pb2_grpc.GenerationStub(channel).Generate(
-                request_to_pb(GenerationRequest(prompt="hi", max_new_tokens=3)), timeout=30
-            )
+        tokens = []
+        for served in (address, delayed):
+            with grpc.insecure_channel(served) as channel:
+                response = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30)
+                tokens.append(list(response.token_ids))
+        assert len(tokens[0]) == 3 and tokens[1] == tokens[0]
     finally:
-        assert stack.stop() == {"trunk": 0, "jury0": 0, "orchestrator": 0}
+        codes = stack.stop()
+    assert codes == {"trunk": 0, "jury0": 0, "orchestrator": 0, "orchestrator1": 0}
+    assert stack.services == []
 
     async def stored() -> bool:
         store = RedisStore(redis_url)  # the orchestrator's default key prefix
