@@ -3,10 +3,15 @@ equal to non-speculative PoE whatever it chooses."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from hydra_jury.orchestrator.auto import (
+    CONCURRENCY_ROUNDS,
     COST_DECAY,
+    EXPLORE_BACKOFF,
+    EXPLORE_EVERY,
     AutoState,
     Choice,
     CostModel,
@@ -134,20 +139,22 @@ def test_each_kind_of_round_is_measured_first_and_now_and_then():
         (5, Choice("none", 0)),  # measured in this period already, by the other request
         (8, Choice("head", 4)),
         (12, Choice("model", 4)),
-        (20, Choice("ngram", 3)),  # the next period
+        (20, Choice("none", 0)),  # not chosen on merit since: the next period is longer
     ):
         costs.rounds = round_
         assert state.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == expected
         if round_ == 4:
             assert other.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == Choice("none", 0)
-    # A request with no n-gram drafts on offer leaves the measuring round to one with some.
+    # A request with no n-gram drafts on offer leaves the measuring round to one with some
+    # (32 rounds after the last).
     costs.rounds = 36
     assert state.choose(costs, 0, head_cap=0, greedy=False) == Choice("none", 0)
     assert other.choose(costs, 3, head_cap=0, greedy=False) == Choice("ngram", 3)
 
 
 def test_the_engine_measures_as_often_whatever_the_number_of_requests():
-    """Four requests running: one measuring round in 4 x 16 of their rounds together."""
+    """Four requests running: the period is 4 x 16 of their rounds together (the wait after
+    the first is two periods: that measurement found drafts that do not pay)."""
     costs = measured(verify=(1.0, 1.0))
     requests = [AutoState() for _ in range(4)]
     for request in requests:
@@ -161,12 +168,72 @@ def test_the_engine_measures_as_often_whatever_the_number_of_requests():
 
     rounds(16)
     assert requests[0].choose(costs, 3, head_cap=0, greedy=False) == Choice("ngram", 3)
-    rounds(15)  # 60 rounds since
+    rounds(31)  # 124 rounds since
     assert [r.choose(costs, 3, head_cap=0, greedy=False) for r in requests] == [
         Choice("none", 0)
     ] * 4
-    rounds(1)  # 64
+    rounds(1)  # 128
     assert requests[2].choose(costs, 3, head_cap=0, greedy=False) == Choice("ngram", 3)
+
+
+def test_a_kind_that_does_not_pay_is_measured_less_and_less_often():
+    """Each measuring round not followed by a choice on merit doubles the wait, up to
+    EXPLORE_BACKOFF periods; a choice on merit restores it."""
+    costs = measured(verify=(1.0, 1.0))
+    state = AutoState()
+
+    def measuring_rounds(rounds: int) -> list[int]:
+        """The rounds (from now) at which the one running request measures, its drafts
+        never kept."""
+        found = []
+        for round_ in range(rounds):
+            choice = state.choose(costs, 3, head_cap=0, greedy=False)
+            if choice == Choice("ngram", 3):
+                found.append(round_)
+            state.observe(costs, choice, reached=1 if choice.drafts else 0, kept=0)
+        return found
+
+    def gaps(found: list[int]) -> list[int]:
+        return [b - a for a, b in itertools.pairwise(found)]
+
+    period = EXPLORE_EVERY  # one request running
+    assert (
+        gaps(measuring_rounds(1000))[:5]
+        == [2 * period, 4 * period] + [EXPLORE_BACKOFF * period] * 3
+    )
+    # Its drafts kept for a while: chosen on merit, and measured at the full rate again.
+    for _ in range(30):
+        state.observe(costs, Choice("ngram", 3), reached=3, kept=3)
+    assert state.choose(costs, 3, head_cap=0, greedy=False) == Choice("ngram", 3)
+    for _ in range(40):  # and rejected again
+        state.observe(costs, Choice("ngram", 3), reached=1, kept=0)
+    assert gaps(measuring_rounds(300))[:2] == [2 * period, 4 * period]
+
+
+def test_measuring_resumes_its_period_when_the_load_falls():
+    """Backed off under a load of 4 requests, a kind is measured at the period again once
+    one request runs alone: what was measured under the load is stale."""
+    costs = CostModel()
+    requests = [AutoState() for _ in range(4)]
+
+    def rounds(count: int, running: list[AutoState]) -> None:
+        for _ in range(count):
+            for request in running:
+                request.observe(costs, Choice("none", 0), reached=0, kept=0)
+
+    rounds(16, requests)
+    measured_at = []
+    for _ in range(1000):
+        if costs.explores(DrafterKind.NGRAM):
+            measured_at.append(costs.rounds)
+        if len(measured_at) == 3:
+            break
+        rounds(1, requests)
+    period = EXPLORE_EVERY * 4
+    assert [b - a for a, b in itertools.pairwise(measured_at)] == [2 * period, 4 * period]
+    # Backed off to EXPLORE_BACKOFF periods of 4 requests; one alone for 64 rounds:
+    rounds(CONCURRENCY_ROUNDS, requests[:1])
+    assert costs.explores(DrafterKind.NGRAM)
 
 
 def test_the_cost_lines_remember_as_many_rounds_of_each_request_under_load():
