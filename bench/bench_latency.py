@@ -300,7 +300,7 @@ def main() -> int:
     )
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument(
-        "--runs", type=int, default=8, help="turns per stack: one request of each mode a turn"
+        "--runs", type=int, default=8, help="turns: one request of every mode at every delay a turn"
     )
     args = parser.parse_args()
     delays = [float(delay) / 1000 for delay in args.delays_ms.split(",")]
