@@ -37,7 +37,8 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from bench_round import bytes_per_token  # this folder is on the path of `python bench/...`
+from bench_drafters import SETS  # this folder is on the path of `python bench/...`
+from bench_round import bytes_per_token
 from bench_serving import measure
 
 from hydra_jury.hydra_model import HydraModel
@@ -300,9 +301,10 @@ def served(checkpoint: Path, servers: list[str], counts: list[int], new_tokens: 
 
 
 def over_modes(address: str, counts: list[int], new_tokens: int) -> dict:
-    measure(address, 2, 1, 8, MODES["non-speculative"])  # warm-up
+    prompts = SETS["open"]  # free chat
+    measure(address, 2, 1, 8, MODES["non-speculative"], prompts)  # warm-up
     return {
-        mode: {n: measure(address, n, 1, new_tokens, options)[0] for n in counts}
+        mode: {n: measure(address, n, 1, new_tokens, options, prompts)[0] for n in counts}
         for mode, options in MODES.items()
     }
 

@@ -45,9 +45,6 @@ from hydra_jury.orchestrator.launcher import LocalStack
 from hydra_jury.orchestrator.request import GenerationRequest
 from hydra_jury.protos.hydrajury.v1 import generation_pb2_grpc
 
-# The prompts requests cycle through (--prompts): free chat by default, as in the
-# drafters' benchmark; the extractive set copies from its prompts, where prompt lookup pays.
-PROMPTS = SETS["open"]
 # --modes name: (the table's label, the request's options)
 MODES = {
     "plain": ("non-speculative PoE", {"rule": "verifier_only"}),
@@ -84,10 +81,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def sampled(index: int, new_tokens: int, options: dict, prompt_shift: int = 0):
+def sampled(prompts: list[str], index: int, new_tokens: int, options: dict, prompt_shift: int = 0):
     return request_to_pb(
         GenerationRequest(
-            messages=[{"role": "user", "content": PROMPTS[(index + prompt_shift) % len(PROMPTS)]}],
+            messages=[{"role": "user", "content": prompts[(index + prompt_shift) % len(prompts)]}],
             max_new_tokens=new_tokens,
             ignore_eos=True,
             temperature=0.8,
@@ -159,6 +156,7 @@ def measure(
     requests: int,
     new_tokens: int,
     options: dict,
+    prompts: list[str],
     duration: float | None = None,
     stagger: bool = False,
 ):
@@ -187,7 +185,7 @@ def measure(
             length = new_tokens
             if stagger and turn == 0:
                 length = max(1, round(new_tokens * (index + 1) / sessions))
-            request = sampled(index, length, options, turn)
+            request = sampled(prompts, index, length, options, turn)
             if deadline is None:
                 tokens, ttft, tpot = timed(stub, request)
                 counts.append(len(tokens))
@@ -215,11 +213,13 @@ def measure(
     return sum(counts) / wall, [ttft for ttft, _ in latencies], [tpot for _, tpot in latencies]
 
 
-def invariance(address: str, count: int, new_tokens: int, options: dict) -> tuple[int, int]:
+def invariance(
+    address: str, count: int, new_tokens: int, options: dict, prompts: list[str]
+) -> tuple[int, int]:
     """(identical, count): seeded requests alone, then all `count` at once."""
     channel = grpc.insecure_channel(address)
     stub = generation_pb2_grpc.GenerationStub(channel)
-    requests = [sampled(index, new_tokens, options) for index in range(count)]
+    requests = [sampled(prompts, index, new_tokens, options) for index in range(count)]
     alone = [timed(stub, request)[0] for request in requests]
     together: list[list[int]] = [[] for _ in requests]
 
@@ -257,7 +257,8 @@ def main() -> int:
         "--prompts",
         choices=sorted(SETS),
         default="open",
-        help="the prompt set: open (free chat) or extractive (copying from the prompt)",
+        help="the prompts the requests cycle through: open (free chat, as in the drafters' "
+        "benchmark) or extractive (copying from the prompt, where prompt lookup pays)",
     )
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
     parser.add_argument(
@@ -278,8 +279,6 @@ def main() -> int:
     args = parser.parse_args()
     if args.stagger and not args.duration:
         parser.error("--stagger needs --duration (sustained load)")
-    global PROMPTS
-    PROMPTS = SETS[args.prompts]
     counts = [int(count) for count in args.sessions.split(",")]
     modes = dict(MODES[name] for name in args.modes.split(","))
     print(
@@ -320,7 +319,11 @@ def main() -> int:
                     if services == "batched" and args.invariance_requests:
                         for name, options in modes.items():
                             same, total = invariance(
-                                address, args.invariance_requests, args.new_tokens, options
+                                address,
+                                args.invariance_requests,
+                                args.new_tokens,
+                                options,
+                                SETS[args.prompts],
                             )
                             identical.append(
                                 f"{server}, {dtype}, {name}: {same} of {total} requests "
@@ -334,7 +337,8 @@ def main() -> int:
 def run_modes(address: str, modes: dict, counts: list[int], args) -> Iterator[tuple]:
     """(mode, sessions, tokens/s, one session's tokens/s, TTFTs, TPOTs) of every mode and
     session count, in order, after a warm-up."""
-    measure(address, 1, 1, 8, MODES["plain"][1])
+    prompts = SETS[args.prompts]
+    measure(address, 1, 1, 8, MODES["plain"][1], prompts)
     for name, options in modes.items():
         single = None
         for count in counts:
@@ -344,6 +348,7 @@ def run_modes(address: str, modes: dict, counts: list[int], args) -> Iterator[tu
                 args.requests,
                 args.new_tokens,
                 options,
+                prompts,
                 args.duration,
                 args.stagger,
             )
