@@ -58,6 +58,13 @@ class TokenRecord:
     logprob: float | None = None
     top_logprobs: list[dict[str, Any]] | None = None
 
+    def to_dict(self) -> dict[str, Any]:
+        """Its fields as a dict sharing their values (the kind a `StrEnum`, a string to
+        JSON): what a round's commit stores. `asdict` deep-copied each first: 22 µs for
+        a token with four jurors' votes, on the server's event loop every round; 0.5 µs
+        this way (2-core Intel Xeon)."""
+        return dict(vars(self))
+
 
 @dataclass
 class Verdict:

@@ -492,7 +492,7 @@ class SessionRunner:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         async def commit_then_send(output: RoundOutput, summary) -> None:
-            rounds = [[asdict(t) for t in output.tokens]]
+            rounds = [[t.to_dict() for t in output.tokens]]
             await self.store.commit(record, rounds=rounds, release=bool(summary))
             queue.put_nowait(("round", output, summary))
 
