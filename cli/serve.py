@@ -99,7 +99,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     configure_tracing("hydra-jury-server", args.otlp_endpoint)
     # Checked before anything starts: a bad setting is one line, not a half-started server.
-    settings = StoreSettings(ttl_s=args.session_ttl_s, lease_s=args.session_lease_s)
+    settings = StoreSettings(
+        ttl_s=args.session_ttl_s,
+        lease_s=args.session_lease_s,
+        commit_interval_s=args.session_commit_interval_s,
+    )
     set_compute_threads(args.threads)
     limits = SessionLimits(args.max_sessions, args.max_session_tokens)
     draft_model = resolved_draft_model(args.draft_model)

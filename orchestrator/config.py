@@ -18,6 +18,7 @@ redis_url: redis://127.0.0.1:6379/0    # or $HYDRA_JURY_REDIS_URL; rediss:// for
 redis_key_prefix: "hydra-jury:"
 session_ttl_s: 3600                    # an idle session is deleted after this long
 session_lease_s: 30                    # a silent owner loses its session after this long
+session_commit_interval_s: 0.02        # rounds within this long of a commit go with the next
 limit_new_tokens: 2048                 # each limit_NAME: --limit-NAME (orchestrator/limits.py)
 tls_cert: /tls/public/tls.crt          # the public port's TLS (all three: mTLS); omit: plaintext
 tls_key: /tls/public/tls.key
@@ -95,6 +96,7 @@ class OrchestratorConfig:
     redis_key_prefix: str = KEY_PREFIX
     session_ttl_s: float = StoreSettings.ttl_s
     session_lease_s: float = StoreSettings.lease_s
+    session_commit_interval_s: float = StoreSettings.commit_interval_s
     limit_message_bytes: int = RequestLimits.message_bytes
     limit_prompt_tokens: int = RequestLimits.prompt_tokens
     limit_new_tokens: int = RequestLimits.new_tokens
@@ -204,4 +206,8 @@ class OrchestratorConfig:
         return auth_from(self)
 
     def store_settings(self) -> StoreSettings:
-        return StoreSettings(ttl_s=self.session_ttl_s, lease_s=self.session_lease_s)
+        return StoreSettings(
+            ttl_s=self.session_ttl_s,
+            lease_s=self.session_lease_s,
+            commit_interval_s=self.session_commit_interval_s,
+        )

@@ -57,6 +57,14 @@ def add_generation_server_flags(parser: argparse.ArgumentParser, redis_fallback:
         default=OrchestratorConfig.session_lease_s,
         help="a generation that stops committing loses its session after this (%(default)g)",
     )
+    parser.add_argument(
+        "--session-commit-interval-s",
+        type=float,
+        default=OrchestratorConfig.session_commit_interval_s,
+        help="a generation's rounds computed within this long of its last commit go with "
+        "its next one, together: fewer commits when rounds are fast (0: each round once "
+        "the last commit is done; %(default)g)",
+    )
     add_tls_flags(parser)
     add_api_key_flags(parser)
     add_log_format_flag(parser)

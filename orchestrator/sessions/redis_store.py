@@ -320,6 +320,7 @@ class RedisStore(SessionStore):
         release: bool = False,
         retired_cache: str | None = None,
     ) -> None:
+        tracing.annotate(rounds=len(rounds))  # a commit may carry several rounds
         reply = await self._run(
             "commit",
             self._keys(record.session_id, record.key_name),

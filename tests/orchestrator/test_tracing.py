@@ -14,7 +14,6 @@ import re
 import signal
 import sys
 import urllib.request
-from collections import Counter
 from typing import TextIO
 
 import pytest
@@ -32,6 +31,7 @@ PROMPT = "zebra quartz"  # no span may hold it
 SERVICES = {"hydra-jury-orchestrator", "hydra-jury-trunk", "hydra-jury-jury"}
 GENERATE = "hydrajury.v1.Generation/Generate"
 DRAFT, SCORE = "hydrajury.v1.Trunk/Draft", "hydrajury.v1.Jury/Score"
+COMMIT = "session_store.commit"
 SERVER, CLIENT = trace_pb2.Span.SPAN_KIND_SERVER, trace_pb2.Span.SPAN_KIND_CLIENT
 
 
@@ -129,7 +129,8 @@ def check_one_trace(
 
 def check_rounds(spans: list[ReceivedSpan], request_span: ReceivedSpan, rounds: int) -> None:
     """Each round: a draft span (the trunk's Draft call within), a score span (a Score
-    call to each shard within), an accept span; its commit to the session store."""
+    call to each shard within), an accept span; and the rounds' commits to the session
+    store (`check_commits`)."""
     round_spans = children(spans, request_span, "round")
     assert len(round_spans) == rounds
     assert sorted(s.attributes["hydra.index"] for s in round_spans) == list(range(rounds))
@@ -149,7 +150,17 @@ def check_rounds(spans: list[ReceivedSpan], request_span: ReceivedSpan, rounds: 
             )
             assert served.attributes["rpc.grpc.status_code"] == 0
             assert served.attributes["hydra.batch_size"] >= 1
-        assert children(spans, round_span, "session_store.commit")
+    check_commits(spans, round_spans)
+
+
+def check_commits(spans: list[ReceivedSpan], round_spans: list[ReceivedSpan]) -> None:
+    """A commit runs in the span of the last round it stores (rounds computed while one
+    is in flight, or within the commit interval, go with the next): together they store
+    every round, and the last round has one."""
+    commits = {s.attributes["hydra.index"]: children(spans, s, COMMIT) for s in round_spans}
+    carried = [c.attributes["hydra.rounds"] for found in commits.values() for c in found]
+    assert sum(carried) == len(round_spans) and all(n >= 1 for n in carried)
+    assert len(commits[len(round_spans) - 1]) == 1
 
 
 def texts(span: ReceivedSpan) -> list[str]:
@@ -178,8 +189,9 @@ def test_one_generate_is_one_trace_across_the_three_services(traced):
     check_rounds(trace, root, answer.stats.rounds)
     drafted = sum(s.attributes["hydra.drafted"] for s in trace if s.name == "round")
     assert drafted == answer.stats.drafted
-    # the session store's writes: the session's creation, the turn, each round
-    assert Counter(s.name for s in trace)["session_store.commit"] >= answer.stats.rounds
+    # the session store's writes: the session's creation, the turn, then the rounds
+    commits = [s for s in trace if s.name == COMMIT]
+    assert sum(s.attributes["hydra.rounds"] for s in commits) == answer.stats.rounds
 
 
 def test_the_http_api_continues_the_callers_trace(traced):
@@ -281,4 +293,4 @@ def test_the_single_process_server_traces_its_rounds(jury_checkpoint):
     assert len(round_spans) == answer.stats.rounds
     for round_span in round_spans:
         assert {"draft", "score", "accept"} <= {s.name for s in children(trace, round_span)}
-        assert children(trace, round_span, "session_store.commit")
+    check_commits(trace, round_spans)

@@ -211,6 +211,9 @@ def test_bad_settings_and_urls_are_refused():
         RedisStore("http://localhost:6379")
     with pytest.raises(ValueError, match="lease must be positive and at most the TTL"):
         StoreSettings(ttl_s=10, lease_s=20)
+    for interval in (-0.01, 20):
+        with pytest.raises(ValueError, match="commit interval must be at least 0 and less"):
+            StoreSettings(ttl_s=60, lease_s=20, commit_interval_s=interval)
     assert redacted("rediss://user:pw@host:6380/1") == "rediss://user:***@host:6380/1"
 
 
