@@ -8,6 +8,7 @@ import io
 import json
 import re
 import sys
+import threading
 from dataclasses import replace
 
 import grpc
@@ -166,3 +167,43 @@ def test_generate_local_runs_on_an_in_memory_session(jury_checkpoint, engine, ca
     assert capsys.readouterr().out == expected.text + "\n"
     assert main([*argv, "--session", "abc"]) == 2
     assert "--session and --request-id need --address" in capsys.readouterr().err
+
+
+def test_generate_local_loads_and_computes_on_one_model_thread(
+    jury_checkpoint, engine, capsys, monkeypatch
+):
+    """Torch's parallel work on a second thread would start a second OpenMP team, and
+    libgomp would then wake its threads for every parallel region: the model is loaded,
+    and every model call runs, on the model thread alone."""
+    threads: list[tuple[str, str]] = []
+
+    class Recorded(generate.LocalBackend):
+        def draft(self, call):
+            threads.append(("draft", threading.current_thread().name))
+            return super().draft(call)
+
+        def score(self, call):
+            threads.append(("score", threading.current_thread().name))
+            return super().score(call)
+
+    load = generate.HydraModel.load
+
+    def recorded_load(*args, **kwargs):
+        threads.append(("load", threading.current_thread().name))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(generate, "LocalBackend", Recorded)
+    monkeypatch.setattr(generate.HydraModel, "load", recorded_load)
+    argv = ["generate", "--local", "--checkpoint", str(jury_checkpoint), "hi", "--json"]
+    assert main([*argv, "--max-new-tokens", "6", "--seed", "5", "--rule", "verifier_only"]) == 0
+    expected = engine.generate(
+        GenerationRequest(
+            messages=[{"role": "user", "content": "hi"}],
+            max_new_tokens=6,
+            seed=5,
+            rule="verifier_only",
+        )
+    )
+    assert json.loads(capsys.readouterr().out)["token_ids"] == expected.token_ids
+    assert {kind for kind, _ in threads} == {"load", "draft", "score"}
+    assert all(name.startswith("model") for _, name in threads), threads
