@@ -82,12 +82,13 @@ def test_rounds_compute_while_a_commit_is_in_flight_and_go_with_the_next(jury_mo
     ends = [i for i, (kind, _n) in enumerate(events) if kind == "commit ends"][1:]
     carried = [n for kind, n in events if kind == "commit ends"][1:]
     assert len(begins) == len(ends) >= 2 and sum(carried) == len(received)
-    # A commit takes 50 ms, longer than a round of the tiny model: the model drafted
-    # while each commit but the last was in flight, and those rounds went together.
+    # A commit takes 50 ms, longer than a round of the tiny model: the model went on
+    # drafting while the first round's commit was in flight (the round right after it
+    # may have begun before the commit's task did), and the rounds computed meanwhile
+    # went together.
     drafts = [i for i, (kind, _n) in enumerate(events) if kind == "draft"]
-    for began, ended in zip(begins[:-1], ends[:-1], strict=True):
-        assert any(began < i < ended for i in drafts), events
-    assert len(ends) < len(received) and max(carried) > 1
+    assert any(begins[0] < i < ends[0] for i in drafts), events
+    assert carried[0] == 1 and len(ends) < len(received) and max(carried) > 1
     # Each round was sent after the end of the commit that carried it, in order.
     sends = [i for i, (kind, _n) in enumerate(events) if kind == "sent"]
     commit_of_round = [c for c, n in enumerate(carried) for _ in range(n)]
