@@ -30,7 +30,7 @@ from hydra_jury.orchestrator.limits import limits_from
 from hydra_jury.orchestrator.server import serve_embedded
 from hydra_jury.orchestrator.sessions.redis_server import LocalRedis
 from hydra_jury.orchestrator.sessions.redis_store import RedisStore, redacted
-from hydra_jury.orchestrator.sessions.store import StoreSettings
+from hydra_jury.orchestrator.sessions.store import store_settings_from
 from hydra_jury.serving.auth import auth_from
 from hydra_jury.serving.flags import (
     add_batching_flags,
@@ -99,11 +99,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     configure_tracing("hydra-jury-server", args.otlp_endpoint)
     # Checked before anything starts: a bad setting is one line, not a half-started server.
-    settings = StoreSettings(
-        ttl_s=args.session_ttl_s,
-        lease_s=args.session_lease_s,
-        commit_interval_s=args.session_commit_interval_s,
-    )
+    settings = store_settings_from(args)
     set_compute_threads(args.threads)
     limits = SessionLimits(args.max_sessions, args.max_session_tokens)
     draft_model = resolved_draft_model(args.draft_model)

@@ -53,7 +53,7 @@ from hydra_jury.orchestrator.discovery import (
 )
 from hydra_jury.orchestrator.limits import RequestLimits, limits_from
 from hydra_jury.orchestrator.sessions.redis_store import KEY_PREFIX
-from hydra_jury.orchestrator.sessions.store import StoreSettings
+from hydra_jury.orchestrator.sessions.store import StoreSettings, store_settings_from
 from hydra_jury.serving.auth import ApiKeyAuth, auth_from
 from hydra_jury.serving.flags import GRACE_S, METRICS_ADDRESS
 from hydra_jury.serving.logs import LOG_FORMATS
@@ -206,8 +206,4 @@ class OrchestratorConfig:
         return auth_from(self)
 
     def store_settings(self) -> StoreSettings:
-        return StoreSettings(
-            ttl_s=self.session_ttl_s,
-            lease_s=self.session_lease_s,
-            commit_interval_s=self.session_commit_interval_s,
-        )
+        return store_settings_from(self)

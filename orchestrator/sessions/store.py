@@ -89,6 +89,17 @@ class StoreSettings:
         return int(self.lease_s * 1000)
 
 
+def store_settings_from(settings: object) -> StoreSettings:
+    """The session store's settings a server's settings hold, as `session_ttl_s`,
+    `session_lease_s` and `session_commit_interval_s` (the parsed flags, or the
+    orchestrator's configuration)."""
+    return StoreSettings(
+        ttl_s=settings.session_ttl_s,
+        lease_s=settings.session_lease_s,
+        commit_interval_s=settings.session_commit_interval_s,
+    )
+
+
 class SessionStore(ABC):
     settings: StoreSettings
     where: str  # for messages: "Redis at HOST:PORT", "memory"
