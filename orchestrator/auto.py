@@ -270,7 +270,6 @@ class AutoState:
         """The best round: `ngram_drafts` tokens are on offer from prompt lookup,
         continuing a suffix of `ngram_match` tokens; head drafts (greedy only) up to
         `head_cap`; draft-model drafts up to `model_cap` (0: no draft model)."""
-        offer = Choice(NGRAM, ngram_drafts, ngram_match)
         head_cap = head_cap if greedy else 0
         if not (ngram_drafts or head_cap > 0 or model_cap > 0):
             # Nothing on offer: a plain step, chosen without reading the costs. Most
@@ -278,6 +277,7 @@ class AutoState:
             # and the next step's call: reading the costs took 36 of the 76 µs between
             # them (median, in-process, trained demo, 2-core Intel Xeon); 7.5 µs now.
             return Choice(NONE, 0)
+        offer = Choice(NGRAM, ngram_drafts, ngram_match)
         if not costs.known(NGRAM):
             # Every other cost is predicted against a one-pass round (a plain step is
             # one): measure that first, or the predictions mix units.
