@@ -12,6 +12,7 @@ from hydra_jury.orchestrator.config import DISCOVERY_MODES, OrchestratorConfig
 from hydra_jury.orchestrator.flags import add_generation_server_flags, add_internal_tls_flags
 from hydra_jury.serving.errors import EXPECTED_FAILURES, failure_line
 from hydra_jury.serving.logs import configure_logging
+from hydra_jury.serving.model_thread import set_orchestrator_threads
 from hydra_jury.serving.tracing import configure_tracing
 
 # Every setting the command line can override: the configuration's fields, one flag each.
@@ -65,6 +66,12 @@ def build_parser(prog: str = "python -m hydra_jury.orchestrator") -> argparse.Ar
         "overlaps the hops when the services run on other machines "
         f"(default {'on' if OrchestratorConfig.pipeline_rounds else 'off'})",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads of the loop's own maths (default: $OMP_NUM_THREADS, else 1: it is "
+        "small, and a team of threads beside the services on one host takes their cores)",
+    )
     add_generation_server_flags(parser, redis_fallback="")
     add_internal_tls_flags(parser)
     return parser
@@ -96,6 +103,9 @@ async def _serve(config: OrchestratorConfig) -> None:
         http_listen=config.http_listen,
         served_model_name=config.served_model_name,
     )
+    # Once it is up (a server that refuses its layout leaves the process as it was); its
+    # rounds' threads set up their torch on their first parallel work, after this.
+    set_orchestrator_threads(config.threads)
     async with health_port(running, config.health_listen):
         await running.serve_until_signal("orchestrator", config.listen, config.grace_s)
 

@@ -14,6 +14,7 @@ connect_timeout_s: 30
 inject_hop_delay_ms: 0                 # benchmarks only: each call to a service waits this long
 pipeline_rounds: true                  # draft the next round while the jury scores this one
 grace_s: 5
+threads: 1                             # the loop's CPU threads; omit: $OMP_NUM_THREADS, else 1
 redis_url: redis://127.0.0.1:6379/0    # or $HYDRA_JURY_REDIS_URL; rediss:// for TLS
 redis_key_prefix: "hydra-jury:"
 session_ttl_s: 3600                    # an idle session is deleted after this long
@@ -92,6 +93,7 @@ class OrchestratorConfig:
     # (`orchestrator.rounds`, `GrpcBackend.draft_ahead`).
     pipeline_rounds: bool = False
     grace_s: float = GRACE_S
+    threads: int | None = None  # None: $OMP_NUM_THREADS where set, else 1
     redis_url: str = ""
     redis_key_prefix: str = KEY_PREFIX
     session_ttl_s: float = StoreSettings.ttl_s
@@ -164,6 +166,11 @@ class OrchestratorConfig:
             )
         if self.max_concurrency < 1:
             raise ConfigFileError("max_concurrency must be at least 1")
+        whole = isinstance(self.threads, int) and not isinstance(self.threads, bool)
+        if self.threads is not None and (not whole or self.threads < 1):
+            raise ConfigFileError(
+                f"threads must be a whole number of at least 1, got {self.threads!r}"
+            )
         if not 0 <= self.inject_hop_delay_ms <= MAX_HOP_DELAY_MS:
             raise ConfigFileError(
                 f"inject_hop_delay_ms must be in 0..{MAX_HOP_DELAY_MS}, "

@@ -95,6 +95,45 @@ def test_config_file_and_flags(tmp_path):
         OrchestratorConfig.load(None, {"checkpoint": "c", "trunk": "t", "jury": "a,a"})
 
 
+def test_the_orchestrator_sets_its_threads_once_it_is_up(monkeypatch):
+    """`--threads` (else the default, None: one, or $OMP_NUM_THREADS) reaches
+    `set_orchestrator_threads` once the server is up, and a bad count is refused first."""
+    import hydra_jury.orchestrator.__main__ as entry
+    import hydra_jury.orchestrator.server as server
+
+    events = []
+
+    class Running:
+        async def serve_until_signal(self, *args):
+            events.append("serving")
+
+    async def serve_orchestrator(**options):
+        events.append("started")
+        return Running()
+
+    monkeypatch.setattr(server, "serve_orchestrator", serve_orchestrator)
+    monkeypatch.setattr(entry, "set_orchestrator_threads", lambda n: events.append(("threads", n)))
+    argv = ["--checkpoint", "ckpt", "--trunk", "127.0.0.1:1", "--jury", "127.0.0.1:2"]
+    argv += ["--redis-url", "redis://127.0.0.1:1/0"]
+    assert orchestrator_main(argv) == 0
+    assert events == ["started", ("threads", None), "serving"]
+    events.clear()
+    assert orchestrator_main([*argv, "--threads", "3"]) == 0
+    assert events == ["started", ("threads", 3), "serving"]
+    for bad in (0, True, "two"):
+        with pytest.raises(ConfigFileError, match="threads must be a whole number of at least 1"):
+            OrchestratorConfig.load(
+                None,
+                {
+                    "checkpoint": "c",
+                    "trunk": "t",
+                    "jury": "j",
+                    "redis_url": "redis://x",
+                    "threads": bad,
+                },
+            )
+
+
 def test_orchestrator_refuses_a_bad_layout(jury_checkpoint, redis_url, capsys):
     shards = [["head0", "head1"], ["head1", "head2", "head3"]]
     stack = Stack(str(jury_checkpoint), shards, redis_url).start_services()

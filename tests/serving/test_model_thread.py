@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -56,3 +58,24 @@ def test_a_thread_computing_alone_starts_no_team_and_changes_no_other_thread():
         default,
         default_mkl,
     )
+
+
+def orchestrator_threads(count: int | None, environment: dict[str, str]) -> int:
+    """torch's thread count in a fresh process after `set_orchestrator_threads(count)`."""
+    script = (
+        "import torch\n"
+        "from hydra_jury.serving.model_thread import set_orchestrator_threads\n"
+        f"set_orchestrator_threads({count!r})\n"
+        "print(torch.get_num_threads())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | environment
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    return int(done.stdout)
+
+
+def test_the_orchestrator_computes_on_one_thread_unless_told_otherwise():
+    assert orchestrator_threads(None, {}) == 1
+    assert orchestrator_threads(None, {"OMP_NUM_THREADS": "2"}) == 2  # the chart's value
+    assert orchestrator_threads(3, {"OMP_NUM_THREADS": "2"}) == 3  # the flag wins
