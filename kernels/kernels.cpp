@@ -542,25 +542,25 @@ at::Tensor vocab_margin(const at::Tensor& logprobs_given) {
   return y.view(per_row(logprobs_given));
 }
 
-// The jury's rows in one call: log_softmax of each divided by `scale` (the temperature)
-// and each one's first argmax (a juror's vote), as vocab_log_softmax of PyTorch's
-// logits / scale and poe.first_argmax of the logits give them.
+// The jury's rows in one call: each divided by `scale` (the temperature) less its maximum,
+// and each one's first argmax (a juror's vote), as PyTorch's logits / scale less its amax
+// and poe.first_argmax of the logits give them.
 std::tuple<at::Tensor, at::Tensor> juror_rows(const at::Tensor& logits_given, double scale) {
   TORCH_CHECK(std::isfinite(scale) && scale > 0, "scale must be finite and > 0, got ", scale);
   at::Tensor logits = as_rows(logits_given, "logits");
-  at::Tensor logprobs = at::empty_like(logits);
+  at::Tensor shifted = at::empty_like(logits);
   at::Tensor votes = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
   const RowPasses& passes = kRowPasses[current_isa.load()];
   int64_t width = logits.size(1);
   const float* in = logits.data_ptr<float>();
-  float* out = logprobs.data_ptr<float>();
+  float* out = shifted.data_ptr<float>();
   int64_t* vote = votes.data_ptr<int64_t>();
   for_each_row(logits.size(0),
                [&](int64_t r) {
                  vote[r] = passes.juror_row(in + r * width, width, static_cast<float>(scale),
                                             out + r * width);
                });
-  return {logprobs.view(logits_given.sizes()), votes.view(per_row(logits_given))};
+  return {shifted.view(logits_given.sizes()), votes.view(per_row(logits_given))};
 }
 
 // The target's rows in one call, each pass the bits of its own op: log P (the log-product

@@ -114,26 +114,19 @@ static inline Lanes load_scaled(const float* x, int64_t at, int64_t width, float
   return scale == 1.0f ? v : div(v, splat(scale));
 }
 
-// y = x' - max - ln Σ exp(x' - max) for x' = x / scale, given the maximum of x'; a row with
-// a NaN gives NaNs, as PyTorch's does. Returns ln Σ exp(x' - max).
-static inline float log_softmax_of(const float* x, int64_t width, RowMaximum largest, float* y,
-                                   float scale = 1.0f) {
+// y = x - max - ln Σ exp(x - max); a row with a NaN gives NaNs, as PyTorch's does.
+static inline void row_log_softmax(const float* x, int64_t width, float* y) {
+  RowMaximum largest = row_maximum(x, width);
   if (largest.nan) {
     std::fill(y, y + width, NAN);
-    return NAN;
+    return;
   }
   Lanes shift = splat(largest.value), total = zero();
   for (int64_t at = 0; at < width; at += 32)
-    total = add(total, exp_flushed(sub(load_scaled(x, at, width, scale), shift)));
-  float log_total = std::log(sum(total));
+    total = add(total, exp_flushed(sub(load_chunk(x, at, width), shift)));
+  Lanes log_total = splat(std::log(sum(total)));
   for (int64_t at = 0; at < width; at += 32)
-    store_chunk(y, at, width,
-                sub(sub(load_scaled(x, at, width, scale), shift), splat(log_total)));
-  return log_total;
-}
-
-static inline void row_log_softmax(const float* x, int64_t width, float* y) {
-  log_softmax_of(x, width, row_maximum(x, width), y);
+    store_chunk(y, at, width, sub(sub(load_chunk(x, at, width), shift), log_total));
 }
 
 static inline void row_probabilities(const float* logprobs, int64_t width, float* y) {
@@ -204,13 +197,19 @@ static inline TargetRow target_row(const float* x, int64_t width, float* logprob
           row_first_argmax(probs, width)};
 }
 
-// The log-softmax of the row divided by `scale` (a temperature) and the row's first argmax
-// (a juror's vote; kernels.cpp's juror_rows). A division rounded to nearest never puts a
-// larger value below a smaller one, so the quotient's maximum is the maximum's quotient.
-static inline int64_t juror_row(const float* x, int64_t width, float scale, float* logprobs) {
+// The row divided by `scale` (a temperature) less its maximum, so that its largest entry is
+// 0, and the row's first argmax (a juror's vote; kernels.cpp's juror_rows). No exp: a
+// juror's normaliser is a constant of the row, which the target's normalisation removes
+// (poe/target.py). A division rounded to nearest never puts a larger value below a smaller
+// one, so the quotient's maximum is the maximum's quotient. A row with a NaN gives NaNs.
+static inline int64_t juror_row(const float* x, int64_t width, float scale, float* shifted) {
   RowMaximum largest = row_maximum(x, width);
-  RowMaximum scaled = largest;
-  scaled.value = largest.value / scale;  // (exact for a scale of 1)
-  log_softmax_of(x, width, scaled, logprobs, scale);
+  if (largest.nan) {
+    std::fill(shifted, shifted + width, NAN);
+  } else {
+    Lanes shift = splat(largest.value / scale);  // (exact for a scale of 1)
+    for (int64_t at = 0; at < width; at += 32)
+      store_chunk(shifted, at, width, sub(load_scaled(x, at, width, scale), shift));
+  }
   return width == 0 ? -1 : row_first_of(x, width, largest);
 }

@@ -6,14 +6,19 @@ Terms
   decoding takes the argmax of the T = 1 distributions, so T = 0 is computed as T = 1.
 - beta β: the verifiers' inverse temperature; each verifier's log-probabilities are
   multiplied by β before they are added.
-- partial log-product: Σ_h β · log_softmax(z_h / T) over the verifiers one jury shard
-  hosts. Unnormalised; partials of disjoint head sets add up to the jury's log-product.
-- target P: the normalised product, P(x) ∝ exp(Σ_{h ∈ verifiers} β · log_softmax(z_h / T)(x)).
+- target P: the normalised product, P(x) ∝ Π_h softmax(z_h / T)(x)^β
+  = exp(Σ_h β · log_softmax(z_h / T)(x)) / Z, the product over the verifiers.
+- partial log-product: Σ_h β · (z_h / T − max z_h / T) over the verifiers one jury shard
+  hosts. Each term is the juror's log-probabilities up to its normaliser, a constant of
+  the row, and constants of a row leave P unchanged: the target's normalisation removes
+  them. Unnormalised; partials of disjoint head sets add up to the jury's log-product.
 
-Sampling filters (`poe.filters`) are applied after this module, to the draft and the
-target alike. Everything here works on log-probabilities so that logits of ±1e4 with a
-large β and many heads stay finite: every term is a log_softmax (≤ 0, max 0), and the
-final normalisation is another log_softmax.
+Why shifted logits and not log-softmaxes: a juror's log-softmax takes an exp of every
+entry of the vocabulary and a pass more, the shift a subtraction; and the shift keeps what
+the log-softmax kept: every term ≤ 0 with its maximum at 0,
+so that logits of ±1e4 with a large β and many heads stay finite and the likely tokens sit
+near 0, where float32 is finest. Sampling filters (`poe.filters`) are applied after this
+module, to the draft and the target alike.
 
 Every log-softmax and exp here runs in the native kernels where they take the tensors
 (`poe.row_kernels`).
@@ -49,7 +54,7 @@ def partial_log_product(
     verifier_logits: [H, N, V], the logits of this shard's verifiers (the draft head
     excluded). H = 0 is allowed: a shard whose only head is the draft head contributes
     a partial of zeros.
-    Returns [N, V] float32: Σ_h β · log_softmax(verifier_logits[h] / T).
+    Returns [N, V] float32: Σ_h β · (verifier_logits[h] / T less its row's maximum).
     """
     return partial_log_product_and_votes(verifier_logits, temperature, beta)[0]
 
@@ -64,16 +69,16 @@ def partial_log_product_and_votes(
     if not math.isfinite(beta) or beta <= 0:
         raise ValueError(f"beta must be finite and > 0, got {beta}")
     scale = effective_temperature(temperature)
-    # Dividing by 1, multiplying by 1 and summing one term change no bit: skipped, as
-    # each is a pass over the vocabulary (the default greedy jury of one does none).
     logits = as_float32(verifier_logits)
     ops = row_kernels(logits)
-    if ops is not None:  # the division, log-softmax and vote in one pass over each row
-        head_logprobs, votes = ops.juror_rows(logits, scale)  # [H, N, V], [H, N]
+    if ops is not None:  # the division, the shift and the vote in one call
+        shifted, votes = ops.juror_rows(logits, scale)  # [H, N, V], [H, N]
     else:
-        head_logprobs = log_softmax(logits if scale == 1 else logits / scale)
+        scaled = logits if scale == 1 else logits / scale
+        shifted = scaled - scaled.amax(dim=-1, keepdim=True)
         votes = first_argmax(logits)
-    total = head_logprobs[0] if len(head_logprobs) == 1 else head_logprobs.sum(dim=0)
+    # Multiplying by 1 and summing one term change no bit: skipped, as each is a pass.
+    total = shifted[0] if len(shifted) == 1 else shifted.sum(dim=0)
     return (total if beta == 1 else beta * total), votes
 
 

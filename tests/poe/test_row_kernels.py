@@ -151,7 +151,8 @@ def test_the_fused_calls_give_the_bits_of_the_separate_ones(kernels, x):
             log_product, votes = partial_log_product_and_votes(jury, temperature, 1.0)
             assert same_bits(log_product, partial_log_product(jury, temperature, 1.0))
             scaled = jury if temperature == 1.0 else jury / temperature
-            assert same_bits(log_product, log_softmax(scaled).sum(0)), (isa, temperature)
+            shifted = scaled - scaled.amax(-1, keepdim=True)
+            assert same_bits(log_product, shifted.sum(0)), (isa, temperature)
             assert torch.equal(votes, first_argmax(jury))
 
 

@@ -89,9 +89,22 @@ def test_bad_inputs_are_rejected(make_logits):
 
 def test_identity_steps_are_skipped_without_changing_a_bit(make_logits):
     logits = make_logits(1, 3, 50)
-    by_formula = 1.0 * poe_log_softmax(logits.float() / 1.0).sum(dim=0)
-    assert torch.equal(partial_log_product(logits, 0.0, 1.0), by_formula)
-    assert torch.equal(partial_log_product(logits, 1.0, 1.0), by_formula)
+    shifted = logits.float() - logits.float().amax(-1, keepdim=True)
+    assert torch.equal(partial_log_product(logits, 0.0, 1.0), shifted[0])
+    assert torch.equal(partial_log_product(logits, 1.0, 1.0), shifted[0])
+    # The target's normalisation subtracts the row's maximum first: the shift changes no
+    # bit of it.
+    assert torch.equal(normalise_logprobs(shifted[0]), normalise_logprobs(logits[0]))
+
+
+def test_each_jurors_term_is_its_log_probabilities_up_to_a_constant(make_logits):
+    logits = make_logits(3, 4, 50, seed=5, scale=4.0)
+    partial = partial_log_product(logits, 0.7, 2.0)
+    by_log_softmax = (2.0 * poe_log_softmax(logits / 0.7)).sum(0)
+    offsets = (partial - by_log_softmax).double()  # one constant per row
+    assert float((offsets - offsets[:, :1]).abs().max()) < 1e-4
+    assert float(partial.max()) <= 0.0  # every term is at most 0
+    torch.testing.assert_close(normalise_logprobs(partial), normalise_logprobs(by_log_softmax))
 
 
 def test_probabilities_read_subnormal_ones_as_zero(make_logits):

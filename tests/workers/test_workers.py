@@ -147,8 +147,12 @@ def test_score_returns_the_partial_product_of_the_requested_jurors(jury_model):
     hidden = jury_model.trunk.forward(tokens, jury_model.trunk_cache(16), 0)
     result = jury.score(calls.score("s", 0, hidden, ["head1", "head3"], 0.7, 2.0))
     logits = jury_model.heads.forward(hidden, jury_model.head_cache(4, 16), 0)
-    expected = sum(2.0 * torch.log_softmax(logits[i] / 0.7, -1) for i in (1, 3))
-    assert torch.allclose(result.log_product, expected, atol=1e-5)
+    shifted = [logits[i] / 0.7 - (logits[i] / 0.7).amax(-1, keepdim=True) for i in (1, 3)]
+    assert torch.allclose(result.log_product, sum(2.0 * rows for rows in shifted), atol=1e-5)
+    # The PoE target: the normalised sum of the jurors' log-probabilities times β.
+    by_definition = sum(2.0 * torch.log_softmax(logits[i] / 0.7, -1) for i in (1, 3))
+    target = torch.log_softmax(result.log_product, -1)
+    assert torch.allclose(target, torch.log_softmax(by_definition, -1), atol=1e-5)
     assert result.voters == ("head1", "head3")
     assert torch.equal(result.votes, logits[[1, 3]].argmax(-1).T)
     with pytest.raises(InvalidArgument, match=r"jury: unknown heads \['head8'\]"):
