@@ -172,10 +172,12 @@ def test_metrics_match_their_float64_definitions(kernels):
 
 def test_without_the_kernels_every_pass_agrees(kernels, monkeypatch):
     """PyTorch's passes (no kernels, or tensors they do not take) give the same values to
-    within float32 rounding, and the same greedy tokens and votes."""
+    within float32 rounding, and the same greedy tokens and votes; the jurors' terms (a
+    division and a subtraction) to the bit."""
     x = rows(1000)
     native_rows = target_rows(x)
     native_votes = partial_log_product_and_votes(x.reshape(2, 3, 1000), 1.0, 1.0)
+    native_tempered = partial_log_product(x.reshape(2, 3, 1000), 0.8, 1.5)
     monkeypatch.setattr(row_kernels_module, "native", lambda: None)
     assert row_kernels(x) is None
     torch_rows = target_rows(x)
@@ -187,8 +189,9 @@ def test_without_the_kernels_every_pass_agrees(kernels, monkeypatch):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6, equal_nan=True)
     assert torch.equal(native_rows.greedy, torch_rows.greedy)
     torch_votes = partial_log_product_and_votes(x.reshape(2, 3, 1000), 1.0, 1.0)
-    torch.testing.assert_close(native_votes[0], torch_votes[0], rtol=1e-5, atol=1e-5)
+    assert same_bits(native_votes[0], torch_votes[0])
     assert torch.equal(native_votes[1], torch_votes[1])
+    assert same_bits(native_tempered, partial_log_product(x.reshape(2, 3, 1000), 0.8, 1.5))
 
 
 def test_the_kernels_take_float32_cpu_rows_only(kernels):
