@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 #include <string>
 #include <vector>
 
@@ -459,14 +460,14 @@ struct RowPasses {
   void (*probabilities)(const float*, int64_t, float*);
   float (*entropy)(const float*, const float*, int64_t);
   float (*margin)(const float*, int64_t);
-  int64_t (*juror_row)(const float*, int64_t, float, float*);
+  void (*jury_row)(const float*, int64_t, int64_t, int64_t, float, float*, int64_t*, int64_t);
   TargetRow (*target_row)(const float*, int64_t, float*, float*);
 };
 
 #define HYDRA_ROW_PASSES(set)                                                      \
   RowPasses {                                                                      \
     set::row_log_softmax, set::row_probabilities, set::row_entropy, set::row_margin, \
-        set::juror_row, set::target_row                                            \
+        set::jury_row, set::target_row                                              \
   }
 const RowPasses kRowPasses[] = {HYDRA_ROW_PASSES(scalar), HYDRA_ROW_PASSES(avx2),
                                 HYDRA_ROW_PASSES(avx512)};
@@ -542,25 +543,28 @@ at::Tensor vocab_margin(const at::Tensor& logprobs_given) {
   return y.view(per_row(logprobs_given));
 }
 
-// The jury's rows in one call: each divided by `scale` (the temperature) less its maximum,
-// and each one's first argmax (a juror's vote), as PyTorch's logits / scale less its amax
-// and poe.first_argmax of the logits give them.
-std::tuple<at::Tensor, at::Tensor> juror_rows(const at::Tensor& logits_given, double scale) {
+// The jury's rows in one call: logits [J, N, V] -> (the jurors' terms summed in juror
+// order [N, V], each the logits divided by `scale` (the temperature) less their maximum;
+// each juror's first argmax [J, N], its vote), as PyTorch's logits / scale less their amax,
+// added one juror after the other, and poe.first_argmax of the logits give them.
+std::tuple<at::Tensor, at::Tensor> jury_rows(const at::Tensor& logits_given, double scale) {
   TORCH_CHECK(std::isfinite(scale) && scale > 0, "scale must be finite and > 0, got ", scale);
-  at::Tensor logits = as_rows(logits_given, "logits");
-  at::Tensor shifted = at::empty_like(logits);
-  at::Tensor votes = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  TORCH_CHECK(logits_given.scalar_type() == at::kFloat && logits_given.device().is_cpu() &&
+                  logits_given.dim() == 3,
+              "logits must be a float32 CPU tensor [J, N, V]");
+  at::Tensor logits = logits_given.contiguous();
+  int64_t jurors = logits.size(0), positions = logits.size(1), width = logits.size(2);
+  at::Tensor total = at::empty({positions, width}, logits.options());
+  at::Tensor votes = at::empty({jurors, positions}, logits.options().dtype(at::kLong));
   const RowPasses& passes = kRowPasses[current_isa.load()];
-  int64_t width = logits.size(1);
   const float* in = logits.data_ptr<float>();
-  float* out = shifted.data_ptr<float>();
+  float* out = total.data_ptr<float>();
   int64_t* vote = votes.data_ptr<int64_t>();
-  for_each_row(logits.size(0),
-               [&](int64_t r) {
-                 vote[r] = passes.juror_row(in + r * width, width, static_cast<float>(scale),
-                                            out + r * width);
-               });
-  return {shifted.view(logits_given.sizes()), votes.view(per_row(logits_given))};
+  for_each_row(positions, [&](int64_t n) {
+    passes.jury_row(in + n * width, jurors, positions * width, width, static_cast<float>(scale),
+                    out + n * width, vote + n, positions);
+  });
+  return {total, votes};
 }
 
 // The target's rows in one call, each pass the bits of its own op: log P (the log-product
@@ -647,7 +651,7 @@ TORCH_LIBRARY(hydra_jury, m) {
   m.def("vocab_probabilities(Tensor logprobs) -> Tensor", vocab_probabilities);
   m.def("vocab_entropy(Tensor probs, Tensor logprobs) -> Tensor", vocab_entropy);
   m.def("vocab_margin(Tensor logprobs) -> Tensor", vocab_margin);
-  m.def("juror_rows(Tensor logits, float scale=1.0) -> (Tensor, Tensor)", juror_rows);
+  m.def("jury_rows(Tensor logits, float scale=1.0) -> (Tensor, Tensor)", jury_rows);
   m.def("target_rows(Tensor log_product) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
         target_rows);
   m.def("categorical_rows(Tensor probs, Tensor uniforms) -> Tensor", categorical_rows);

@@ -197,19 +197,29 @@ static inline TargetRow target_row(const float* x, int64_t width, float* logprob
           row_first_argmax(probs, width)};
 }
 
-// The row divided by `scale` (a temperature) less its maximum, so that its largest entry is
-// 0, and the row's first argmax (a juror's vote; kernels.cpp's juror_rows). No exp: a
-// juror's normaliser is a constant of the row, which the target's normalisation removes
-// (poe/target.py). A division rounded to nearest never puts a larger value below a smaller
-// one, so the quotient's maximum is the maximum's quotient. A row with a NaN gives NaNs.
-static inline int64_t juror_row(const float* x, int64_t width, float scale, float* shifted) {
-  RowMaximum largest = row_maximum(x, width);
-  if (largest.nan) {
-    std::fill(shifted, shifted + width, NAN);
-  } else {
-    Lanes shift = splat(largest.value / scale);  // (exact for a scale of 1)
-    for (int64_t at = 0; at < width; at += 32)
-      store_chunk(shifted, at, width, sub(load_scaled(x, at, width, scale), shift));
+// One position of a jury (kernels.cpp's jury_rows): `jurors` rows of `width` logits,
+// `stride` apart. Into `total`, the sum in juror order of each row divided by `scale` (a
+// temperature) less its maximum, so that each term's largest entry is 0; into
+// votes[j * vote_stride], each row's first argmax (a juror's vote). No exp: a juror's
+// normaliser is a constant of the row, which the target's normalisation removes
+// (poe/target.py). A division rounded to nearest never puts a larger value below a
+// smaller one, so the quotient's maximum is the maximum's quotient. A row with a NaN
+// makes its term NaN (its shift is NaN); no jurors make a total of 0.
+static inline void jury_row(const float* x, int64_t jurors, int64_t stride, int64_t width,
+                            float scale, float* total, int64_t* votes, int64_t vote_stride) {
+  std::vector<float> shifts(jurors);
+  for (int64_t j = 0; j < jurors; ++j) {
+    const float* row = x + j * stride;
+    RowMaximum largest = row_maximum(row, width);
+    shifts[j] = largest.nan ? NAN : largest.value / scale;  // (exact for a scale of 1)
+    votes[j * vote_stride] = width == 0 ? -1 : row_first_of(row, width, largest);
   }
-  return width == 0 ? -1 : row_first_of(x, width, largest);
+  for (int64_t at = 0; at < width; at += 32) {
+    Lanes sum = zero();
+    for (int64_t j = 0; j < jurors; ++j) {
+      Lanes term = sub(load_scaled(x + j * stride, at, width, scale), splat(shifts[j]));
+      sum = j == 0 ? term : add(sum, term);
+    }
+    store_chunk(total, at, width, sum);
+  }
 }

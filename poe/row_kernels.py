@@ -7,7 +7,7 @@ Why: a plain decoding step makes about eight passes over a 49,152-token row, and
 PyTorch operation among them took 2 to 4 times its own time inside a step (the step's
 weights have just flushed the caches that the interpreter and the dispatcher run from).
 The kernels make each pass one call, and the round's passes two (`target_rows`, the
-jury's `juror_rows`).
+jury's `jury_rows`).
 
 Bits: the kernels' exp and sums are their own, the same on every instruction set (so a
 token never depends on the CPU); PyTorch's differ from them by about an ulp. They take

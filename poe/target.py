@@ -64,21 +64,23 @@ def partial_log_product_and_votes(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`partial_log_product`, and each verifier's vote: the first argmax of its logits
     ([H, N] long). A jury's call needs both; the kernels give them, the division by T
-    included, in one pass over each row."""
+    included, in one call (the terms added one juror after the other, as here)."""
     check_float("verifier_logits", verifier_logits, dims=3)
     if not math.isfinite(beta) or beta <= 0:
         raise ValueError(f"beta must be finite and > 0, got {beta}")
     scale = effective_temperature(temperature)
     logits = as_float32(verifier_logits)
     ops = row_kernels(logits)
-    if ops is not None:  # the division, the shift and the vote in one call
-        shifted, votes = ops.juror_rows(logits, scale)  # [H, N, V], [H, N]
+    if ops is not None:
+        total, votes = ops.jury_rows(logits, scale)  # [N, V], [H, N]
     else:
         scaled = logits if scale == 1 else logits / scale
-        shifted = scaled - scaled.amax(dim=-1, keepdim=True)
+        terms = scaled - scaled.amax(dim=-1, keepdim=True)
+        total = terms[0] if len(terms) else torch.zeros(logits.shape[1:])
+        for term in terms[1:]:
+            total = total + term
         votes = first_argmax(logits)
-    # Multiplying by 1 and summing one term change no bit: skipped, as each is a pass.
-    total = shifted[0] if len(shifted) == 1 else shifted.sum(dim=0)
+    # Multiplying by 1 changes no bit: skipped, as it is a pass.
     return (total if beta == 1 else beta * total), votes
 
 

@@ -4,6 +4,7 @@ answers on special values, and the round's fused calls the bits of the separate 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -92,7 +93,7 @@ def test_every_instruction_set_gives_the_same_bits(kernels, width):
             probs,
             ops.vocab_entropy(probs, logprobs),
             ops.vocab_margin(logprobs),
-            *ops.juror_rows(x),
+            *ops.jury_rows(x[None]),
             *ops.target_rows(x),
         )
 
@@ -130,7 +131,8 @@ def test_special_rows_come_out_as_pytorchs(kernels):
         ours, theirs = log_softmax(SPECIAL), torch.log_softmax(SPECIAL, -1)
         assert torch.equal(ours.isnan(), theirs.isnan()), isa
         assert torch.equal(ours[2].isinf(), theirs[2].isinf())
-        assert ops.juror_rows(SPECIAL)[1].tolist() == SPECIAL.argmax(-1).tolist() == [1, 0, 2]
+        votes = ops.jury_rows(SPECIAL[:, None])[1][:, 0]  # three jurors, one position
+        assert votes.tolist() == SPECIAL.argmax(-1).tolist() == [1, 0, 2]
         margins = stability_margin(SPECIAL)
         assert math.isnan(margins[0]) and margins[1] == 0.0 and margins[2] == 0.0
 
@@ -151,8 +153,9 @@ def test_the_fused_calls_give_the_bits_of_the_separate_ones(kernels, x):
             log_product, votes = partial_log_product_and_votes(jury, temperature, 1.0)
             assert same_bits(log_product, partial_log_product(jury, temperature, 1.0))
             scaled = jury if temperature == 1.0 else jury / temperature
-            shifted = scaled - scaled.amax(-1, keepdim=True)
-            assert same_bits(log_product, shifted.sum(0)), (isa, temperature)
+            terms = scaled - scaled.amax(-1, keepdim=True)
+            in_juror_order = functools.reduce(torch.add, terms)
+            assert same_bits(log_product, in_juror_order), (isa, temperature)
             assert torch.equal(votes, first_argmax(jury))
 
 
@@ -168,6 +171,26 @@ def test_metrics_match_their_float64_definitions(kernels):
         target.margin.double(), top_two[:, 0] - top_two[:, 1], rtol=1e-5, atol=1e-6
     )
     assert target.greedy.tolist() == exact_probs.argmax(-1).tolist()
+
+
+def test_a_jurys_terms_add_up_in_juror_order_on_every_path(kernels, monkeypatch):
+    """Four jurors over five positions, one of them with a NaN at one position: the
+    kernels on every instruction set and PyTorch's operations give the same bits; the
+    NaN makes only its position's total NaN; no jurors give zeros."""
+    jury = torch.cat([rows(1000, seed=s) for s in range(4)])[:20]
+    jury = jury.reshape(4, 5, 1000)
+    jury[2, 3, 7] = NAN
+    results = {}
+    for isa in kernels:
+        instruction_set(isa)
+        results[isa] = partial_log_product_and_votes(jury, 0.8, 1.5)
+    assert_same_bits(results)
+    monkeypatch.setattr(row_kernels_module, "native", lambda: None)
+    total, votes = partial_log_product_and_votes(jury, 0.8, 1.5)
+    assert_same_bits({"kernels": results[kernels[0]], "pytorch": (total, votes)})
+    assert total[3].isnan().all() and not total[[0, 1, 2, 4]].isnan().any()
+    none = partial_log_product_and_votes(torch.empty(0, 5, 1000), 0.8, 1.5)
+    assert torch.equal(none[0], torch.zeros(5, 1000)) and none[1].shape == (0, 5)
 
 
 def test_without_the_kernels_every_pass_agrees(kernels, monkeypatch):
