@@ -76,7 +76,7 @@ def partial_log_product_and_votes(
     else:
         scaled = logits if scale == 1 else logits / scale
         terms = scaled - scaled.amax(dim=-1, keepdim=True)
-        total = terms[0] if len(terms) else torch.zeros(logits.shape[1:])
+        total = terms[0] if len(terms) else logits.new_zeros(logits.shape[1:])
         for term in terms[1:]:
             total = total + term
         votes = first_argmax(logits)
