@@ -10,7 +10,8 @@ The kernels make each pass one call, and the round's passes two (`target_rows`, 
 jury's `jury_rows`).
 
 Bits: the kernels' exp and sums are their own, the same on every instruction set (so a
-token never depends on the CPU); PyTorch's differ from them by about an ulp. They take
+token never depends on the CPU); PyTorch's differ from them by about an ulp (the jury's
+terms, a division and a subtraction added in juror order, not at all). They take
 float32 CPU tensors without gradients once the kernels load (`HYDRA_JURY_KERNELS`); the
 rest (another device, float64, training) take PyTorch's. Every path of a request reads
 float32 CPU rows, so it reads one implementation throughout.

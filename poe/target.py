@@ -15,10 +15,10 @@ Terms
 
 Why shifted logits and not log-softmaxes: a juror's log-softmax takes an exp of every
 entry of the vocabulary and a pass more, the shift a subtraction; and the shift keeps what
-the log-softmax kept: every term ≤ 0 with its maximum at 0,
-so that logits of ±1e4 with a large β and many heads stay finite and the likely tokens sit
-near 0, where float32 is finest. Sampling filters (`poe.filters`) are applied after this
-module, to the draft and the target alike.
+the log-softmax kept: every term ≤ 0 with its maximum at 0, so that logits of ±1e4 with a
+large β and many heads stay finite and the likely tokens sit near 0, where float32 is
+finest. Sampling filters (`poe.filters`) are applied after this module, to the draft and
+the target alike.
 
 Every log-softmax and exp here runs in the native kernels where they take the tensors
 (`poe.row_kernels`).
