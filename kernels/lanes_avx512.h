@@ -3,6 +3,8 @@ struct Lanes {
   __m512 lo, hi;
 };
 
+constexpr bool kFetchFloat32Ahead = true;  // rows_times_weight.h (lanes_avx2.h: why not there)
+
 // Outputs per tile of the float products (rows_times_weight.h).
 constexpr int kTileOutputs = 2;
 

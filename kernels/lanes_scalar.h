@@ -4,6 +4,8 @@ struct Lanes {
   float f[32];
 };
 
+constexpr bool kFetchFloat32Ahead = true;  // rows_times_weight.h (lanes_avx2.h: why not there)
+
 // Outputs per tile of the float products (rows_times_weight.h).
 constexpr int kTileOutputs = 1;
 

@@ -5,8 +5,17 @@
 // are summed by one fixed tree, so an output does not depend on how many rows come with
 // it, on which thread computes it, or on the instruction set.
 
+// How far ahead of the block being read the weights are fetched: streams of small
+// matrices leave the hardware prefetcher too little time to ramp up. (Each Weight says
+// whether it fetches ahead: float32 weights do not on AVX2, lanes_avx2.h says why.)
+#ifndef HJ_PREFETCH
+#define HJ_PREFETCH 8192
+#endif
+constexpr int64_t kPrefetchBytes = HJ_PREFETCH;
+
 struct Float32Rows {
   static constexpr int kBlockBytes = 128;  // the bytes of weight one block of 32 reads
+  static constexpr bool kFetchAhead = kFetchFloat32Ahead;  // from the set's Lanes
   const float* w;
   int64_t k;
   Lanes block(int64_t o, int64_t b) const { return load(w + o * k + b * 32); }
@@ -16,6 +25,7 @@ struct Float32Rows {
 
 struct Int8Rows {  // per-output-channel scale, applied to the finished sum
   static constexpr int kBlockBytes = 32;
+  static constexpr bool kFetchAhead = true;
   const int8_t* w;
   const float* scale;
   int64_t k;
@@ -26,6 +36,7 @@ struct Int8Rows {  // per-output-channel scale, applied to the finished sum
 
 struct Int4Rows {  // a scale and a minimum per group of inputs: w = q * scale + min
   static constexpr int kBlockBytes = 16;
+  static constexpr bool kFetchAhead = true;
   const uint8_t* w;
   const float* scale;
   const float* minimum;
@@ -38,13 +49,6 @@ struct Int4Rows {  // a scale and a minimum per group of inputs: w = q * scale +
   const void* address(int64_t o, int64_t b) const { return w + o * (k / 2) + b * 16; }
   float finish(int64_t, float total) const { return total; }
 };
-
-// How far ahead of the block being read the weights are fetched: streams of small
-// matrices leave the hardware prefetcher too little time to ramp up.
-#ifndef HJ_PREFETCH
-#define HJ_PREFETCH 8192
-#endif
-constexpr int64_t kPrefetchBytes = HJ_PREFETCH;
 
 // A tile of kOutputs consecutive outputs times kRows rows: each block of x is loaded once
 // for the tile's outputs, each block of weight once for its rows. (kTileOutputs, from the
@@ -59,8 +63,10 @@ static inline void output_tile(const Weight& weight, int64_t o, const float* x, 
   for (int64_t b = 0; b < blocks; ++b) {
     Lanes w[kOutputs];
     for (int j = 0; j < kOutputs; ++j) {
-      const char* ahead = static_cast<const char*>(weight.address(o + j, b)) + kPrefetchBytes;
-      for (int line = 0; line < Weight::kBlockBytes; line += 64) __builtin_prefetch(ahead + line);
+      if constexpr (Weight::kFetchAhead) {
+        const char* ahead = static_cast<const char*>(weight.address(o + j, b)) + kPrefetchBytes;
+        for (int line = 0; line < Weight::kBlockBytes; line += 64) __builtin_prefetch(ahead + line);
+      }
       w[j] = weight.block(o + j, b);
     }
     for (int r = 0; r < kRows; ++r) {
