@@ -4,6 +4,7 @@ layers."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -229,3 +230,12 @@ def test_a_gguf_load_reads_the_file_once_and_puts_the_gguf_package_back(tmp_path
         assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == originals
     assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
+    # The next read of the same file, unchanged, gets the same reader (a build reads
+    # its GGUF for the model, then for the tokenizer); a changed file is read again.
+    with _gguf_read_once():
+        first = gguf.GGUFReader(path)
+    with _gguf_read_once():
+        assert gguf.GGUFReader(path) is first
+    os.utime(path, ns=(0, 0))
+    with _gguf_read_once():
+        assert gguf.GGUFReader(path) is not first
