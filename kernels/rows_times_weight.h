@@ -176,18 +176,31 @@ static inline void int8_output_rows(const int8_t* w, float scale, const Quantize
   for (int r = 0; r < kRows; ++r) y[r * y_row] = sum16(acc[r]) * scale;
 }
 
-template <int kRows>
+// kOutputs consecutive outputs (rows of w `groups` groups apart in scale and minimum) times
+// kRows rows: each chunk's activations, sums and steps are loaded once for the tile's
+// outputs, and the outputs' chains run side by side (one row on a Zen 3 EPYC, SmolLM2's
+// int4 projections: two outputs a tile take 0.73x the time of one, 0.61x with the weights
+// in the caches). Every output takes the same operations in the same order whatever the tile.
+template <int kOutputs, int kRows>
 static inline void int4_output_rows(const uint8_t* w, const float* scale, const float* minimum,
-                                    int64_t group_blocks, const QuantizedRows& x, int64_t row,
-                                    int64_t inputs, float* y, int64_t y_row) {
-  Floats16 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = zero16();
-  auto add = [&](int64_t c, const Int4Chunk& chunk, Floats16 s, Floats16 m) {
+                                    int64_t groups, int64_t group_blocks, const QuantizedRows& x,
+                                    int64_t row, int64_t inputs, float* y, int64_t y_row) {
+  Floats16 acc[kOutputs][kRows];
+  for (int j = 0; j < kOutputs; ++j)
+    for (int r = 0; r < kRows; ++r) acc[j][r] = zero16();
+  // Groups g0 and g1 of a chunk's two blocks (g1 < 0: a tail, its second block zero).
+  auto add = [&](int64_t c, const Int4Chunk (&chunk)[kOutputs], int64_t g0, int64_t g1) {
     for (int r = 0; r < kRows; ++r) {
       int64_t at = (row + r) * x.padded + c * 64;
-      Floats16 offset = mul16(load16(x.sum + at / 4), m);
-      Floats16 lanes = fma16(to_float16(dot_int4(chunk, x.q + at)), s, offset);
-      acc[r] = fma16(lanes, load16(x.step + at / 4), acc[r]);
+      Floats16 sums = load16(x.sum + at / 4), steps = load16(x.step + at / 4);
+      for (int j = 0; j < kOutputs; ++j) {
+        const float *s = scale + j * groups, *m = minimum + j * groups;
+        Floats16 offset =
+            mul16(sums, g1 < 0 ? pair16(m[g0], 0.0f) : pair16(m[g0], m[g1]));
+        Floats16 lanes = fma16(to_float16(dot_int4(chunk[j], x.q + at)),
+                               g1 < 0 ? pair16(s[g0], 0.0f) : pair16(s[g0], s[g1]), offset);
+        acc[j][r] = fma16(lanes, steps, acc[j][r]);
+      }
     }
   };
   // Each block's group by counting, not dividing: two integer divisions a chunk cost
@@ -198,18 +211,23 @@ static inline void int4_output_rows(const uint8_t* w, const float* scale, const 
     if (++block_in_group == group_blocks) block_in_group = 0, ++g;
     return current;
   };
+  const int64_t row_bytes = inputs / 2;
+  Int4Chunk chunk[kOutputs];
   int64_t c = 0;
   for (; c < inputs / 64; ++c) {
-    __builtin_prefetch(w + c * 32 + kPrefetchBytes);
+    for (int j = 0; j < kOutputs; ++j) {
+      __builtin_prefetch(w + j * row_bytes + c * 32 + kPrefetchBytes);
+      chunk[j] = unpack_int4_chunk(w + j * row_bytes + c * 32);
+    }
     int64_t g0 = next_group(), g1 = next_group();
-    add(c, unpack_int4_chunk(w + c * 32), pair16(scale[g0], scale[g1]),
-        pair16(minimum[g0], minimum[g1]));
+    add(c, chunk, g0, g1);
   }
   if (inputs % 64) {
-    int64_t last = next_group();
-    add(c, unpack_int4_tail(w + c * 32), pair16(scale[last], 0.0f), pair16(minimum[last], 0.0f));
+    for (int j = 0; j < kOutputs; ++j) chunk[j] = unpack_int4_tail(w + j * row_bytes + c * 32);
+    add(c, chunk, next_group(), -1);
   }
-  for (int r = 0; r < kRows; ++r) y[r * y_row] = sum16(acc[r]);
+  for (int j = 0; j < kOutputs; ++j)
+    for (int r = 0; r < kRows; ++r) y[r * y_row + j] = sum16(acc[j][r]);
 }
 
 static void int8_quantized_rows(const Problem& p, const QuantizedRows& x, const int8_t* w,
@@ -233,11 +251,20 @@ static void int4_quantized_rows(const Problem& p, const QuantizedRows& x, const 
     const uint8_t* member = w + s * p.outputs * (p.inputs / 2);
     float* y = p.y + s * p.rows * p.outputs;
     int64_t row = x.member_rows * s;
-    for (int64_t o = first; o < last; ++o) {
+    int64_t o = first;
+    // Two outputs a tile for one row; more rows fill the registers with their own chains.
+    if (p.rows == 1)
+      for (; o + 2 <= last; o += 2) {
+        int64_t g = (s * p.outputs + o) * groups;
+        int4_output_rows<2, 1>(member + o * (p.inputs / 2), scale + g, minimum + g, groups,
+                               group / 32, x, row, p.inputs, y + o, p.outputs);
+      }
+    for (; o < last; ++o) {
       int64_t g = (s * p.outputs + o) * groups;
       in_row_groups(p.rows, [&]<int kRows>(int64_t r) {
-        int4_output_rows<kRows>(member + o * (p.inputs / 2), scale + g, minimum + g, group / 32,
-                                x, row + r, p.inputs, y + r * p.outputs + o, p.outputs);
+        int4_output_rows<1, kRows>(member + o * (p.inputs / 2), scale + g, minimum + g, groups,
+                                   group / 32, x, row + r, p.inputs, y + r * p.outputs + o,
+                                   p.outputs);
       });
     }
   });
