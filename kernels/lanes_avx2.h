@@ -14,6 +14,15 @@ constexpr int kTileOutputs = 1;
 // without), and the AVX-512 machines were tuned with it.
 constexpr bool kFetchFloat32Ahead = false;
 
+// Outputs per tile of int4 weights times one row of int8 activations (rows_times_weight.h).
+// Two here: on the Zen 3 EPYC, SmolLM2's int4 projections took 0.73x the time of one
+// output at a time (0.70-0.75, 25 pairs in one process, with a first version switched by
+// an environment variable; 0.61x with a 12,288 x 576 weight in the caches), and decoding
+// ran 1.1-1.5x the tokens/s in four pairs of runs. Two int8 outputs a tile were slower
+// there (decoding 0.7-0.9x), so int8 keeps one. The AVX-512 machines were not measured
+// and keep one, as they were tuned.
+constexpr int kInt4TileOutputs = 2;
+
 // Keeps v in registers from here on (an empty asm that reads and writes them), so that
 // its loads are not folded into later instructions (rows_times_weight.h's tiles).
 static inline void in_registers(Lanes& v) {

@@ -5,6 +5,7 @@ struct Lanes {
 };
 
 constexpr bool kFetchFloat32Ahead = true;  // rows_times_weight.h (lanes_avx2.h: why not there)
+constexpr int kInt4TileOutputs = 1;  // rows_times_weight.h (lanes_avx2.h: why two there)
 
 // Outputs per tile of the float products (rows_times_weight.h).
 constexpr int kTileOutputs = 1;

@@ -178,9 +178,8 @@ static inline void int8_output_rows(const int8_t* w, float scale, const Quantize
 
 // kOutputs consecutive outputs (rows of w `groups` groups apart in scale and minimum) times
 // kRows rows: each chunk's activations, sums and steps are loaded once for the tile's
-// outputs, and the outputs' chains run side by side (one row on a Zen 3 EPYC, SmolLM2's
-// int4 projections: two outputs a tile take 0.73x the time of one, 0.61x with the weights
-// in the caches). Every output takes the same operations in the same order whatever the tile.
+// outputs, and the outputs' chains run side by side (lanes_avx2.h says what it gains).
+// Every output takes the same operations in the same order whatever the tile.
 template <int kOutputs, int kRows>
 static inline void int4_output_rows(const uint8_t* w, const float* scale, const float* minimum,
                                     int64_t groups, int64_t group_blocks, const QuantizedRows& x,
@@ -252,11 +251,12 @@ static void int4_quantized_rows(const Problem& p, const QuantizedRows& x, const 
     float* y = p.y + s * p.rows * p.outputs;
     int64_t row = x.member_rows * s;
     int64_t o = first;
-    // Two outputs a tile for one row; more rows fill the registers with their own chains.
+    // Tiles of outputs for one row (kInt4TileOutputs, from the set's Lanes); more rows
+    // fill the registers with their own chains.
     if (p.rows == 1)
-      for (; o + 2 <= last; o += 2) {
+      for (; o + kInt4TileOutputs <= last; o += kInt4TileOutputs) {
         int64_t g = (s * p.outputs + o) * groups;
-        int4_output_rows<2, 1>(member + o * (p.inputs / 2), scale + g, minimum + g, groups,
+        int4_output_rows<kInt4TileOutputs, 1>(member + o * (p.inputs / 2), scale + g, minimum + g, groups,
                                group / 32, x, row, p.inputs, y + o, p.outputs);
       }
     for (; o < last; ++o) {
