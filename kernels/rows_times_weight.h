@@ -189,15 +189,17 @@ static inline void int4_output_rows(const uint8_t* w, const float* scale, const 
     for (int r = 0; r < kRows; ++r) acc[j][r] = zero16();
   // Groups g0 and g1 of a chunk's two blocks (g1 < 0: a tail, its second block zero).
   auto add = [&](int64_t c, const Int4Chunk (&chunk)[kOutputs], int64_t g0, int64_t g1) {
+    Floats16 s[kOutputs], m[kOutputs];  // each output's scales and minimums, for every row
+    for (int j = 0; j < kOutputs; ++j) {
+      const float *scales = scale + j * groups, *minimums = minimum + j * groups;
+      s[j] = pair16(scales[g0], g1 < 0 ? 0.0f : scales[g1]);
+      m[j] = pair16(minimums[g0], g1 < 0 ? 0.0f : minimums[g1]);
+    }
     for (int r = 0; r < kRows; ++r) {
       int64_t at = (row + r) * x.padded + c * 64;
       Floats16 sums = load16(x.sum + at / 4), steps = load16(x.step + at / 4);
       for (int j = 0; j < kOutputs; ++j) {
-        const float *s = scale + j * groups, *m = minimum + j * groups;
-        Floats16 offset =
-            mul16(sums, g1 < 0 ? pair16(m[g0], 0.0f) : pair16(m[g0], m[g1]));
-        Floats16 lanes = fma16(to_float16(dot_int4(chunk[j], x.q + at)),
-                               g1 < 0 ? pair16(s[g0], 0.0f) : pair16(s[g0], s[g1]), offset);
+        Floats16 lanes = fma16(to_float16(dot_int4(chunk[j], x.q + at)), s[j], mul16(sums, m[j]));
         acc[j][r] = fma16(lanes, steps, acc[j][r]);
       }
     }
