@@ -3,7 +3,13 @@ import math
 import pytest
 import torch
 
-from hydra_jury.poe.filters import SamplingParams, filter_logprobs
+from hydra_jury.poe.filters import (
+    FULL_SORT_SHARE,
+    NUCLEUS_START,
+    SamplingParams,
+    filter_logprobs,
+    leading_tokens,
+)
 
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 
@@ -69,15 +75,28 @@ def test_dropped_entries_are_minus_infinity_and_rows_normalised(make_logits):
     torch.testing.assert_close(result.exp().sum(-1), torch.ones(6))
 
 
-def test_rows_are_filtered_independently(make_logits):
+@pytest.mark.parametrize(
+    ("vocab", "options"),
+    [
+        (30, {"top_k": 12, "top_p": 0.85, "min_p": 0.01}),
+        (4096, {"top_k": 12, "top_p": 0.85, "min_p": 0.01}),
+        (4096, {"top_p": 0.85}),
+        (4096, {"min_p": 0.01}),
+        (4096, {"epsilon": 1e-4}),
+    ],
+)
+def test_rows_are_filtered_independently(make_logits, vocab, options):
     # The engine filters the draft and the target with the same call: filtering them
-    # stacked gives the same as filtering each, whatever their shapes of distribution.
-    draft = make_logits(3, 30, seed=6, scale=3.0).log_softmax(-1)
-    target = make_logits(3, 30, seed=7, scale=0.5).log_softmax(-1)
-    params = SamplingParams(temperature=0.7, top_k=12, top_p=0.85, min_p=0.01)
+    # stacked gives the same bits as filtering each, whatever their shapes of
+    # distribution. With 4,096 tokens the filters look at the leading tokens alone, and
+    # without top-k the flat target needs many more of them than the sharp draft.
+    draft = make_logits(3, vocab, seed=6, scale=3.0).log_softmax(-1)
+    target = make_logits(3, vocab, seed=7, scale=0.5).log_softmax(-1)
+    params = SamplingParams(temperature=0.7, **options)
     stacked = filter_logprobs(torch.cat([draft, target]), params)
     assert torch.equal(stacked[:3], filter_logprobs(draft, params))
     assert torch.equal(stacked[3:], filter_logprobs(target, params))
+    assert torch.equal(stacked[1:2], filter_logprobs(draft[1:2], params))
 
 
 def test_greedy_property():
@@ -112,3 +131,133 @@ def test_validate_accepts_the_defaults_and_bounds():
     SamplingParams().validate(vocab_size=4)
     SamplingParams(temperature=0.0, top_k=4, top_p=1.0, min_p=0.0).validate(vocab_size=4)
     SamplingParams(top_k=10**6).validate()  # no vocabulary known yet
+
+
+# Large enough that the filters sort only the leading tokens (below an eighth of the row).
+VOCAB = 4096
+
+
+def tied_logprobs(rows: int, seed: int) -> torch.Tensor:
+    """Log-probabilities on a coarse grid: long runs of equal values at every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, VOCAB, generator=generator) * 8).round() / 4
+    return logits.log_softmax(-1)
+
+
+@pytest.mark.parametrize("count", [1, 7, 40, 129, VOCAB // FULL_SORT_SHARE + 1])
+def test_leading_tokens_are_a_stable_sort_s_first(make_logits, count):
+    """Values and ids as a stable descending sort of the whole row orders them (equal
+    values in token-id order), also where equal values straddle the count-th."""
+    for logprobs in (tied_logprobs(4, seed=count), make_logits(4, VOCAB, seed=count)):
+        values, ids = leading_tokens(logprobs, count)
+        expected = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+        assert torch.equal(values, expected.values[:, :count])
+        assert torch.equal(ids, expected.indices[:, :count])
+
+
+def reference_kept(logprobs: torch.Tensor, params: SamplingParams) -> list[set[int]]:
+    """The filters' definition on one stable sort of the whole row (float64 masses): the
+    ids each row keeps, and the mass before each rank and the renormalised probabilities
+    of what the filters before a stage left, for choosing thresholds between ranks."""
+    values, order = torch.sort(logprobs.double(), dim=-1, descending=True, stable=True)
+    ranks = torch.arange(logprobs.shape[1])
+    keep = torch.ones_like(values, dtype=torch.bool)
+
+    def renormalised():
+        return torch.softmax(values.masked_fill(~keep, -math.inf), dim=-1)
+
+    if 0 < params.top_k < logprobs.shape[1]:
+        keep &= ranks < params.top_k
+    if params.top_p < 1:
+        probs = renormalised()
+        keep &= (torch.cumsum(probs, -1) - probs < params.top_p) | (ranks == 0)
+    if params.min_p > 0:
+        keep &= values >= values[:, :1] + math.log(params.min_p)
+    if params.epsilon > 0:
+        keep &= (renormalised() >= params.epsilon) | (ranks == 0)
+    return [set(order[row][keep[row]].tolist()) for row in range(len(values))]
+
+
+def spaced_logprobs(seed: int, scale: float) -> torch.Tensor:
+    """[1, VOCAB]: random logits of spread `scale`, no two closer than 1e-3 (probabilities
+    apart by 0.1% at least), in a random order of token ids."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.sort(torch.randn(VOCAB, generator=generator) * scale).values
+    logits = logits + torch.arange(VOCAB) * 1e-3
+    return logits[torch.randperm(VOCAB, generator=generator)].log_softmax(-1)[None]
+
+
+def midway(low: float, high: float) -> float:
+    """A threshold halfway between two quantities of a row, apart by far more than the
+    rounding of either computation (float32 inputs): both sides of it agree by
+    construction."""
+    assert high - low > 1e-5 * abs(high)
+    return (low + high) / 2
+
+
+def top_p_keeping(probs: torch.Tensor, rank: int) -> float:
+    """Top-p keeping `rank` tokens of the descending probabilities `probs` (renormalised)."""
+    mass = torch.cumsum(probs / probs.sum(), 0)
+    return midway(float(mass[rank - 2]), float(mass[rank - 1]))
+
+
+def min_p_keeping(probs: torch.Tensor, rank: int) -> float:
+    return midway(float(probs[rank] / probs[0]), float(probs[rank - 1] / probs[0]))
+
+
+def epsilon_keeping(probs: torch.Tensor, rank: int) -> float:
+    probs = probs / probs.sum()
+    return midway(float(probs[rank]), float(probs[rank - 1]))
+
+
+@pytest.mark.parametrize(
+    ("scale", "rank"),
+    [(3.0, 5), (1.5, 60), (0.6, 300), (0.3, 700)],  # 300 and 700: top-p looks further
+)
+@pytest.mark.parametrize("combination", ["top_p", "min_p", "epsilon", "top_k+top_p", "all"])
+def test_the_filters_keep_what_one_sort_of_the_whole_row_keeps(scale, rank, combination):
+    """Each filter alone and with the others (each then dropping some of what the ones
+    before it left), its threshold halfway between two ranks, from the leading tokens
+    alone: the `rank` tokens the definition keeps on the whole sorted row, renormalised."""
+    logprobs = spaced_logprobs(rank, scale)
+    probs = torch.sort(logprobs[0].double().exp(), descending=True).values
+    params = {
+        "top_p": SamplingParams(top_p=top_p_keeping(probs, rank)),
+        "min_p": SamplingParams(min_p=min_p_keeping(probs, rank)),
+        "epsilon": SamplingParams(epsilon=epsilon_keeping(probs, rank)),
+        "top_k+top_p": SamplingParams(top_k=2 * rank, top_p=top_p_keeping(probs[: 2 * rank], rank)),
+        "all": SamplingParams(
+            top_k=rank + 3,
+            top_p=top_p_keeping(probs[: rank + 3], rank + 2),
+            min_p=min_p_keeping(probs, rank + 1),
+            epsilon=epsilon_keeping(probs[: rank + 1], rank),
+        ),
+    }[combination]
+    filtered = filter_logprobs(logprobs, params)
+    kept = set(torch.nonzero(filtered[0] > -math.inf).flatten().tolist())
+    assert len(kept) == rank
+    assert kept == reference_kept(logprobs, params)[0]
+    ids = sorted(kept)
+    torch.testing.assert_close(filtered[0, ids], logprobs[0, ids].log_softmax(-1))
+
+
+def test_top_p_looks_past_the_first_leading_tokens_where_the_nucleus_is_wide():
+    """A flat row's nucleus is wider than the first look (`NUCLEUS_START` tokens)."""
+    logprobs = spaced_logprobs(3, scale=0.3)
+    kept = filter_logprobs(logprobs, SamplingParams(top_p=0.9)) > -math.inf
+    assert int(kept.sum()) > NUCLEUS_START
+    assert (
+        set(torch.nonzero(kept[0]).flatten().tolist())
+        == reference_kept(logprobs, SamplingParams(top_p=0.9))[0]
+    )
+
+
+def test_top_k_breaks_ties_by_token_id_among_the_leading_tokens():
+    """Equal values straddling the k-th: the lowest ids of them are kept."""
+    logprobs = torch.full((1, VOCAB), -20.0)
+    logprobs[0, [900, 17, 2500]] = -1.0  # the three most probable
+    tied = [3000, 41, 1999, 5, 777, 4095, 60]  # seven equal values, ranks 3 to 9
+    logprobs[0, tied] = -2.0
+    filtered = filter_logprobs(logprobs.log_softmax(-1), SamplingParams(top_k=6))
+    kept = set(torch.nonzero(filtered[0] > -math.inf).flatten().tolist())
+    assert kept == {900, 17, 2500, 5, 41, 60}
