@@ -111,12 +111,14 @@ def filter_logprobs(logprobs: torch.Tensor, params: SamplingParams) -> torch.Ten
     whole = torch.logsumexp(logprobs, -1, keepdim=True).double() if measures_whole else None
     values, order = _candidates(logprobs, params, whole)  # [N, C], C ≤ V
     ranks = torch.arange(values.shape[1], device=logprobs.device)
-    # Each leading token's probability relative to the row's most probable, always kept.
-    relative = (values.double() - values[:, :1].double()).exp()
-    keep = ranks < params.top_k if top_k_on else torch.ones_like(values, dtype=torch.bool)
-    keep = keep.expand_as(values).clone()
+    values64 = values.double()
+    largest = values64[:, :1]  # the most probable token's, always kept
+    relative = (values64 - largest).exp()  # probabilities relative to it
+    keep = torch.ones_like(values, dtype=torch.bool)
+    if top_k_on:
+        keep &= ranks < params.top_k
     if params.top_p < 1:
-        kept_probs = _renormalised(relative, keep, values, whole)
+        kept_probs = _renormalised(relative, keep, values64, whole)
         mass_before = torch.cumsum(kept_probs, dim=-1) - kept_probs
         keep &= (mass_before < params.top_p) | (ranks == 0)
         whole = None
@@ -125,9 +127,9 @@ def filter_logprobs(logprobs: torch.Tensor, params: SamplingParams) -> torch.Ten
         keep &= values >= values[:, :1] + math.log(params.min_p)
         whole = None
     if params.epsilon > 0:
-        keep &= (_renormalised(relative, keep, values, whole) >= params.epsilon) | (ranks == 0)
-    log_mass = _kept_mass(relative, keep).log() + values[:, :1].double()
-    kept = (values.double() - log_mass).float().masked_fill(~keep, -math.inf)
+        keep &= (_renormalised(relative, keep, values64, whole) >= params.epsilon) | (ranks == 0)
+    log_mass = _kept_mass(relative, keep).log() + largest
+    kept = (values64 - log_mass).float().masked_fill(~keep, -math.inf)
     return torch.full_like(logprobs, -math.inf).scatter(1, order, kept)
 
 
@@ -195,7 +197,7 @@ def _renormalised(
 ) -> torch.Tensor:
     """[N, C] float64 probabilities of the kept leading tokens, renormalised (0
     elsewhere): over the kept ones, or, while no filter has dropped a token, over the
-    whole row (its log-mass `whole`; `values` their log-probabilities)."""
+    whole row (its log-mass `whole`; `values` their float64 log-probabilities)."""
     if whole is not None:
-        return (values.double() - whole).exp()
+        return (values - whole).exp()
     return relative * keep / _kept_mass(relative, keep)
