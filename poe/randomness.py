@@ -23,6 +23,7 @@ sampling exact, and (numerics aside) the text does not depend on γ.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -69,6 +70,16 @@ def _purpose_code(purpose: str) -> int:
     return PURPOSES[purpose]
 
 
+@functools.lru_cache(maxsize=1024)
+def _stream(seed: int, code: int) -> np.uint64:
+    """The stream of (seed, purpose code): the same for every draw of a request with
+    that purpose, so kept for the next (a draw's numpy operations on one-element arrays
+    cost about 5 µs each, and a round draws several times)."""
+    with np.errstate(over="ignore"):
+        seed_key = _mix64(np.array([seed], dtype=np.uint64))
+        return _mix64(seed_key + np.uint64(code) * _GOLDEN_GAMMA)[0]
+
+
 def uniforms(seed: int, positions: torch.Tensor, purpose: str) -> torch.Tensor:
     """One uniform draw in [0, 1) per position: positions [B] long → [B] float64.
 
@@ -78,11 +89,8 @@ def uniforms(seed: int, positions: torch.Tensor, purpose: str) -> torch.Tensor:
     code = _purpose_code(purpose)
     check_long("positions", positions, dims=1)
     counters = positions.detach().cpu().numpy().astype(np.int64).view(np.uint64)  # [B]
-    # Multiplications are meant to wrap modulo 2**64.
-    with np.errstate(over="ignore"):
-        seed_key = _mix64(np.array([seed], dtype=np.uint64))
-        stream = _mix64(seed_key + np.uint64(code) * _GOLDEN_GAMMA)  # [1]
-        bits = _mix64(stream + counters * _GOLDEN_GAMMA)  # [B]
+    with np.errstate(over="ignore"):  # multiplications are meant to wrap modulo 2**64
+        bits = _mix64(_stream(seed, code) + counters * _GOLDEN_GAMMA)  # [B]
     values = (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53  # exact: 53-bit ints
     return torch.from_numpy(values).to(positions.device)
 
