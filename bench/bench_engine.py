@@ -2,6 +2,7 @@
 speculative PoE with several draft lengths, in one run.
 
     python bench/bench_engine.py --checkpoint var/models/smollm2-hydra
+    python bench/bench_engine.py --checkpoint var/models/smollm2-hydra --top-p 0.9
 
 Per mode: tokens/s; trunk-layer and head-layer weight passes per emitted token (a
 forward call reads each layer's weights once, whatever the number of positions or
@@ -37,7 +38,7 @@ MODES = [
 
 
 def run_mode(
-    model: HydraModel, tokenizer, options: dict, new_tokens: int, temperature: float, seed: int
+    model: HydraModel, tokenizer, options: dict, new_tokens: int, sampling: dict, seed: int
 ) -> dict:
     backend = LocalBackend(model, limits=SessionLimits(1, 1024))
     engine = Engine(backend, tokenizer)
@@ -45,8 +46,8 @@ def run_mode(
         messages=[{"role": "user", "content": PROMPT}],
         max_new_tokens=new_tokens,
         ignore_eos=True,
-        temperature=temperature,
         seed=seed,
+        **sampling,
         **options,
     )
     engine.generate(GenerationRequest(**{**vars(request), "max_new_tokens": 8}))  # warm-up
@@ -79,6 +80,8 @@ def main() -> None:
     parser.add_argument("--checkpoint", default="var/models/smollm2-hydra")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-k", type=int, default=0, help="0: off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1: off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
@@ -87,7 +90,8 @@ def main() -> None:
     print(
         f"in-process decoding, {model.manifest.source.split('/')[-1]}, "
         f"{len(model.head_names)} heads, trunk {model.manifest.trunk_layers} layers, "
-        f"{args.new_tokens} new tokens, temperature {args.temperature}, seed {args.seed}, "
+        f"{args.new_tokens} new tokens, temperature {args.temperature}, top-k {args.top_k}, "
+        f"top-p {args.top_p}, seed {args.seed}, "
         f"{args.device}, {torch.get_num_threads()} threads"
     )
     header = (
@@ -97,7 +101,8 @@ def main() -> None:
     print(header)
     print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
     for name, options in MODES:
-        row = run_mode(model, tokenizer, options, args.new_tokens, args.temperature, args.seed)
+        sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+        row = run_mode(model, tokenizer, options, args.new_tokens, sampling, args.seed)
         acceptance = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
         print(
             f"| {name:<38} | {row['tokens_per_s']:8.1f} | {row['trunk_passes']:24.1f} | "
