@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from hydra_jury.poe._checks import check_float
+from hydra_jury.poe.target import log_softmax, probabilities
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,8 @@ FULL_SORT_SHARE = 8
 NUCLEUS_START, NUCLEUS_GROWTH = 128, 4
 # The leading tokens of a batch are as many as its widest row needs, rounded up to whole
 # blocks: elementwise operations then run on whole vectors, no element in a scalar tail,
-# so a row's arithmetic is the same bits whatever else is in its batch; masses are summed
-# in order (a running sum), which the tokens past a row's kept ones do not change.
+# and a renormalisation sums the same elements in the same lanes and order whatever the
+# dropped tokens past a row's kept ones: a row's bits do not depend on its batch.
 CANDIDATE_BLOCK = 64
 
 
@@ -91,10 +92,10 @@ def filter_logprobs(logprobs: torch.Tensor, params: SamplingParams) -> torch.Ten
       epsilon=0.1 alone → [0.526, 0.316, 0.158, 0] (0.05 < 0.1); after top_k=2,
       epsilon=0.4 → [1, 0, 0, 0] (0.375 < 0.4 on the distribution top-k left).
 
-    Probabilities and masses are float64: the running sum of the kept tokens'
-    probabilities, in descending order, is compared with top_p at every rank. Until a
-    filter has dropped a token (top-p, or epsilon alone), probabilities are measured
-    against the mass of the whole row.
+    Masses are float64: the running sum of the kept tokens' probabilities, in
+    descending order, is compared with top_p at every rank. Until a filter has dropped a
+    token (top-p, or epsilon alone), probabilities are measured against the mass of the
+    whole row.
     """
     check_float("logprobs", logprobs, dims=2)
     vocab_size = logprobs.shape[1]
@@ -111,14 +112,9 @@ def filter_logprobs(logprobs: torch.Tensor, params: SamplingParams) -> torch.Ten
     whole = torch.logsumexp(logprobs, -1, keepdim=True).double() if measures_whole else None
     values, order = _candidates(logprobs, params, whole)  # [N, C], C ≤ V
     ranks = torch.arange(values.shape[1], device=logprobs.device)
-    values64 = values.double()
-    largest = values64[:, :1]  # the most probable token's, always kept
-    relative = (values64 - largest).exp()  # probabilities relative to it
-    keep = torch.ones_like(values, dtype=torch.bool)
-    if top_k_on:
-        keep &= ranks < params.top_k
+    keep = ranks.expand_as(values) < (params.top_k if top_k_on else values.shape[1])
     if params.top_p < 1:
-        kept_probs = _renormalised(relative, keep, values64, whole)
+        kept_probs = _renormalised(values, keep, whole)
         mass_before = torch.cumsum(kept_probs, dim=-1) - kept_probs
         keep &= (mass_before < params.top_p) | (ranks == 0)
         whole = None
@@ -127,9 +123,8 @@ def filter_logprobs(logprobs: torch.Tensor, params: SamplingParams) -> torch.Ten
         keep &= values >= values[:, :1] + math.log(params.min_p)
         whole = None
     if params.epsilon > 0:
-        keep &= (_renormalised(relative, keep, values64, whole) >= params.epsilon) | (ranks == 0)
-    log_mass = _kept_mass(relative, keep).log() + largest
-    kept = (values64 - log_mass).float().masked_fill(~keep, -math.inf)
+        keep &= (_renormalised(values, keep, whole) >= params.epsilon) | (ranks == 0)
+    kept = log_softmax(values.masked_fill(~keep, -math.inf))
     return torch.full_like(logprobs, -math.inf).scatter(1, order, kept)
 
 
@@ -186,18 +181,12 @@ def leading_tokens(logprobs: torch.Tensor, count: int) -> tuple[torch.Tensor, to
     return values[:, :count], ids[:, :count]
 
 
-def _kept_mass(relative: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """[N, 1] float64: the sum of the kept leading tokens' `relative` probabilities, in
-    order."""
-    return torch.cumsum(relative * keep, dim=-1)[:, -1:]
-
-
 def _renormalised(
-    relative: torch.Tensor, keep: torch.Tensor, values: torch.Tensor, whole: torch.Tensor | None
+    values: torch.Tensor, keep: torch.Tensor, whole: torch.Tensor | None
 ) -> torch.Tensor:
-    """[N, C] float64 probabilities of the kept leading tokens, renormalised (0
-    elsewhere): over the kept ones, or, while no filter has dropped a token, over the
-    whole row (its log-mass `whole`; `values` their float64 log-probabilities)."""
+    """[N, C] float64 probabilities of the kept leading tokens (log-probabilities
+    `values`), renormalised (0 elsewhere): over the kept ones, or, while no filter has
+    dropped a token, over the whole row (its log-mass `whole`)."""
     if whole is not None:
-        return (values - whole).exp()
-    return relative * keep / _kept_mass(relative, keep)
+        return (values.double() - whole).exp()
+    return probabilities(log_softmax(values.masked_fill(~keep, -math.inf))).double()
