@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hydra_jury.poe.leading import leading
+
 
 @dataclass(frozen=True)
 class Beam:
@@ -61,8 +63,10 @@ class BeamSearch:
         sums = torch.tensor([beam.logprob for beam in self.live], dtype=torch.float64)
         totals = (sums[:, None] + logprobs.double()).flatten()  # [B * V]
         vocab = logprobs.shape[1]
-        # Stable: equal sums keep the flattened order (earlier beam, then lower token).
-        order = torch.sort(totals, descending=True, stable=True).indices[: 2 * self.num_beams]
+        # Equal sums in the flattened order (earlier beam, then lower token), as a stable
+        # sort keeps them; the first 2·num_beams alone (`leading`: a stable sort of 4
+        # beams' 196,608 sums took 27 ms a step, 2-core AMD EPYC, Zen 3).
+        order = leading(totals[None], min(2 * self.num_beams, len(totals)))[1][0]
         live = []
         for rank, flat in enumerate(order.tolist()):
             parent, token = divmod(flat, vocab)

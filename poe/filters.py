@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from hydra_jury.poe._checks import check_float
+from hydra_jury.poe.leading import leading
 from hydra_jury.poe.target import log_softmax, probabilities
 
 
@@ -62,12 +63,10 @@ class SamplingParams:
             raise ValueError(f"epsilon must be in [0, 1) (0 = off), got {self.epsilon}")
 
 
-# Sorting a whole 49,152-token row took 4.6 ms, its 40 largest values 0.1 ms (2-core AMD
-# EPYC, Zen 3): a filtered row cost 5.5 ms, as much as a decoding step. Every filter keeps
-# a leading run of the row's tokens in descending order, so the filters sort only the
-# tokens that can be kept, found by a top-k; where those are an eighth of the row or more,
-# the whole row is sorted.
-FULL_SORT_SHARE = 8
+# A filtered 49,152-token row cost 5.5 ms when the filters sorted the whole row (2-core
+# AMD EPYC, Zen 3), as much as a decoding step. Every filter keeps a leading run of the
+# row's tokens in descending order, so the filters sort only the tokens that can be kept
+# (`leading`).
 # Top-p alone looks at the 128 most probable tokens first, and at 4× as many each time the
 # mass of those falls short of top_p.
 NUCLEUS_START, NUCLEUS_GROWTH = 128, 4
@@ -132,7 +131,7 @@ def _candidates(
     logprobs: torch.Tensor, params: SamplingParams, whole: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The leading tokens of each row, at least as many as the first filter that is on
-    can keep (the later ones keep fewer): `leading_tokens`, in whole blocks."""
+    can keep (the later ones keep fewer): `leading`, in whole blocks."""
     vocab_size = logprobs.shape[1]
     if 0 < params.top_k < vocab_size:
         return _leading_blocks(logprobs, params.top_k)
@@ -154,31 +153,10 @@ def _candidates(
 
 
 def _leading_blocks(logprobs: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`leading_tokens` of at least `count`, rounded up to whole `CANDIDATE_BLOCK`s (at
+    """`leading` of at least `count`, rounded up to whole `CANDIDATE_BLOCK`s (at
     most the row)."""
     blocks = -(-max(1, count) // CANDIDATE_BLOCK)
-    return leading_tokens(logprobs, min(logprobs.shape[1], blocks * CANDIDATE_BLOCK))
-
-
-def leading_tokens(logprobs: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `count` tokens of each row [N, V] in descending order, equal values in
-    token-id order (as a stable sort orders them): their values and ids, [N, count]."""
-    vocab_size = logprobs.shape[1]
-    if count * FULL_SORT_SHARE < vocab_size:
-        largest = logprobs.topk(count + 1, dim=-1)
-        reach = count
-        if bool((largest.values[:, -1] == largest.values[:, -2]).any()):
-            # Equal values straddle the count-th: every token that can be among the first
-            # `count` is one at least the count-th largest value.
-            floor = largest.values[:, -2:-1]
-            reach = max(count, int((logprobs >= floor).sum(-1).max()))
-        if reach * FULL_SORT_SHARE < vocab_size:
-            ids = largest.indices[:, :count] if reach == count else logprobs.topk(reach).indices
-            ids = ids.sort(dim=-1).values  # token-id order, kept by the stable sort
-            values, by_value = logprobs.gather(1, ids).sort(dim=-1, descending=True, stable=True)
-            return values[:, :count], ids.gather(1, by_value)[:, :count]
-    values, ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
-    return values[:, :count], ids[:, :count]
+    return leading(logprobs, min(logprobs.shape[1], blocks * CANDIDATE_BLOCK))
 
 
 def _renormalised(

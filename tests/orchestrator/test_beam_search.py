@@ -13,7 +13,7 @@ import torch
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.request import GenerationRequest, RequestError
-from hydra_jury.poe.beam import BeamSearch
+from hydra_jury.poe.beam import Beam, BeamSearch
 from hydra_jury.protos.hydrajury.v1 import generation_pb2
 from hydra_jury.workers.sessions import SessionLimits
 from tests.grpc_stack import Stack
@@ -57,6 +57,33 @@ def test_the_bookkeeping_on_hand_made_distributions():
     assert search.done and not search.live  # the token limit: live beams are finished
     assert [h.tokens for h in search.best()] == [(0, 3), (1, 0, 0)]  # the best two of three
     assert search.best()[1].score == pytest.approx(log(0.27 * 0.25) / 3)
+
+
+def test_a_wide_step_ranks_equal_sums_by_beam_then_token():
+    """4 beams over 4,096 tokens, where the step finds its 2·num_beams extensions without
+    sorting all 16,384: equal sums (beams 0 and 1 tie, and so do many tokens of the row)
+    rank by the earlier beam, then the lower token, as one stable sort of them all does."""
+    generator = torch.Generator().manual_seed(0)
+    row = ((torch.randn(4096, generator=generator) * 4).round() / 2).log_softmax(-1)
+    eos = int(row.argmax())  # the end of a sequence ranks among the first
+    search = BeamSearch(4, 1.0, False, max_new_tokens=5, eos_token_ids=frozenset({eos}))
+    search.live = [Beam((10,), 0.0), Beam((11,), 0.0), Beam((12,), -0.5), Beam((13,), -1.0)]
+    sums = torch.tensor([beam.logprob for beam in search.live], dtype=torch.float64)
+    totals = (sums[:, None] + row.double()).flatten()
+    ranked = torch.sort(totals, descending=True, stable=True).indices.tolist()
+    live, finished = [], []
+    for rank, flat in enumerate(ranked):
+        parent, token = divmod(flat, 4096)
+        tokens = (*search.live[parent].tokens, token)
+        if token == eos:
+            finished += [tokens] if rank < 4 else []
+        elif len(live) < 4:
+            live.append(tokens)
+    search.step(row.expand(4, -1))
+    assert [beam.tokens for beam in search.live] == live
+    assert [hypothesis.tokens for hypothesis in search.finished] == finished
+    assert finished == [(10, eos), (11, eos)]  # beams 0 and 1 tie: the earlier first
+    assert len({totals[ranked[i]].item() for i in range(8)}) < 8  # ties among the first
 
 
 @pytest.mark.parametrize("early_stopping", [True, False])

@@ -3,13 +3,8 @@ import math
 import pytest
 import torch
 
-from hydra_jury.poe.filters import (
-    FULL_SORT_SHARE,
-    NUCLEUS_START,
-    SamplingParams,
-    filter_logprobs,
-    leading_tokens,
-)
+from hydra_jury.poe.filters import NUCLEUS_START, SamplingParams, filter_logprobs
+from hydra_jury.poe.leading import FULL_SORT_SHARE, leading
 
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 
@@ -145,11 +140,11 @@ def tied_logprobs(rows: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("count", [1, 7, 40, 129, VOCAB // FULL_SORT_SHARE + 1])
-def test_leading_tokens_are_a_stable_sort_s_first(make_logits, count):
+def test_the_leading_tokens_are_a_stable_sort_s_first(make_logits, count):
     """Values and ids as a stable descending sort of the whole row orders them (equal
     values in token-id order), also where equal values straddle the count-th."""
     for logprobs in (tied_logprobs(4, seed=count), make_logits(4, VOCAB, seed=count)):
-        values, ids = leading_tokens(logprobs, count)
+        values, ids = leading(logprobs, count)
         expected = torch.sort(logprobs, dim=-1, descending=True, stable=True)
         assert torch.equal(values, expected.values[:, :count])
         assert torch.equal(ids, expected.indices[:, :count])
