@@ -10,7 +10,7 @@ import platform
 import pytest
 import torch
 
-from hydra_jury.hydra_model.products import KERNEL_MAX_ROWS, product
+from hydra_jury.hydra_model.products import CHUNKED_MAX_ROWS, KERNEL_MAX_ROWS, product
 from hydra_jury.hydra_model.quantization import (
     QuantizationError,
     QuantizedWeight,
@@ -85,6 +85,27 @@ def test_a_row_comes_out_the_same_whatever_rows_come_with_it(kernels, inputs):
         for first, last in [(0, 1), (3, 7), (8, 16), (5, 16), (rows - 1, rows)]:
             part = product(x[:, first:last].contiguous(), weight)
             assert torch.equal(part, whole[:, first:last]), (name, first, last)
+
+
+@pytest.mark.parametrize("rows", [KERNEL_MAX_ROWS + 1, CHUNKED_MAX_ROWS])
+def test_a_prompt_s_rows_are_a_decode_step_s_bits_with_int8_activations(kernels, rows):
+    """Past KERNEL_MAX_ROWS, up to CHUNKED_MAX_ROWS, a quantized weight taking int8
+    activations runs the kernels in chunks (with the norm, gate and residual a layer
+    folds into its products): every row the bits that row gets alone."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(2, rows, 128, generator=generator)
+    residual = torch.randn(2, rows, 96, generator=generator)
+    norm = torch.rand(2, 64, generator=generator) + 0.5
+    for name, weight in _weights(2, 96, 64).items():
+        if not (isinstance(weight, QuantizedWeight) and weight.int8_activations):
+            continue
+        options = {"norm": norm, "eps": 1e-5, "glu": True, "residual": residual}
+        whole = product(x, weight, **options)
+        for row in (0, KERNEL_MAX_ROWS - 1, KERNEL_MAX_ROWS, rows - 1):
+            alone = product(
+                x[:, row : row + 1], weight, **{**options, "residual": residual[:, row : row + 1]}
+            )
+            assert torch.equal(alone, whole[:, row : row + 1]), (name, row)
 
 
 def test_every_stack_member_may_read_the_same_rows(kernels):
