@@ -135,6 +135,8 @@ def _candidates(
     vocab_size = logprobs.shape[1]
     if 0 < params.top_k < vocab_size:
         return _leading_blocks(logprobs, params.top_k)
+    if logprobs.device.type != "cpu":  # counting them would wait for the device
+        return leading(logprobs, vocab_size)
     if params.top_p < 1:
         count = NUCLEUS_START
         while True:

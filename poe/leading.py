@@ -6,7 +6,7 @@ top-k 0.1 ms (2-core AMD EPYC, Zen 3). The sampling filters keep a leading run o
 row, and a beam search step walks the first 2·num_beams extensions of beams × V: both
 take only the entries that can be among the first `count` — those at least the count-th
 largest value, more where equal values straddle it — and sort those alone. Where that is
-an eighth of the row or more, the whole row is sorted.
+an eighth of the row or more, or off the CPU, the whole row is sorted.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def leading(values: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tenso
     values in index order (as a stable sort orders them): their values and indices,
     [N, count]."""
     width = values.shape[1]
-    if count * FULL_SORT_SHARE < width:
+    # A GPU sorts a row in microseconds, and looking for ties would wait for it.
+    if count * FULL_SORT_SHARE < width and values.device.type == "cpu":
         largest = values.topk(count + 1, dim=-1)
         reach = count
         if bool((largest.values[:, -1] == largest.values[:, -2]).any()):
