@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from hydra_jury.orchestrator.auto import CostModel
 from hydra_jury.orchestrator.grpc_backend import GrpcBackend
 from hydra_jury.orchestrator.layout import LayoutError
 from hydra_jury.orchestrator.request import GenerationRequest
@@ -19,6 +20,7 @@ from hydra_jury.protos.hydrajury.v1 import generation_pb2
 from hydra_jury.serving import internal_wire as wire
 from hydra_jury.workers.errors import InvalidArgument
 from tests.grpc_stack import Stack, retry_busy, wait_for
+from tests.orchestrator.test_auto import use_costs
 
 ALL_HEADS = ["head0", "head1", "head2", "head3"]
 CONTRASTIVE = {"contrastive_alpha": 0.1, "contrastive_amateur": "head3"}
@@ -109,7 +111,11 @@ def test_grpc_gives_the_in_process_tokens(stack, model_engine, case):
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_the_automatic_mode_gives_the_non_speculative_tokens_over_grpc(stack, engine, temperature):
     """With a draft model on the trunk the automatic mode has every drafter to choose
-    from (it tries the draft model early); the tokens stay non-speculative PoE's."""
+    from; the tokens stay non-speculative PoE's. The server's costs start afresh, as on
+    a new server: its second automatic round measures the draft model, whatever the
+    rounds of this module's earlier requests measured (and a loaded machine made them
+    cost) and however long since it last measured one."""
+    use_costs(stack.servicer.runner.engine, CostModel())
     options = {"max_new_tokens": 24, "seed": 11, "ignore_eos": True, "temperature": temperature}
     expected = engine.generate(
         GenerationRequest(prompt="abcabcab", rule="verifier_only", **options)
