@@ -13,7 +13,10 @@ Terms
 
 The hash is SplitMix64's output function (Steele, Lea, Flood 2014): the key
 (seed, purpose) selects a stream, and the position is the counter within the stream.
-Arithmetic is on numpy uint64 with wraparound; the top 53 bits become a float64 in [0, 1).
+Arithmetic is on Python integers reduced modulo 2**64 (uint64 with wraparound); the top
+53 bits become a float64 in [0, 1). A round draws for a few positions at a time, and
+plain integers cost about a microsecond a position where numpy's operations on small
+arrays cost about 5 µs each.
 
 Because every draw that decides the token at position p is keyed by p, the token there
 is a function of the committed prefix and the seed alone: a redraft of p after a
@@ -43,18 +46,19 @@ PURPOSES: dict[str, int] = {
 MAX_SEED = 2**63  # exclusive; seeds fit a signed 64-bit field (protobuf int64, Redis)
 REQUEST_POSITION = -1  # the position key of per-request draws
 
-_GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's stream increment
-_MIX_MULTIPLIERS = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's stream increment
+_MIX_MULTIPLIERS = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+_UINT64 = (1 << 64) - 1
 
 
-def _mix64(values: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser: a bijection of uint64 whose every output bit depends on
+def _mix64(value: int) -> int:
+    """SplitMix64's finaliser on a uint64: a bijection whose every output bit depends on
     every input bit."""
-    values = values ^ (values >> np.uint64(30))
-    values = values * _MIX_MULTIPLIERS[0]
-    values = values ^ (values >> np.uint64(27))
-    values = values * _MIX_MULTIPLIERS[1]
-    return values ^ (values >> np.uint64(31))
+    value ^= value >> 30
+    value = (value * _MIX_MULTIPLIERS[0]) & _UINT64
+    value ^= value >> 27
+    value = (value * _MIX_MULTIPLIERS[1]) & _UINT64
+    return value ^ (value >> 31)
 
 
 def _check_seed(seed: int) -> None:
@@ -71,13 +75,10 @@ def _purpose_code(purpose: str) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _stream(seed: int, code: int) -> np.uint64:
+def _stream(seed: int, code: int) -> int:
     """The stream of (seed, purpose code): the same for every draw of a request with
-    that purpose, so kept for the next (a draw's numpy operations on one-element arrays
-    cost about 5 µs each, and a round draws several times)."""
-    with np.errstate(over="ignore"):
-        seed_key = _mix64(np.array([seed], dtype=np.uint64))
-        return _mix64(seed_key + np.uint64(code) * _GOLDEN_GAMMA)[0]
+    that purpose, so kept for the next."""
+    return _mix64((_mix64(seed) + code * _GOLDEN_GAMMA) & _UINT64)
 
 
 def uniforms(seed: int, positions: torch.Tensor, purpose: str) -> torch.Tensor:
@@ -88,11 +89,14 @@ def uniforms(seed: int, positions: torch.Tensor, purpose: str) -> torch.Tensor:
     _check_seed(seed)
     code = _purpose_code(purpose)
     check_long("positions", positions, dims=1)
-    counters = positions.detach().cpu().numpy().astype(np.int64).view(np.uint64)  # [B]
-    with np.errstate(over="ignore"):  # multiplications are meant to wrap modulo 2**64
-        bits = _mix64(_stream(seed, code) + counters * _GOLDEN_GAMMA)  # [B]
-    values = (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53  # exact: 53-bit ints
-    return torch.from_numpy(values).to(positions.device)
+    stream = _stream(int(seed), code)
+    # A position's counter is its two's-complement bits (position -1 is 2**64 - 1); the
+    # top 53 bits of the hash are an exact float64 integer, scaled into [0, 1).
+    values = [
+        (_mix64((stream + (position & _UINT64) * _GOLDEN_GAMMA) & _UINT64) >> 11) * 2.0**-53
+        for position in positions.tolist()
+    ]
+    return torch.tensor(values, dtype=torch.float64, device=positions.device)
 
 
 def categorical(
