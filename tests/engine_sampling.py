@@ -55,7 +55,9 @@ def _first_two_of_seeds(options: dict, seeds: range) -> list[list[int]]:
 
 
 class RunSampler:
-    """`workers` processes, each with its own engine over the same checkpoints."""
+    """`workers` processes, each with its own engine over the same checkpoints. The first
+    two tokens of every seed run are kept, so a test comparing other runs with them
+    seed for seed reuses another test's runs."""
 
     def __init__(self, checkpoint: Path, draft_checkpoint: Path, workers: int) -> None:
         self.workers = workers
@@ -65,12 +67,20 @@ class RunSampler:
             initializer=_start_worker,
             initargs=(checkpoint, draft_checkpoint, torch.get_num_threads()),
         )
+        self._runs: dict[str, list[list[int]]] = {}
 
     def first_two(self, options: dict, runs: int) -> list[list[int]]:
         """The first two tokens of the runs of seeds 0 .. runs − 1 with `options`, in
-        seed order."""
-        size = -(-runs // self.workers)
-        chunks = [range(start, min(start + size, runs)) for start in range(0, runs, size)]
+        seed order (only the seeds not run before with these options are run)."""
+        key = repr(sorted(options.items()))
+        done = self._runs.setdefault(key, [])
+        if len(done) < runs:
+            done += self._run_seeds(options, range(len(done), runs))
+        return done[:runs]
+
+    def _run_seeds(self, options: dict, seeds: range) -> list[list[int]]:
+        size = -(-len(seeds) // self.workers)
+        chunks = [seeds[start : start + size] for start in range(0, len(seeds), size)]
         tokens: list[list[int]] = []
         for part in self.pool.map(_first_two_of_seeds, [options] * len(chunks), chunks):
             tokens += part
