@@ -56,7 +56,7 @@ from tests.orchestrator.test_concurrent_sessions import SESSION_ROOM
 from tests.orchestrator.test_grpc_stack import to_pb
 from tests.statistics import assert_fits
 
-pytestmark = pytest.mark.slow  # 26,000 generations: about 80 s on 2 cores
+pytestmark = pytest.mark.slow  # 26,000 generations: about 90 s of both of 2 cores
 
 RUNS = 5000
 SAME_RUNS = 1000  # the seeds of a seed-for-seed comparison
