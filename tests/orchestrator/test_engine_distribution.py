@@ -125,27 +125,22 @@ def exact_target(logits: torch.Tensor, names: list[str], temperature: float) -> 
 
 
 def cascade_diff_target(
-    logits: torch.Tensor, names: list[str], lenience: float, draft_logits=None
+    logits: torch.Tensor, names: list[str], lenience: float
 ) -> tuple[torch.Tensor, bool]:
-    """π = q when max q ≥ max P − λ, else P (temperature 1); also whether it deferred.
-    q is the draft head's, or the draft model's when its logits are given."""
+    """π = q when max q ≥ max P − λ, else P (temperature 1), q the draft head's; also
+    whether it deferred."""
     target = exact_target(logits, names, 1.0)
-    if draft_logits is None:
-        draft_logits = logits[names.index(DRAFT_HEAD)]
-    draft = torch.softmax(draft_logits, -1)
+    draft = torch.softmax(logits[names.index(DRAFT_HEAD)], -1)
     use_draft = bool(draft.max() >= target.max() - lenience)
     return (draft if use_draft else target), use_draft
 
 
-def joint_distribution(model, prompt, target_fn, draft=None) -> tuple[torch.Tensor, list[bool]]:
-    """[V, V]: P(x1, x2) = π1(x1) · π2(x2 | x1). With a draft model, `target_fn` also
-    gets its logits."""
+def joint_distribution(model, prompt, target_fn) -> tuple[torch.Tensor, list[bool]]:
+    """[V, V]: P(x1, x2) = π1(x1) · π2(x2 | x1); also whether each position's target
+    deferred to the draft (`target_fn` of the position's logits [H, V])."""
 
     def target_after(context: list[int]):
-        logits = next_token_logits(model, context)
-        if draft is None:
-            return target_fn(logits)
-        return target_fn(logits, draft_model_logits(draft, context))
+        return target_fn(next_token_logits(model, context))
 
     first, deferred = target_after(prompt)
     vocab = first.shape[0]
@@ -207,13 +202,11 @@ def top_k_targets(names: list[str], temperature: float, top_k: int):
         kept = torch.zeros_like(probs).scatter(0, probs.topk(top_k).indices, 1.0)
         return probs * kept / (probs * kept).sum(), False
 
-    def target(logits, draft_logits=None):
+    def target(logits):
         return top_k_of(exact_target(logits, names, temperature))
 
-    def draft(logits, draft_logits=None):
-        if draft_logits is None:
-            draft_logits = logits[names.index(DRAFT_HEAD)]
-        return top_k_of(torch.softmax(draft_logits / temperature, -1))
+    def draft(logits):
+        return top_k_of(torch.softmax(logits[names.index(DRAFT_HEAD)] / temperature, -1))
 
     return target, draft
 
@@ -246,11 +239,11 @@ def test_the_exact_rule_s_tokens_do_not_depend_on_gamma_or_the_drafter(
     one pass; the bonus would be the fourth token): seed for seed the tokens of `EXACT`.
     The draft model's distribution is the draft head's, checked here first (a model
     round's drafts are drawn from it: were it another, its tokens could differ)."""
-    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
-    head = next_token_logits(small_model, prompt)[small_model.head_index(DRAFT_HEAD)]
-    assert torch.allclose(draft_model_logits(small_draft, prompt), head, atol=1e-5)
     options = {**EXACT, "gamma": gamma}
     if drafter == "model":
+        prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
+        head = next_token_logits(small_model, prompt)[small_model.head_index(DRAFT_HEAD)]
+        assert torch.allclose(draft_model_logits(small_draft, prompt), head, atol=1e-5)
         options["drafter"] = "model"
     assert_same_runs(sampler, options, EXACT)
 
