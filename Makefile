@@ -49,7 +49,7 @@ lint: setup
 # pytest's report header names the CPU, torch's float path and the key versions. Four
 # processes, each test file's tests on one (its module fixtures built once): many files
 # wait a third of their time (servers starting, deadlines, child processes), and those
-# waits overlap the others' compute. On 2 cores pytest took 5:12-6:06 with 4, 6:03 with
+# waits overlap the others' compute. On 2 cores pytest took 5:12-6:55 with 4, 6:03 with
 # 3 and 7:00 with 2 (docs/development.md).
 TEST_WORKERS ?= 4
 test: setup protos lint
