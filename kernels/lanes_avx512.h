@@ -9,9 +9,19 @@ constexpr int kInt4TileOutputs = 1;  // rows_times_weight.h (lanes_avx2.h: why t
 // Outputs per tile of the float products (rows_times_weight.h).
 constexpr int kTileOutputs = 2;
 
+// Part tiles (rows_times_weight.h, lanes_avx2.h): not used here, where 32 registers hold
+// a tile of whole Lanes (these machines were tuned before part tiles and not remeasured).
+constexpr int kParts = 2;
+constexpr int kPartFloats = 16;
+using Part = __m512;
+constexpr int kPartTileOutputs = 1;
+constexpr int kPartTileRows = 1;
+constexpr int64_t kPartTilesFrom = 0;
+
 // Keeps v in registers from here on (an empty asm that reads and writes them), so that
 // its loads are not folded into later instructions (rows_times_weight.h's tiles).
 static inline void in_registers(Lanes& v) { __asm__("" : "+v"(v.lo), "+v"(v.hi)); }
+static inline void in_registers(Part& v) { __asm__("" : "+v"(v)); }
 
 static inline Lanes zero() { return {_mm512_setzero_ps(), _mm512_setzero_ps()}; }
 
@@ -46,6 +56,11 @@ static inline Lanes load_int4(const uint8_t* p) {
 static inline Lanes fma(Lanes a, Lanes b, Lanes acc) {
   return {_mm512_fmadd_ps(a.lo, b.lo, acc.lo), _mm512_fmadd_ps(a.hi, b.hi, acc.hi)};
 }
+
+static inline Part part_zero() { return _mm512_setzero_ps(); }
+static inline Part part_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline Part part_fma(Part a, Part b, Part acc) { return _mm512_fmadd_ps(a, b, acc); }
+static inline Lanes from_parts(const Part (&p)[kParts]) { return {p[0], p[1]}; }
 
 static inline Lanes scale_shift(Lanes q, float scale, float shift) {
   __m512 s = _mm512_set1_ps(scale), m = _mm512_set1_ps(shift);

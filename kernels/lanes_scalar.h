@@ -10,6 +10,14 @@ constexpr int kInt4TileOutputs = 1;  // rows_times_weight.h (lanes_avx2.h: why t
 // Outputs per tile of the float products (rows_times_weight.h).
 constexpr int kTileOutputs = 1;
 
+// Part tiles (rows_times_weight.h, lanes_avx2.h): not here; one part is the whole Lanes.
+constexpr int kParts = 1;
+constexpr int kPartFloats = 32;
+using Part = Lanes;
+constexpr int kPartTileOutputs = 1;
+constexpr int kPartTileRows = 1;
+constexpr int64_t kPartTilesFrom = 0;
+
 // Nothing to keep: scalar code has no loads to fold (rows_times_weight.h's tiles).
 static inline void in_registers(Lanes&) {}
 
@@ -55,6 +63,11 @@ static inline Lanes fma(Lanes a, Lanes b, Lanes acc) {
   for (int i = 0; i < 32; ++i) acc.f[i] = std::fmaf(a.f[i], b.f[i], acc.f[i]);
   return acc;
 }
+
+static inline Part part_zero() { return zero(); }
+static inline Part part_load(const float* p) { return load(p); }
+static inline Part part_fma(Part a, Part b, Part acc) { return fma(a, b, acc); }
+static inline Lanes from_parts(const Part (&p)[kParts]) { return p[0]; }
 
 static inline Lanes scale_shift(Lanes q, float scale, float shift) {
   for (int i = 0; i < 32; ++i) q.f[i] = std::fmaf(q.f[i], scale, shift);

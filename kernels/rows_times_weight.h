@@ -18,13 +18,19 @@ struct Float32Rows {
   static constexpr bool kFetchAhead = kFetchFloat32Ahead;  // from the set's Lanes
   const float* w;
   int64_t k;
+  static constexpr bool kInParts = true;  // part tiles below
   Lanes block(int64_t o, int64_t b) const { return load(w + o * k + b * 32); }
+  Part part(int64_t o, int64_t b, int q) const { return part_load(part_address(o, b, q)); }
+  const float* part_address(int64_t o, int64_t b, int q) const {
+    return w + o * k + b * 32 + q * kPartFloats;
+  }
   const void* address(int64_t o, int64_t b) const { return w + o * k + b * 32; }
   float finish(int64_t, float total) const { return total; }
 };
 
 struct Int8Rows {  // per-output-channel scale, applied to the finished sum
   static constexpr int kBlockBytes = 32;
+  static constexpr bool kInParts = false;
   static constexpr bool kFetchAhead = true;
   const int8_t* w;
   const float* scale;
@@ -36,6 +42,7 @@ struct Int8Rows {  // per-output-channel scale, applied to the finished sum
 
 struct Int4Rows {  // a scale and a minimum per group of inputs: w = q * scale + min
   static constexpr int kBlockBytes = 16;
+  static constexpr bool kInParts = false;
   static constexpr bool kFetchAhead = true;
   const uint8_t* w;
   const float* scale;
@@ -82,17 +89,58 @@ static inline void output_tile(const Weight& weight, int64_t o, const float* x, 
     for (int r = 0; r < kRows; ++r) y[r * y_row + o + j] = weight.finish(o + j, sum(acc[j][r]));
 }
 
-// fn.template operator()<n>(r) for the rows r.. r + n of `rows`, in groups of 4 and the rest.
-template <class Fn>
+// A tile as output_tile's, one part of the lanes at a time (lanes_avx2.h says why): part q
+// of every output's accumulators runs over all the blocks, then the next part. Each lane
+// still takes its multiply-adds in block order and the lanes are summed by the same tree,
+// so the bits are output_tile's. Only the first part reads the weights from memory; the
+// others find the tile's rows of weight (a few KB) in the L1 cache.
+template <int kOutputs, int kRows, class Weight>
+static inline void part_tile(const Weight& weight, int64_t o, const float* x, int64_t x_row,
+                             int64_t blocks, float* y, int64_t y_row) {
+  Part done[kOutputs][kRows][kParts];
+  for (int q = 0; q < kParts; ++q) {
+    Part acc[kOutputs][kRows];
+    for (int j = 0; j < kOutputs; ++j)
+      for (int r = 0; r < kRows; ++r) acc[j][r] = part_zero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      Part w[kOutputs];
+      for (int j = 0; j < kOutputs; ++j) {
+        // Each part's lines fetched ahead, so that the fetches spread over the four
+        // passes: a part reads 32 bytes of every 128, a stride the hardware prefetcher
+        // follows too slowly alone (lanes_avx2.h).
+        __builtin_prefetch(reinterpret_cast<const char*>(weight.part_address(o + j, b, q)) +
+                           kPrefetchBytes);
+        w[j] = weight.part(o + j, b, q);
+      }
+      for (int r = 0; r < kRows; ++r) {
+        Part xr = part_load(x + r * x_row + b * 32 + q * kPartFloats);
+        if constexpr (kOutputs > 1) in_registers(xr);  // loaded once for the tile's outputs
+        for (int j = 0; j < kOutputs; ++j) acc[j][r] = part_fma(xr, w[j], acc[j][r]);
+      }
+    }
+    for (int j = 0; j < kOutputs; ++j)
+      for (int r = 0; r < kRows; ++r) done[j][r][q] = acc[j][r];
+  }
+  for (int j = 0; j < kOutputs; ++j)
+    for (int r = 0; r < kRows; ++r)
+      y[r * y_row + o + j] = weight.finish(o + j, sum(from_parts(done[j][r])));
+}
+
+// fn.template operator()<n>(r) for the rows r.. r + n of `rows`: groups of kGroup, then
+// one group of the rest.
+template <int kLeft, class Fn>
+static inline void last_row_group(int64_t left, int64_t r, const Fn& fn) {
+  if constexpr (kLeft > 0) {
+    if (left == kLeft) fn.template operator()<kLeft>(r);
+    else last_row_group<kLeft - 1>(left, r, fn);
+  }
+}
+
+template <int kGroup, class Fn>
 static inline void in_row_groups(int64_t rows, const Fn& fn) {
   int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) fn.template operator()<4>(r);
-  switch (rows - r) {
-    case 3: fn.template operator()<3>(r); break;
-    case 2: fn.template operator()<2>(r); break;
-    case 1: fn.template operator()<1>(r); break;
-    default: break;
-  }
+  for (; r + kGroup <= rows; r += kGroup) fn.template operator()<kGroup>(r);
+  last_row_group<kGroup - 1>(rows - r, r, fn);
 }
 
 // From this many rows on, a product is bound by the multiply-adds more than by the
@@ -108,14 +156,27 @@ template <class Weight>
 static void outputs(const Weight& weight, int64_t first, int64_t last, const float* x,
                     int64_t rows, int64_t x_row, int64_t blocks, float* y, int64_t y_row) {
   int64_t o = first;
+  if constexpr (Weight::kInParts)
+    if (kPartTilesFrom > 0 && rows >= kPartTilesFrom) {
+      for (; o + kPartTileOutputs <= last; o += kPartTileOutputs)
+        in_row_groups<kPartTileRows>(rows, [&]<int kRows>(int64_t r) {
+          part_tile<kPartTileOutputs, kRows>(weight, o, x + r * x_row, x_row, blocks,
+                                             y + r * y_row, y_row);
+        });
+      for (; o < last; ++o)
+        in_row_groups<kPartTileRows>(rows, [&]<int kRows>(int64_t r) {
+          part_tile<1, kRows>(weight, o, x + r * x_row, x_row, blocks, y + r * y_row, y_row);
+        });
+      return;
+    }
   if (rows >= kTiledRows)
     for (; o + kTileOutputs <= last; o += kTileOutputs)
-      in_row_groups(rows, [&]<int kRows>(int64_t r) {
+      in_row_groups<4>(rows, [&]<int kRows>(int64_t r) {
         output_tile<kTileOutputs, kRows>(weight, o, x + r * x_row, x_row, blocks,
                                          y + r * y_row, y_row);
       });
   for (; o < last; ++o)
-    in_row_groups(rows, [&]<int kRows>(int64_t r) {
+    in_row_groups<4>(rows, [&]<int kRows>(int64_t r) {
       output_tile<1, kRows>(weight, o, x + r * x_row, x_row, blocks, y + r * y_row, y_row);
     });
 }
@@ -238,7 +299,7 @@ static void int8_quantized_rows(const Problem& p, const QuantizedRows& x, const 
     float* y = p.y + s * p.rows * p.outputs;
     int64_t row = x.member_rows * s;
     for (int64_t o = first; o < last; ++o)
-      in_row_groups(p.rows, [&]<int kRows>(int64_t r) {
+      in_row_groups<4>(p.rows, [&]<int kRows>(int64_t r) {
         int8_output_rows<kRows>(member + o * p.inputs, scale[s * p.outputs + o], x, row + r,
                                 p.inputs, y + r * p.outputs + o, p.outputs);
       });
@@ -263,7 +324,7 @@ static void int4_quantized_rows(const Problem& p, const QuantizedRows& x, const 
       }
     for (; o < last; ++o) {
       int64_t g = (s * p.outputs + o) * groups;
-      in_row_groups(p.rows, [&]<int kRows>(int64_t r) {
+      in_row_groups<4>(p.rows, [&]<int kRows>(int64_t r) {
         int4_output_rows<1, kRows>(member + o * (p.inputs / 2), scale + g, minimum + g, groups,
                                    group / 32, x, row + r, p.inputs, y + r * p.outputs + o,
                                    p.outputs);

@@ -76,8 +76,8 @@ def test_products_match_the_reference_on_every_instruction_set(kernels, stack, r
 @pytest.mark.parametrize("inputs", [64, 96])  # 96: a chunk's tail
 def test_a_row_comes_out_the_same_whatever_rows_come_with_it(kernels, inputs):
     """Within what the kernels take (KERNEL_MAX_ROWS); an odd number of outputs, so that
-    tiles of several outputs (AVX-512 with many rows, int4 with int8 activations in one
-    row) leave one over."""
+    tiles of several outputs (float32 with many rows: AVX-512's tiles, AVX2's part tiles
+    of 3; int4 with int8 activations in one row) leave some over."""
     rows = KERNEL_MAX_ROWS
     x = torch.randn(2, rows, inputs, generator=torch.Generator().manual_seed(1))
     for name, weight in _weights(2, 161, inputs).items():
