@@ -29,10 +29,11 @@ constexpr int kInt4TileOutputs = 2;
 // its 12 accumulators, 3 weights and an activation in the 16 registers AVX2 has. A tile of
 // whole Lanes, one output times 4 rows, needs 16 accumulators alone and spills. On the
 // 2-core AMD EPYC (Zen 3), in one process, the path switched between calls (medians of
-// the time ratios of 9-21 pairs): every projection of SmolLM2's trunk and head0 0.84-0.91x
-// the time at 8 rows, 0.80-0.82x at 16; its 49,152 x 576 LM head 0.78-0.82x at 8 rows,
-// 0.69-0.72x at 16 and 32; 5 to 7 rows 0.92-1.04x, hence from 8 rows. One core, weights in
-// the L2 cache: 36 billion multiply-adds a second against 14.6.
+// the time ratios of 7-15 pairs): every projection of SmolLM2's trunk and head0 0.84x the
+// time at 8 rows, 0.77x at 16; its 49,152 x 576 LM head 0.76x at 8 rows, 0.70x at 16,
+// 0.59x at 32. At 5 to 7 rows the pairs disagreed from run to run (0.87-1.20x), hence
+// from 8 rows. A C loop of the two tiles on one core, weights in the L2 cache: 36 billion
+// multiply-adds a second against 14.6.
 constexpr int kParts = 4;
 constexpr int kPartFloats = 8;
 using Part = __m256;

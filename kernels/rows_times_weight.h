@@ -105,11 +105,11 @@ static inline void part_tile(const Weight& weight, int64_t o, const float* x, in
     for (int64_t b = 0; b < blocks; ++b) {
       Part w[kOutputs];
       for (int j = 0; j < kOutputs; ++j) {
-        // Each part's lines fetched ahead, so that the fetches spread over the four
-        // passes: a part reads 32 bytes of every 128, a stride the hardware prefetcher
-        // follows too slowly alone (lanes_avx2.h).
-        __builtin_prefetch(reinterpret_cast<const char*>(weight.part_address(o + j, b, q)) +
-                           kPrefetchBytes);
+        // The next tile's weights fetched while this one computes, the same part of the
+        // same block, so that the fetches spread over the four passes: a part reads 32
+        // bytes of every 128, a stride the hardware prefetcher follows too slowly alone
+        // (lanes_avx2.h).
+        __builtin_prefetch(weight.part_address(o + kOutputs + j, b, q));
         w[j] = weight.part(o + j, b, q);
       }
       for (int r = 0; r < kRows; ++r) {
