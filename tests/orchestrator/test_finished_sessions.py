@@ -78,7 +78,11 @@ def test_running_generations_keep_their_slots_and_newcomers_are_refused_quickly(
         [["head0", "head1"], ["head2", "head3"]],
         redis_url,
         max_sessions=SLOTS,
-        reclaim_after_s=1.0,  # the default grace
+        # Longer than the default 1 s: a running generation whose next call comes later
+        # than the grace may lose its slot to a newcomer, and with four test processes on
+        # two cores 16 streams' rounds were once more than 1 s apart (a newcomer then took
+        # a slot, and its former holder failed rebuilding its caches).
+        reclaim_after_s=10.0,
     ).start_services()
     try:
         stack.start_orchestrator()
