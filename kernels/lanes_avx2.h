@@ -38,7 +38,6 @@ constexpr int kParts = 4;
 constexpr int kPartFloats = 8;
 using Part = __m256;
 constexpr int kPartTileOutputs = 3;
-constexpr int kPartTileRows = 4;
 constexpr int64_t kPartTilesFrom = 8;
 
 static inline Part part_zero() { return _mm256_setzero_ps(); }

@@ -15,7 +15,6 @@ constexpr int kParts = 2;
 constexpr int kPartFloats = 16;
 using Part = __m512;
 constexpr int kPartTileOutputs = 1;
-constexpr int kPartTileRows = 1;
 constexpr int64_t kPartTilesFrom = 0;
 
 // Keeps v in registers from here on (an empty asm that reads and writes them), so that

@@ -15,7 +15,6 @@ constexpr int kParts = 1;
 constexpr int kPartFloats = 32;
 using Part = Lanes;
 constexpr int kPartTileOutputs = 1;
-constexpr int kPartTileRows = 1;
 constexpr int64_t kPartTilesFrom = 0;
 
 // Nothing to keep: scalar code has no loads to fold (rows_times_weight.h's tiles).

@@ -126,21 +126,17 @@ static inline void part_tile(const Weight& weight, int64_t o, const float* x, in
       y[r * y_row + o + j] = weight.finish(o + j, sum(from_parts(done[j][r])));
 }
 
-// fn.template operator()<n>(r) for the rows r.. r + n of `rows`: groups of kGroup, then
-// one group of the rest.
-template <int kLeft, class Fn>
-static inline void last_row_group(int64_t left, int64_t r, const Fn& fn) {
-  if constexpr (kLeft > 0) {
-    if (left == kLeft) fn.template operator()<kLeft>(r);
-    else last_row_group<kLeft - 1>(left, r, fn);
-  }
-}
-
-template <int kGroup, class Fn>
+// fn.template operator()<n>(r) for the rows r.. r + n of `rows`, in groups of 4 and the rest.
+template <class Fn>
 static inline void in_row_groups(int64_t rows, const Fn& fn) {
   int64_t r = 0;
-  for (; r + kGroup <= rows; r += kGroup) fn.template operator()<kGroup>(r);
-  last_row_group<kGroup - 1>(rows - r, r, fn);
+  for (; r + 4 <= rows; r += 4) fn.template operator()<4>(r);
+  switch (rows - r) {
+    case 3: fn.template operator()<3>(r); break;
+    case 2: fn.template operator()<2>(r); break;
+    case 1: fn.template operator()<1>(r); break;
+    default: break;
+  }
 }
 
 // From this many rows on, a product is bound by the multiply-adds more than by the
@@ -159,24 +155,24 @@ static void outputs(const Weight& weight, int64_t first, int64_t last, const flo
   if constexpr (Weight::kInParts)
     if (kPartTilesFrom > 0 && rows >= kPartTilesFrom) {
       for (; o + kPartTileOutputs <= last; o += kPartTileOutputs)
-        in_row_groups<kPartTileRows>(rows, [&]<int kRows>(int64_t r) {
+        in_row_groups(rows, [&]<int kRows>(int64_t r) {
           part_tile<kPartTileOutputs, kRows>(weight, o, x + r * x_row, x_row, blocks,
                                              y + r * y_row, y_row);
         });
       for (; o < last; ++o)
-        in_row_groups<kPartTileRows>(rows, [&]<int kRows>(int64_t r) {
+        in_row_groups(rows, [&]<int kRows>(int64_t r) {
           part_tile<1, kRows>(weight, o, x + r * x_row, x_row, blocks, y + r * y_row, y_row);
         });
       return;
     }
   if (rows >= kTiledRows)
     for (; o + kTileOutputs <= last; o += kTileOutputs)
-      in_row_groups<4>(rows, [&]<int kRows>(int64_t r) {
+      in_row_groups(rows, [&]<int kRows>(int64_t r) {
         output_tile<kTileOutputs, kRows>(weight, o, x + r * x_row, x_row, blocks,
                                          y + r * y_row, y_row);
       });
   for (; o < last; ++o)
-    in_row_groups<4>(rows, [&]<int kRows>(int64_t r) {
+    in_row_groups(rows, [&]<int kRows>(int64_t r) {
       output_tile<1, kRows>(weight, o, x + r * x_row, x_row, blocks, y + r * y_row, y_row);
     });
 }
@@ -299,7 +295,7 @@ static void int8_quantized_rows(const Problem& p, const QuantizedRows& x, const 
     float* y = p.y + s * p.rows * p.outputs;
     int64_t row = x.member_rows * s;
     for (int64_t o = first; o < last; ++o)
-      in_row_groups<4>(p.rows, [&]<int kRows>(int64_t r) {
+      in_row_groups(p.rows, [&]<int kRows>(int64_t r) {
         int8_output_rows<kRows>(member + o * p.inputs, scale[s * p.outputs + o], x, row + r,
                                 p.inputs, y + r * p.outputs + o, p.outputs);
       });
@@ -324,7 +320,7 @@ static void int4_quantized_rows(const Problem& p, const QuantizedRows& x, const 
       }
     for (; o < last; ++o) {
       int64_t g = (s * p.outputs + o) * groups;
-      in_row_groups<4>(p.rows, [&]<int kRows>(int64_t r) {
+      in_row_groups(p.rows, [&]<int kRows>(int64_t r) {
         int4_output_rows<1, kRows>(member + o * (p.inputs / 2), scale + g, minimum + g, groups,
                                    group / 32, x, row + r, p.inputs, y + r * p.outputs + o,
                                    p.outputs);
