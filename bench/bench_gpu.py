@@ -40,6 +40,7 @@ import torch
 from bench_drafters import SETS  # this folder is on the path of `python bench/...`
 from bench_round import bytes_per_token
 from bench_serving import measure
+from round_profile import DEVICE_PHASES, PHASES, REST, PhaseProfiler
 
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.build.builder import BuildOptions, build_checkpoint
@@ -232,9 +233,10 @@ def launch_seconds() -> float:
     return (time.perf_counter() - began) / 2000
 
 
-def engine_run(model: HydraModel, request: GenerationRequest) -> tuple[float, float, float]:
-    """Tokens/s of one request in-process, its host synchronisations per round (PyTorch's
-    sync debug mode counts each), and its accepted drafts per round."""
+def engine_run(model: HydraModel, request: GenerationRequest) -> dict:
+    """One request in-process: tokens/s, host synchronisations per round (PyTorch's sync
+    debug mode counts each), accepted drafts per round, and where a round's wall time
+    goes (`round_profile`, with the device's phases), in ms a round."""
     engine = Engine(LocalBackend(model, limits=SessionLimits(1, 1024)), model.load_tokenizer())
     engine.generate(GenerationRequest(**{**vars(request), "max_new_tokens": 8}))
     torch.cuda.synchronize()
@@ -248,7 +250,21 @@ def engine_run(model: HydraModel, request: GenerationRequest) -> tuple[float, fl
         torch.cuda.set_sync_debug_mode(0)
     rounds = counted.stats["rounds"]
     syncs = sum("synchroniz" in str(w.message) for w in caught)
-    return rate, syncs / rounds, counted.stats["accepted"] / rounds
+    profiler = PhaseProfiler({**PHASES, **DEVICE_PHASES})
+    with profiler.installed():
+        began = time.perf_counter()
+        profiled = engine.generate(request)
+        wall = time.perf_counter() - began
+    per_round = {
+        phase: 1e3 * seconds / profiled.stats["rounds"]
+        for phase, seconds in profiler.shares(wall).items()
+    }
+    return {
+        "rate": rate,
+        "syncs_per_round": syncs / rounds,
+        "accepted_per_round": counted.stats["accepted"] / rounds,
+        "round_ms": per_round,
+    }
 
 
 # The modes, in-process (greedy) and served (sampled): a request's options.
@@ -280,6 +296,7 @@ def served(checkpoint: Path, servers: list[str], counts: list[int], new_tokens: 
         try:
             if not child.address:
                 raise RuntimeError(child.failure)
+            print("serve:", flush=True)
             rates["serve"] = over_modes(child.address, counts, new_tokens)
         finally:
             child.process.terminate()
@@ -294,19 +311,27 @@ def served(checkpoint: Path, servers: list[str], counts: list[int], new_tokens: 
             host_turn=False,  # their batches run on the GPU, not on the host's cores
         )
         try:
-            rates["split"] = over_modes(stack.start(), counts, new_tokens)
+            address = stack.start()
+            print("split stack:", flush=True)
+            rates["split"] = over_modes(address, counts, new_tokens)
         finally:
             stack.stop()
     return rates
 
 
 def over_modes(address: str, counts: list[int], new_tokens: int) -> dict:
+    """Aggregate tokens/s per mode and session count, each measured twice: the first
+    pass records the CUDA graphs its batch sizes and spans need (`cold`), the second
+    replays them (`warm`, the steady state)."""
     prompts = SETS["open"]  # free chat
     measure(address, 2, 1, 8, MODES["non-speculative"], prompts)  # warm-up
-    return {
-        mode: {n: measure(address, n, 1, new_tokens, options, prompts)[0] for n in counts}
-        for mode, options in MODES.items()
-    }
+    rates: dict = {}
+    for mode, options in MODES.items():
+        for n in counts:
+            passes = [measure(address, n, 1, new_tokens, options, prompts)[0] for _ in "cw"]
+            rates.setdefault(mode, {})[n] = dict(zip(("cold", "warm"), passes, strict=True))
+            print(f"  served {mode}, {n} sessions: {passes[0]:.0f} cold, {passes[1]:.0f} warm")
+    return rates
 
 
 def run_model(name: str, root: Path, tokenizer: Path, args) -> dict:
@@ -316,23 +341,26 @@ def run_model(name: str, root: Path, tokenizer: Path, args) -> dict:
     result: dict = {"dtype": str(model.dtype).removeprefix("torch.")}
     result["bytes_per_token"] = bytes_per_token(model, 1)
     result["bare"] = bare_steps(model, prompt, args.new_tokens, graph=False, profile=True)
+    print(f"  bare loop, eager: {result['bare']['rate']:.1f} tokens/s")
     result["graphed"] = bare_steps(model, prompt, args.new_tokens, graph=True, profile=False)
+    print(f"  bare loop, CUDA graph: {result['graphed']['rate']:.1f} tokens/s")
     del model
     torch.cuda.empty_cache()
-    result["transformers"] = {
-        rows: transformers_rate(source, prompt, rows, args.new_tokens) for rows in args.sessions
-    }
+    result["transformers"] = {}
+    for rows in args.sessions:
+        result["transformers"][rows] = transformers_rate(source, prompt, rows, args.new_tokens)
+        print(f"  transformers generate, {rows} rows: {result['transformers'][rows]:.1f}")
     model = HydraModel.load(checkpoint, device="cuda")
-    fields = ("rate", "syncs_per_round", "accepted_per_round")
     cases = requests(args.new_tokens)
-    result["engine"] = {
-        mode: dict(zip(fields, engine_run(model, request), strict=True))
-        for mode, request in cases.items()
-    }
+    result["engine"] = {}
+    for mode, request in cases.items():
+        result["engine"][mode] = engine_run(model, request)
+        print(f"  engine, {mode}: {result['engine'][mode]['rate']:.1f} tokens/s")
     # The same engine launching every kernel from Python (workers made inside).
     with mock.patch.dict(os.environ, {MODE_VARIABLE: "off"}):
         eager = engine_run(model, cases["non-speculative"])
-    result["engine"]["non-speculative, graphs off"] = dict(zip(fields, eager, strict=True))
+    result["engine"]["non-speculative, graphs off"] = eager
+    print(f"  engine, graphs off: {eager['rate']:.1f} tokens/s", flush=True)
     del model
     torch.cuda.empty_cache()
     result["served"] = served(checkpoint, args.servers, args.sessions, args.served_tokens)
@@ -382,7 +410,13 @@ def report(machine: dict, name: str, r: dict, args) -> None:
             f"engine {mode}: {e['syncs_per_round']:.1f} host syncs a round, "
             f"{e['accepted_per_round']:.2f} drafts accepted a round"
         )
-    print("\n| aggregate tokens/s | " + " | ".join(f"{n} sessions" for n in args.sessions))
+    engine = r.get("engine", {})
+    print("\n| ms a round, in-process | " + " | ".join(engine) + " |")
+    print("| --- " * (len(engine) + 1) + "|")
+    for phase in [*PHASES, *DEVICE_PHASES, REST]:
+        cells = " | ".join(f"{e['round_ms'][phase]:.2f}" for e in engine.values())
+        print(f"| {phase} | {cells} |")
+    print("\n| aggregate tokens/s | " + " | ".join(f"{n} sessions" for n in args.sessions) + " |")
     print("| --- " * (len(args.sessions) + 1) + "|")
     print(
         "| transformers generate (rows) | "
@@ -391,8 +425,10 @@ def report(machine: dict, name: str, r: dict, args) -> None:
     )
     for server, modes in r.get("served", {}).items():
         for mode, rates in modes.items():
-            cells = " | ".join(f"{rates[n]:.0f}" for n in args.sessions)
+            passes = [rates[n] for n in args.sessions]
+            cells = " | ".join(f"{p['warm']:.0f} ({p['cold']:.0f})" for p in passes)
             print(f"| {server}, {mode} | {cells} |")
+    print("(served: steady state, and in brackets the first pass, which records the graphs)")
 
 
 def main() -> None:
@@ -415,6 +451,7 @@ def main() -> None:
     report_machine(machine)
     results = {}
     for name in args.models.split(","):
+        print(f"\n{name}:", flush=True)
         results[name] = run_model(name, root, Path(args.tokenizer), args)
         (root / "results.json").write_text(json.dumps({"machine": machine, **results}, indent=1))
         report(machine, name, results[name], args)

@@ -15,9 +15,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from hydra_jury.hydra_model import HeadStack, Trunk
+from hydra_jury.hydra_model.graphs import StepGraphs
 from hydra_jury.orchestrator import engine, rounds
 from hydra_jury.orchestrator.rounds import Rounds
 from hydra_jury.orchestrator.stopping import StopConditions
+from hydra_jury.workers import trunk as trunk_worker
+from hydra_jury.workers.calls import DraftResult, HiddenStates, ScoreResult
 from hydra_jury.workers.jury import JuryWorker
 
 FORWARD_PHASES = ("trunk forward", "heads forward")
@@ -41,11 +44,24 @@ PHASES: dict[str, list[tuple[object, str]]] = {
     "metrics and records": [(engine, "token_records")],
     "detokenizer and stops": [(StopConditions, "push"), (StopConditions, "delta")],
 }
+# On a GPU the work is queued, not done, when a call returns: the fixed-shape steps'
+# time is their inputs' copies and the graphs' launches (or a first use's recording), and
+# the device's time shows where the host waits for it, bringing results back.
+DEVICE_PHASES: dict[str, list[tuple[object, str]]] = {
+    "fixed-shape steps: inputs and launches": [(StepGraphs, "run")],
+    "results to the host: waits for the device": [
+        (HiddenStates, "on_host"),
+        (ScoreResult, "on_host"),
+        (DraftResult, "on_host"),
+        (trunk_worker, "to_host"),
+    ],
+}
 
 
 class PhaseProfiler:
-    def __init__(self) -> None:
-        self.seconds = dict.fromkeys(PHASES, 0.0)
+    def __init__(self, phases: dict[str, list[tuple[object, str]]] = PHASES) -> None:
+        self.phases = phases
+        self.seconds = dict.fromkeys(phases, 0.0)
         self._inner: list[float] = []  # per open timed call: time of timed calls inside
 
     def _timed(self, phase: str, function):
@@ -66,7 +82,7 @@ class PhaseProfiler:
     @contextmanager
     def installed(self) -> Iterator[PhaseProfiler]:
         originals = []
-        for phase, targets in PHASES.items():
+        for phase, targets in self.phases.items():
             for owner, name in targets:
                 raw = inspect.getattr_static(owner, name)
                 originals.append((owner, name, raw))
