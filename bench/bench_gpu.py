@@ -31,8 +31,11 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import time
+import urllib.request
 import warnings
+from collections import defaultdict
 from pathlib import Path
 from unittest import mock
 
@@ -300,12 +303,14 @@ def served(checkpoint: Path, servers: list[str], counts: list[int], new_tokens: 
 
     rates: dict = {}
     if "serve" in servers:
-        child = start_server(str(checkpoint), [*SERVER_ARGS, "--max-concurrency", "64"])
+        port = free_port()
+        args = [*SERVER_ARGS, "--max-concurrency", "64", "--metrics-port", str(port)]
+        child = start_server(str(checkpoint), args)
         try:
             if not child.address:
                 raise RuntimeError(child.failure)
             print("serve:", flush=True)
-            rates["serve"] = over_modes(child.address, counts, new_tokens)
+            rates["serve"] = over_modes(child.address, counts, new_tokens, port)
         finally:
             child.process.terminate()
             child.process.wait(timeout=60)
@@ -327,19 +332,75 @@ def served(checkpoint: Path, servers: list[str], counts: list[int], new_tokens: 
     return rates
 
 
-def over_modes(address: str, counts: list[int], new_tokens: int) -> dict:
+def batch_totals(metrics_port: int) -> dict[str, list[float]]:
+    """Per RPC, from a server's metrics: its batches, their seconds and their calls so far."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    fields = {
+        "hydrajury_batch_seconds_count": 0,
+        "hydrajury_batch_seconds_sum": 1,
+        "hydrajury_batch_calls_sum": 2,
+    }
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in fields:
+                totals[sample.labels["rpc"]][fields[sample.name]] = sample.value
+    return totals
+
+
+def batches_between(before: dict, after: dict, wall: float) -> dict:
+    """Each RPC's batches between two `batch_totals`: ms a batch and calls a batch; and
+    the share of `wall` the batches took (the model thread's busy time)."""
+    shares = {}
+    for rpc, now in after.items():
+        count, seconds, calls = (a - b for a, b in zip(now, before[rpc], strict=True))
+        if count:
+            shares[rpc] = {"ms": 1e3 * seconds / count, "calls": calls / count}
+    busy = sum(after[rpc][1] - before[rpc][1] for rpc in after)
+    return {"rpcs": shares, "busy": busy / wall}
+
+
+def over_modes(
+    address: str, counts: list[int], new_tokens: int, metrics_port: int | None = None
+) -> dict:
     """Aggregate tokens/s per mode and session count, each measured twice: the first
     pass records the CUDA graphs its batch sizes and spans need (`cold`), the second
-    replays them (`warm`, the steady state)."""
+    replays them (`warm`, the steady state). With the server's `metrics_port`, also its
+    batches during the second pass (`batches_between`)."""
     prompts = SETS["open"]  # free chat
     measure(address, 2, 1, 8, MODES["non-speculative"], prompts)  # warm-up
     rates: dict = {}
     for mode, options in MODES.items():
         for n in counts:
-            passes = [measure(address, n, 1, new_tokens, options, prompts)[0] for _ in "cw"]
-            rates.setdefault(mode, {})[n] = dict(zip(("cold", "warm"), passes, strict=True))
-            print(f"  served {mode}, {n} sessions: {passes[0]:.0f} cold, {passes[1]:.0f} warm")
+            cold = measure(address, n, 1, new_tokens, options, prompts)[0]
+            before = batch_totals(metrics_port) if metrics_port else None
+            began = time.perf_counter()
+            warm = measure(address, n, 1, new_tokens, options, prompts)[0]
+            wall = time.perf_counter() - began
+            rates.setdefault(mode, {})[n] = {"cold": cold, "warm": warm}
+            print(f"  served {mode}, {n} sessions: {cold:.0f} cold, {warm:.0f} warm")
+            if before is not None:
+                batches = batches_between(before, batch_totals(metrics_port), wall)
+                rates[mode][n]["batches"] = batches
+                print(f"    {describe_batches(batches)}")
     return rates
+
+
+def describe_batches(batches: dict) -> str:
+    rpcs = "; ".join(
+        f"{rpc} {b['ms']:.2f} ms a batch of {b['calls']:.1f} calls"
+        for rpc, b in batches["rpcs"].items()
+    )
+    return f"{rpcs}; batches {batches['busy']:.0%} of the wall time"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def run_model(name: str, root: Path, tokenizer: Path, args) -> dict:
@@ -437,6 +498,10 @@ def report(machine: dict, name: str, r: dict, args) -> None:
             cells = " | ".join(f"{p['warm']:.0f} ({p['cold']:.0f})" for p in passes)
             print(f"| {server}, {mode} | {cells} |")
     print("(served: steady state, and in brackets the first pass, which records the graphs)")
+    for mode, rates in r.get("served", {}).get("serve", {}).items():
+        for n in args.sessions:
+            if "batches" in rates[n]:
+                print(f"serve, {mode}, {n} sessions: {describe_batches(rates[n]['batches'])}")
 
 
 def main() -> None:
