@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import time
 import urllib.request
 import warnings
@@ -52,6 +51,7 @@ from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.launcher import LocalStack
 from hydra_jury.orchestrator.local_backend import LocalBackend
 from hydra_jury.orchestrator.request import GenerationRequest
+from hydra_jury.orchestrator.sessions.redis_server import free_port
 from hydra_jury.workers.sessions import SessionLimits
 
 SHAPES = {
@@ -395,12 +395,6 @@ def describe_batches(batches: dict) -> str:
         for rpc, b in batches["rpcs"].items()
     )
     return f"{rpcs}; batches {batches['busy']:.0%} of the wall time"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_model(name: str, root: Path, tokenizer: Path, args) -> dict:

@@ -7,13 +7,13 @@ next address; a resumed stream with a gap is refused."""
 from __future__ import annotations
 
 import signal
-import socket
 
 import grpc
 import pytest
 
 from hydra_jury.cli import main
 from hydra_jury.orchestrator.client import GenerationClient, ResumeError, RetryPolicy, StreamJoiner
+from hydra_jury.orchestrator.sessions.redis_server import free_port
 from hydra_jury.protos.hydrajury.v1 import generation_pb2
 from tests.grpc_stack import retry_busy
 from tests.orchestrator.sessions.test_failover import LONG, orchestrator_process, start_stack
@@ -36,13 +36,6 @@ def joined(messages) -> tuple[list[int], str]:
         ids += [token.token_id for token in message.tokens]
         text += message.text
     return ids, text
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (taken and given back)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.parametrize("options", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
