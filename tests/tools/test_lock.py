@@ -55,6 +55,8 @@ def test_every_install_uses_the_lock():
     makefile = (REPO / "Makefile").read_text()
     setup_recipe = makefile[makefile.index("$(STAMP): pyproject.toml $(LOCK)") :]
     setup_recipe = setup_recipe[: setup_recipe.index("\n\n")]
+    pip_install = re.search(r"^PIP_INSTALL := (.*)$", makefile, re.M)[1]
+    setup_recipe = setup_recipe.replace("$(PIP_INSTALL)", pip_install)
     installs = [line for line in setup_recipe.splitlines() if "pip install" in line]
     assert installs and all("-c $(LOCK)" in line for line in installs), installs
     assert "make test" in (REPO / ".ci" / "run").read_text()
