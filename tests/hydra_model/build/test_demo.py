@@ -8,16 +8,12 @@ import os
 import shutil
 
 import pytest
-import torch
 
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.build import demo
-from hydra_jury.hydra_model.build.demo import DRAFT_LAYERS, demo_gguf_path, ensure_demo_draft
-from hydra_jury.hydra_model.build.sources import gguf_model
+from hydra_jury.hydra_model.build.demo import ensure_demo_draft
 from hydra_jury.hydra_model.checkpoint import training_summary
 from tests.models import save_hf_model
-
-TOLERANCE = 1e-4
 
 
 @pytest.fixture
@@ -192,23 +188,6 @@ def test_main_draft_flags(tiny_demo, tmp_path, capsys):
     with pytest.raises(SystemExit):
         demo.main(["--layers", "3"])
     assert "--layers only applies to the draft model: add --draft" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_smollm2_draft_is_the_gguf_model_cut_short(tmp_path):
-    layers = 8
-    out = ensure_demo_draft(tmp_path / "draft", layers, log=lambda line: None)
-    model = HydraModel.load(out)
-    assert model.config.num_layers == layers < DRAFT_LAYERS == 30
-    assert model.heads.shares_lm_head  # tied embedding, stored once
-    gguf = demo_gguf_path()
-    reference = gguf_model(gguf, num_hidden_layers=layers).eval()
-    tokens = torch.tensor(model.load_tokenizer()("The capital of France is")["input_ids"])
-    hidden = model.trunk.forward(tokens, model.trunk_cache(64), 0)
-    got = model.heads.select(0).forward(hidden, model.head_cache(1, 64), 0)[0]
-    with torch.no_grad():
-        expected = reference(tokens[None]).logits[0]
-    assert (got - expected).abs().max() <= TOLERANCE
 
 
 def test_a_gguf_load_reads_the_file_once_and_puts_the_gguf_package_back(tmp_path):
