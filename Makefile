@@ -1,4 +1,10 @@
 # hydra-jury: set-up, run, test, benchmark.
+
+# Byte-code caches are written (`__pycache__`, ignored by git) whatever the caller's
+# PYTHONDONTWRITEBYTECODE: the tests start about a hundred Python processes, and each
+# would compile again the project's modules it imports and pytest's rewritten test
+# modules (collecting the tests: 11.2 s without the caches, 7.2 s with them).
+unexport PYTHONDONTWRITEBYTECODE
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -29,10 +35,11 @@ setup: $(STAMP)
 # Reinstalls only when pyproject.toml or the lock changes, so a second `make setup` is
 # instant. The build tools come first, from the lock, and the project builds without
 # isolation: with it, pip would fetch the newest setuptools and grpcio-tools to build with.
-# --no-compile: byte-compiling every installed module (most of them torch's, never
-# imported) took 30 of a fresh install's 76 s on 2 cores; Python compiles the ones a
-# process imports on first use, in under a second.
-PIP_INSTALL := $(PY) -m pip install --quiet --no-compile -c $(LOCK)
+# pip byte-compiles what it installs (30 of a fresh install's 76 s on 2 cores), and must:
+# where PYTHONDONTWRITEBYTECODE is set (as on this project's machines) nothing else
+# writes the .pyc files, and every process would compile what it imports anew (torch
+# and transformers: 7-8 s an import instead of 3.4).
+PIP_INSTALL := $(PY) -m pip install --quiet -c $(LOCK)
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) pip setuptools grpcio-tools
@@ -59,13 +66,15 @@ lint: setup
 # they once fell out of step with the code for days unseen. `make test-gpu` runs them on
 # a GPU.
 TEST_WORKERS ?= 4
+# Whole files, handed out in the order tests/conftest.py puts them in (the longest first).
+DISTRIBUTION := --dist loadfile --no-loadscope-reorder
 GPU_TEST_DEVICE ?= cpu
 test: setup protos lint
-	HYDRA_JURY_GPU_TEST_DEVICE=$(GPU_TEST_DEVICE) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	HYDRA_JURY_GPU_TEST_DEVICE=$(GPU_TEST_DEVICE) $(PY) -m pytest -n $(TEST_WORKERS) $(DISTRIBUTION)
 
 # The edit-test loop: everything but the tests marked slow (about a minute).
 test-fast: setup protos lint
-	HYDRA_JURY_GPU_TEST_DEVICE=$(GPU_TEST_DEVICE) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+	HYDRA_JURY_GPU_TEST_DEVICE=$(GPU_TEST_DEVICE) $(PY) -m pytest -n $(TEST_WORKERS) $(DISTRIBUTION) -m "not slow"
 
 # The tests marked gpu, on a machine with a CUDA GPU (elsewhere they are skipped).
 test-gpu: setup protos
@@ -74,7 +83,7 @@ test-gpu: setup protos
 # Every test with the workers' fixed-shape steps (what a GPU replays from CUDA graphs)
 # run eagerly: the graphs' arithmetic checked on any machine (docs/gpu.md).
 test-fixed-shapes: setup protos
-	HYDRA_JURY_CUDA_GRAPHS=eager $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	HYDRA_JURY_CUDA_GRAPHS=eager $(PY) -m pytest -n $(TEST_WORKERS) $(DISTRIBUTION)
 
 # The tests whose outcome could depend on PyTorch's float path (marked numerics), under
 # every CPU capability this machine supports and with 1 and 2 threads (CI runs it too).

@@ -27,6 +27,23 @@ def pytest_report_header() -> list[str]:
     return describe()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files holding tests marked slow first, then the others by how many tests they
+    hold, most first; a file's tests keep their order. `make test` hands each of its
+    processes a whole file at a time, in this order (`--dist loadfile
+    --no-loadscope-reorder`): the longest files start first, and the run does not end
+    with one process alone on a long file that was handed out last (the distribution
+    tests were: 197 s from 121 s in, 20 s after the other processes stopped)."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def weight(tests: list[pytest.Item]) -> tuple[bool, int]:
+        return (not any(test.get_closest_marker("slow") for test in tests), -len(tests))
+
+    items[:] = [test for tests in sorted(files.values(), key=weight) for test in tests]
+
+
 @pytest.fixture
 def kernels() -> Iterator[list[str]]:
     """The instruction sets the native kernels can run here (a test switches between
