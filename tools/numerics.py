@@ -5,7 +5,9 @@ quality) under every CPU capability this machine supports and with 1 and 2 threa
 PyTorch picks its vectorized kernels by the CPU's capability (`default`, `avx2`, `avx512` on
 x86), and `ATEN_CPU_CAPABILITY` lowers it: a machine with AVX-512 can run every float path a
 machine without it takes. Each configuration runs in a fresh pytest process, and its
-report header (tests/environment.py) shows that the capability took effect.
+report header (tests/environment.py) shows that the capability took effect. The
+configurations of one thread count run side by side, as many at once as their threads
+fit in the cores (on 2 cores: the two 1-thread runs together, then each 2-thread run).
 
     .venv/bin/python -m tools.numerics [--capabilities default,avx2] [--threads 1,2]
 """
@@ -18,6 +20,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.environment import THREADS_VARIABLE
@@ -45,8 +48,10 @@ def supported_capabilities(native: str) -> list[str]:
     return ["default", native] if native != "default" else ["default"]
 
 
-def run_configuration(capability: str, threads: int, pytest_args: list[str]) -> tuple[bool, str]:
-    """Runs the numerics tests once; (passed, a one-line summary)."""
+def run_configuration(
+    capability: str, threads: int, pytest_args: list[str]
+) -> tuple[bool, str, str]:
+    """Runs the numerics tests once; (passed, a one-line summary, pytest's output)."""
     env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, OMP_NUM_THREADS=str(threads))
     env[THREADS_VARIABLE] = str(threads)
     # Not -q: the report header shows the float path the run took.
@@ -69,9 +74,13 @@ def run_configuration(capability: str, threads: int, pytest_args: list[str]) -> 
         found = header.group(0) if header else "no report header"
         summary = f"the configuration did not take effect ({found}); {summary}"
     passed = result.returncode == 0 and took_effect
-    if not passed:
-        print(output, file=sys.stderr)
-    return passed, f"{summary} [{seconds:.0f} s]"
+    return passed, f"{summary} [{seconds:.0f} s]", output
+
+
+def side_by_side(threads: int) -> int:
+    """How many runs of `threads` threads fit in the cores this process may use at once
+    (a run's threads spin while they wait: more would slow every one)."""
+    return max(1, len(os.sched_getaffinity(0)) // threads)
 
 
 def parse_list(text: str) -> list[str]:
@@ -108,12 +117,19 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     failed = []
-    for capability in capabilities:
-        for threads in args.threads:
-            passed, summary = run_configuration(capability, threads, pytest_args)
-            print(f"{capability:>8}, {threads} thread(s): {summary}", flush=True)
-            if not passed:
-                failed.append(f"{capability}/{threads}")
+    for threads in args.threads:
+        with ThreadPoolExecutor(side_by_side(threads)) as pool:
+            runs = pool.map(
+                run_configuration,
+                capabilities,
+                [threads] * len(capabilities),
+                [pytest_args] * len(capabilities),
+            )
+            for capability, (passed, summary, output) in zip(capabilities, runs, strict=True):
+                if not passed:
+                    print(output, file=sys.stderr)
+                    failed.append(f"{capability}/{threads}")
+                print(f"{capability:>8}, {threads} thread(s): {summary}", flush=True)
     if failed:
         print(f"numerics tests failed under: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from tools.numerics import main, supported_capabilities
+from tools.numerics import main, side_by_side, supported_capabilities
 
 
 @pytest.mark.parametrize(
@@ -25,3 +27,10 @@ def test_a_capability_the_cpu_lacks_is_refused(capsys):
         main(["--capabilities", "avx9000"])
     assert exit_info.value.code == 2
     assert "not avx9000" in capsys.readouterr().err
+
+
+def test_runs_side_by_side_fit_their_threads_in_the_cores(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert [side_by_side(threads) for threads in (1, 2, 4)] == [2, 1, 1]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert [side_by_side(threads) for threads in (1, 2, 4)] == [16, 8, 4]
