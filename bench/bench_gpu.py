@@ -46,6 +46,7 @@ from round_profile import DEVICE_PHASES, PHASES, REST, PhaseProfiler
 
 from hydra_jury.hydra_model import HydraModel
 from hydra_jury.hydra_model.build.builder import BuildOptions, build_checkpoint
+from hydra_jury.hydra_model.checkpoint import CHAT_TEMPLATE_FILE, TOKENIZER_FILES
 from hydra_jury.hydra_model.graphs import MODE_VARIABLE, DecodeGraph
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.launcher import LocalStack
@@ -72,7 +73,6 @@ SHAPES = {
         trunk_layers=26,
     ),
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 PROMPT = "Write a short story about a robot who learns to paint."
 COPY_BYTES = 1 << 30
 
@@ -129,7 +129,7 @@ def build(name: str, root: Path, tokenizer: Path) -> tuple[Path, Path]:
             model = LlamaForCausalLM(config).to(torch.bfloat16)
         model.save_pretrained(str(source))
         del model
-        for file in TOKENIZER_FILES:
+        for file in (*TOKENIZER_FILES, CHAT_TEMPLATE_FILE):
             if (tokenizer / file).exists():
                 shutil.copy(tokenizer / file, source / file)
         options = BuildOptions(

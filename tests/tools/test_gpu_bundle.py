@@ -19,11 +19,11 @@ def test_every_package_the_bundle_carries_brings_its_own_dependencies():
     """Installed with --no-deps, the bundle must hold what its packages require, but
     what the GPU machine's own stack gives (none of them requires torch or numpy)."""
     carried = {canonicalize_name(name) for name in MISSING}
+    environment = {"extra": "", "python_version": "3.12"}
     lacking = []
     for name in MISSING:
         for text in requires(name) or []:
             requirement = Requirement(text)
-            environment = {"extra": "", "python_version": "3.12"}
             if requirement.marker and not requirement.marker.evaluate(environment):
                 continue
             if canonicalize_name(requirement.name) not in carried:
