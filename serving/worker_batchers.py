@@ -107,7 +107,7 @@ class WorkerBatchers:
     def submit(self, rpc: str, call: Any, started: threading.Event | None = None) -> Future:
         """Queues `call` for the batcher of `rpc`; the future of its result and its share
         of the batches it ran in (`CallBatcher.submit_shared`; `started` is set when its
-        first batch goes to the model thread)."""
+        first batch begins on the model thread)."""
         return asyncio.run_coroutine_threadsafe(
             self.batchers[rpc].submit_shared(call, started), self._loop
         )

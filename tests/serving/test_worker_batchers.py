@@ -128,6 +128,33 @@ def test_a_call_is_told_when_its_batch_goes_to_the_model_thread(start):
     assert queued.result(timeout=30)[0] is None
 
 
+def test_a_call_is_told_on_the_model_thread_before_its_batch_runs(start):
+    """`started` is set by the model thread as the batch begins, not by the batching loop
+    before it hands the batch over: the caller's own work, which waits for it, then
+    finds the model thread already holding the interpreter for the batch."""
+    batchers, _ = start()
+    prefills = batchers.batchers["Prefill"]
+    original = prefills.handle
+    seen: dict[str, object] = {}
+
+    class Recording(threading.Event):
+        def set(self) -> None:
+            seen["set_on"] = threading.get_ident()
+            super().set()
+
+    started = Recording()
+
+    def handle(calls):
+        seen["run_on"], seen["set_before"] = threading.get_ident(), started.is_set()
+        return original(calls)
+
+    prefills.handle = handle
+    call = trunk_prefill("a", [3, 4])
+    assert batchers.submit("Prefill", call, started).result(timeout=30)[0] is None
+    assert seen["set_before"] is True
+    assert seen["set_on"] == seen["run_on"] != threading.get_ident()
+
+
 def hold_model_thread(batchers: WorkerBatchers) -> threading.Event:
     """Runs a batch that holds the model thread until the returned event is set, so that
     the calls submitted meanwhile queue behind it."""
