@@ -142,13 +142,11 @@ def copy_redis_server(into: Path) -> Path:
 
 def copy_tokenizer(into: Path) -> None:
     """SmolLM2's tokenizer files, from the demo base checkpoint (`make model`'s first
-    step), built from the demo GGUF when absent (about 20 s)."""
+    step), built from the demo GGUF when absent or not a valid demo split (about 20 s)."""
     from hydra_jury.hydra_model.build.demo import BASE_DIR, ensure_demo_base
     from hydra_jury.hydra_model.checkpoint import CHAT_TEMPLATE_FILE, TOKENIZER_FILES
 
-    base = REPO / BASE_DIR
-    if not (base / "tokenizer.json").exists():
-        ensure_demo_base(base, log=print)
+    base = ensure_demo_base(REPO / BASE_DIR, log=print)
     into.mkdir()
     for name in (*TOKENIZER_FILES, CHAT_TEMPLATE_FILE):
         shutil.copy(base / name, into / name)

@@ -114,8 +114,8 @@ def test_a_bad_call_fails_alone(start):
     assert batchers.trunk.sessions.peek("bad") is None  # a refused call opens no session
 
 
-def test_a_call_is_told_when_its_batch_goes_to_the_model_thread(start):
-    """`started` is set when the call's batch is handed to the model thread, not while it
+def test_a_call_is_told_when_its_batch_begins_on_the_model_thread(start):
+    """`started` is set when the call's batch begins on the model thread, not while it
     queues behind another batch (`serve`'s rounds wait for it before their own work)."""
     batchers, _ = start()
     blocked = hold_model_thread(batchers)
