@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from hydra_jury.serving.errors import DeadlineExceeded
-from hydra_jury.serving.plain_chain import PlainChain
 from hydra_jury.workers.calls import (
     DraftCall,
     DraftResult,
@@ -169,12 +168,6 @@ class DecodingBackend(ABC):
     def pipelines(self) -> bool:
         """Whether `draft_ahead` may take a call at all (when not, a round does not even
         make the call it would send)."""
-        return False
-
-    def plain_chain(self, chain: PlainChain) -> bool:
-        """Sends `chain`, a session's plain steps for the model thread to run back to back
-        (`serving.plain_chain`), where the backend runs sessions' steps on a model thread
-        of this process (the single-process server); whether it did."""
         return False
 
     def draft_ahead(self, call: DraftCall) -> Future[tuple[DraftResult, ModelShare]] | None:

@@ -27,7 +27,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from hydra_jury.orchestrator.backend import ModelShare
-from hydra_jury.serving.plain_chain import PlainChain, PlainStep
 from hydra_jury.workers.calls import DraftCall, DraftResult
 
 DECAY = 0.8  # per round: a request's last few rounds decide
@@ -40,12 +39,9 @@ class DraftAhead:
     """The next round's draft, sent before this round's verdict."""
 
     call: DraftCall  # as the next round makes it if every draft token of this one is kept
-    # The result and what it cost; a chain's step: its results (`PlainStep`), or None.
-    future: Future[tuple[DraftResult, ModelShare]] | Future[PlainStep | None]
+    future: Future[tuple[DraftResult, ModelShare]]  # the result, and what it cost
     sent_at: float = field(default_factory=time.perf_counter)
     answered_at: float | None = None  # set when the future is done
-    chain: PlainChain | None = None  # the chain of plain steps it is a step of
-    index: int = 0  # which step of the chain
 
     def __post_init__(self) -> None:
         self.future.add_done_callback(self._answered)

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from functools import partial
 from typing import Any, TypeVar
 
 from hydra_jury.hydra_model import DraftModel, HydraModel
@@ -27,7 +26,6 @@ from hydra_jury.serving.batcher import BatchLimits
 from hydra_jury.serving.errors import CallCancelled, DeadlineExceeded, InternalServiceError
 from hydra_jury.serving.metrics import ServiceMetrics
 from hydra_jury.serving.model_thread import ModelThread
-from hydra_jury.serving.plain_chain import PlainChain
 from hydra_jury.serving.server import new_epoch
 from hydra_jury.serving.worker_batchers import WorkerBatchers
 from hydra_jury.workers.calls import (
@@ -215,19 +213,6 @@ class LocalBackend(DecodingBackend):
         started.wait(self.batchers.limits.window_s)
         return result
 
-    def plain_chain(self, chain: PlainChain) -> bool:
-        """Batched (the single-process server), sends `chain`, a session's plain steps
-        run back to back on the model thread (`serving.plain_chain`), and returns True;
-        else False. As `draft_ahead`, this thread goes on once the chain's first step has
-        begun (at most a batch window)."""
-        if self.batchers is None:
-            return False
-        started = threading.Event()
-        chain.ended = self.batchers.submit("Draft", chain, started)
-        chain.ended.add_done_callback(partial(_chain_ended, chain))
-        started.wait(self.batchers.limits.window_s)
-        return True
-
     def score(self, call: ScoreCall) -> ScoreResult:
         return self.score_batch([call])[0]
 
@@ -254,17 +239,6 @@ class LocalBackend(DecodingBackend):
             self.batchers.close()
         if self._thread is not None:
             self._thread.shutdown()
-
-
-def _chain_ended(chain: PlainChain, ended: Future) -> None:
-    """The chain's call is done: the steps it did not run end too (with its error, or
-    cancelled with the backend)."""
-    if ended.cancelled():
-        chain.fail(CallCancelled("the call was cancelled"))
-    elif ended.exception() is not None:
-        chain.fail(ended.exception())
-    else:
-        chain.stop()
 
 
 def _refused(error: InvalidArgument) -> InternalServiceError:

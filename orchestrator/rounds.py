@@ -28,17 +28,14 @@ after a round with drafts is pipelined too. No draft of the automatic mode is se
 
 from __future__ import annotations
 
-import contextlib
 import time
 from concurrent.futures import CancelledError
-from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import nullcontext
-from dataclasses import replace
 
 import torch
 
 from hydra_jury.orchestrator.auto import Choice, CostModel
-from hydra_jury.orchestrator.backend import DecodingBackend, ModelShare
+from hydra_jury.orchestrator.backend import DecodingBackend
 from hydra_jury.orchestrator.beam_search import BeamRun
 from hydra_jury.orchestrator.draft_ahead import AheadPolicy, DraftAhead
 from hydra_jury.orchestrator.output import TokenKind, Verdict
@@ -51,10 +48,10 @@ from hydra_jury.poe import (
     Rule,
     TargetRows,
     Verification,
+    contrastive_logprobs,
     draw_token,
     filter_logprobs,
     normalise_logprobs,
-    plain_step_token,
     point_mass_logprobs,
     probabilities,
     reached_positions,
@@ -64,8 +61,6 @@ from hydra_jury.poe import (
     verify_sampled,
 )
 from hydra_jury.serving import tracing
-from hydra_jury.serving.errors import DeadlineExceeded
-from hydra_jury.serving.plain_chain import ChainScoring, PlainChain, PlainStep
 from hydra_jury.workers.calls import (
     DraftCall,
     DraftResult,
@@ -89,7 +84,7 @@ class Rounds:
         """Runs the round `run` is due and returns what it decided (nothing committed)."""
         prepared = run.prepared
         with run.timer.phase("draft_s") if run.ahead else nullcontext():
-            ahead = self._arrived(run)  # this round's draft, if the last round sent it
+            ahead = self.settle(run)  # this round's draft, if the last round sent it
         remaining = prepared.request.max_new_tokens - len(run.progress.generated)
         if prepared.request.num_beams > 1:
             return self._beam_round(run, remaining)
@@ -103,7 +98,7 @@ class Rounds:
         if prepared.drafter == DrafterKind.MODEL:
             return self._model_round(run, min(prepared.gamma, remaining - 1), coupled=False)
         if prepared.rule == Rule.VERIFIER_ONLY:
-            return self._plain_step(run, ahead, next_steps=remaining - 1)
+            return self._plain_step(run, ahead, send_next=remaining > 1)
         if prepared.rule == Rule.DRAFTER_ONLY:
             return self._head_round(run, min(prepared.gamma, remaining))
         gamma = min(prepared.gamma, remaining)
@@ -113,36 +108,17 @@ class Rounds:
 
     def settle(self, run: Run) -> DraftAhead | None:
         """Waits for the draft `run` sent ahead, if any, and takes it off the run: after
-        this, the trunk holds no call of the session in flight (a chain of plain steps is
-        stopped and its end waited for). Returned done, or None when none was sent, it
-        failed (a round that needs it makes the call itself, and meets the error there)
-        or it was a chain's step."""
+        this, the trunk holds no call of the session in flight. Returned done, or None
+        when none was sent or it failed (a round that needs it makes the call itself,
+        and meets the error there)."""
         ahead, run.ahead = run.ahead, None
-        self._end_chain(run)
-        if ahead is None or ahead.chain is not None:
+        if ahead is None:
             return None
-        return ahead if _answered(ahead) else None
-
-    def _arrived(self, run: Run) -> DraftAhead | None:
-        """This round's draft if the last round sent it ahead, done: as `settle`, but a
-        chain's next step is left to the round, which waits for it within the request's
-        deadline (`_chained`), and the chain left running."""
-        ahead = run.ahead
-        if ahead is None or ahead.chain is None or ahead.chain is not run.chain:
-            return self.settle(run)
-        run.ahead = None
-        return ahead
-
-    @staticmethod
-    def _end_chain(run: Run) -> None:
-        """Stops `run`'s chain of plain steps, if any, and waits for its end."""
-        chain, run.chain = run.chain, None
-        if chain is None:
-            return
-        chain.stop()
-        if chain.ended is not None:
-            with contextlib.suppress(Exception):  # its error reached its steps
-                chain.ended.result()
+        try:
+            failed = ahead.future.exception() is not None
+        except CancelledError:  # the backend closed before it was sent
+            failed = True
+        return None if failed else ahead
 
     def _auto_round(self, run: Run, remaining: int, ahead: DraftAhead | None) -> Verdict:
         """The round the automatic mode chooses (`orchestrator.auto`), measured for the
@@ -181,7 +157,7 @@ class Rounds:
             verdict = self._ngram_round(run, drafts, ahead)
             kind, positions = DrafterKind.NGRAM, choice.drafts + 1
         else:
-            verdict = self._plain_step(run, ahead, next_steps=0)
+            verdict = self._plain_step(run, ahead, send_next=False)
             kind, positions = DrafterKind.NGRAM, 1  # a one-pass round of no draft
         return choice, verdict, kind, positions
 
@@ -275,91 +251,29 @@ class Rounds:
         policy.observe_round(kept_all=verdict.accepted == len(draft.tokens))
         return verdict
 
-    def _plain_step(self, run: Run, ahead: DraftAhead | None, next_steps: int) -> Verdict:
+    def _plain_step(self, run: Run, ahead: DraftAhead | None, send_next: bool) -> Verdict:
         """A plain step (`verifier_only`, or the automatic mode's round of no draft): one
         trunk step and one jury call, no draft; a token drawn from the target. `ahead`:
         the step sent ahead by the last round, used if it is this one's. With
-        `next_steps` > 0 (that many tokens may follow this one), the next steps are sent
-        as soon as this token is drawn: where the backend runs sessions' steps on its
-        model thread, as a chain the model thread runs back to back
-        (`serving.plain_chain`); else the next step's trunk call, which needs only this
-        token, runs while this round's metrics, commit and stream are done (where the
-        backend batches sessions, beside theirs; never discarded but at the end)."""
+        `send_next`, the next step's trunk call, which needs only this token, is sent as
+        soon as the token is drawn: it runs while this round's metrics, commit and stream
+        are done (where the backend batches sessions, beside theirs; never discarded but
+        at the end)."""
         call = self._draft_call(run, 1, run.start, run.committed[-1], trunk_only=True)
-        step = self._chained(run, ahead, call)
-        if step is not None:
-            self._draft(run, call, step.draft)
-            _count_work(run.progress.stats, 0, step.score.head_evaluations)
-            verdict = self._sample_target(run, step.target, step.score, step.token)
-            verdict.used_ahead = True
-            verdict.sent_ahead = next_steps > 0 and self._next_in_chain(run, ahead, verdict)
-            return verdict
         sent = self._taken(ahead, call)
         draft = self._draft(run, call, sent)
         score = self._score(run, draft.hidden, with_decision=False)
         verdict = self._sample_target(run, target_rows(score.log_product), score)
-        token = verdict.tokens[-1]
-        verdict.sent_ahead = next_steps > 0 and (
-            self._start_chain(run, token, next_steps)
-            or self._send_ahead_from(run, token, 1, 1, trunk_only=True)
+        verdict.sent_ahead = send_next and self._send_ahead_from(
+            run, verdict.tokens[-1], 1, 1, trunk_only=True
         )
         verdict.used_ahead = sent is not None
         return verdict
 
-    def _chained(self, run: Run, ahead: DraftAhead | None, call: DraftCall) -> PlainStep | None:
-        """The results of the chain's step `ahead` when it is this round's `call`, counted
-        as this round's cost; else None, the chain ended (the round makes its call)."""
-        if ahead is None or ahead.chain is None:
-            return None
-        left = self.backend.time_left()  # raises once the request's deadline has passed
-        try:
-            with run.timer.phase("draft_s"):
-                step = ahead.future.result(timeout=left)
-        except FutureTimeout:
-            raise DeadlineExceeded("the request's deadline passed during generation") from None
-        except Exception:  # the round's own call meets the error, if it lasts
-            step = None
-        if step is None or ahead.call != call:
-            self._end_chain(run)
-            return None
-        self.backend.count_ahead(ModelShare(step.seconds, step.share))
-        return step
-
-    @staticmethod
-    def _next_in_chain(run: Run, ahead: DraftAhead, verdict: Verdict) -> bool:
-        """The chain's next step, as the next round's draft sent ahead (it answers None
-        if the chain ended first)."""
-        chain, index = ahead.chain, ahead.index + 1
-        call = replace(ahead.call, start=ahead.call.start + 1, pending=verdict.tokens[-1])
-        run.ahead = DraftAhead(call, chain.step(index), chain=chain, index=index)
-        return True
-
-    def _start_chain(self, run: Run, token: int, steps: int) -> bool:
-        """Sends the next `steps` plain steps, after `token`, as a chain the backend's
-        model thread runs (`serving.plain_chain`); whether the backend took it."""
-        prepared, request = run.prepared, run.prepared.request
-        call = self._draft_call(run, 1, run.start + 1, token, trunk_only=True)
-        scoring = ChainScoring(
-            tuple(prepared.jury),
-            request.temperature,
-            request.beta,
-            prepared.sampling,
-            prepared.seed,
-            prepared.amateur,
-            request.contrastive_alpha,
-        )
-        stop_tokens = frozenset(() if request.ignore_eos else self.backend.info.eos_token_ids)
-        chain = PlainChain(call, scoring, steps, stop_tokens)
-        if not self.backend.plain_chain(chain):
-            return False
-        run.chain = chain
-        run.ahead = DraftAhead(call, chain.step(0), chain=chain)
-        return True
-
     def _taken(self, ahead: DraftAhead | None, call: DraftCall) -> DraftResult | None:
         """The result of the call the last round sent `ahead` when it is this round's
         `call`, counted as this round's cost; else None (the round makes its call)."""
-        if ahead is None or ahead.chain is not None or ahead.call != call:
+        if ahead is None or ahead.call != call:
             return None
         draft, share = ahead.future.result()
         self.backend.count_ahead(share)
@@ -514,14 +428,20 @@ class Rounds:
         return Verdict(draft.tokens.tolist(), kinds, gamma, gamma, DrafterKind.HEAD)
 
     @tracing.spanned("accept")
-    def _sample_target(
-        self, run: Run, target: TargetRows, score: ScoreResult, token: int | None = None
-    ) -> Verdict:
+    def _sample_target(self, run: Run, target: TargetRows, score: ScoreResult) -> Verdict:
         """A plain step: one token from the target (or, contrastive, from the contrastive
-        distribution of the target and the amateur), nothing drafted. `token`: the one
-        the step's batch drew already (`poe.plain_step_token`, the same draw)."""
-        if token is None:
-            token = plain_step_token(*_plain_draw(run, score, target))
+        distribution of the target and the amateur), nothing drafted."""
+        prepared = run.prepared
+        chosen_from = target.logprobs
+        if prepared.amateur is not None:
+            alpha = prepared.request.contrastive_alpha
+            chosen_from = contrastive_logprobs(target.logprobs, score.amateur_logprobs, alpha)
+        if chosen_from is not target.logprobs:
+            token = self._draw(run, chosen_from, run.start + 1)
+        elif prepared.sampling.greedy:
+            token = target.greedy.tolist()[0]  # the draw's greedy choice, made with the rows
+        else:
+            token = self._draw(run, chosen_from, run.start + 1, target.probs)
         return Verdict(
             [token],
             [TokenKind.SAMPLE],
@@ -559,23 +479,6 @@ class Rounds:
         else:
             verification = verify_sampled(rule, lenience, draft.tokens, probs, seed, positions)
         return _verdict(draft, verification, target, score, drafter)
-
-
-def _plain_draw(run: Run, score: ScoreResult, target: TargetRows) -> tuple:
-    """`poe.plain_step_token`'s arguments for `run`'s plain step with these rows."""
-    prepared = run.prepared
-    amateur = score.amateur_logprobs if prepared.amateur is not None else None
-    alpha = prepared.request.contrastive_alpha
-    return target, prepared.sampling, prepared.seed, run.start + 1, amateur, alpha
-
-
-def _answered(ahead: DraftAhead) -> bool:
-    """Waits for `ahead`'s future; whether it gave a result (not an error, not
-    cancelled with the backend)."""
-    try:
-        return ahead.future.exception() is None
-    except CancelledError:  # the backend closed before it was sent
-        return False
 
 
 def _decides_apart(run: Run) -> bool:

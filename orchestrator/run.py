@@ -16,7 +16,6 @@ from hydra_jury.orchestrator.request import DrafterKind, PreparedRequest
 from hydra_jury.orchestrator.round_timer import RoundTimer
 from hydra_jury.orchestrator.stopping import StopConditions
 from hydra_jury.poe import Hypothesis, NgramIndex
-from hydra_jury.serving.plain_chain import PlainChain
 from hydra_jury.workers.calls import UncertaintyResult
 
 
@@ -39,7 +38,6 @@ class Run:
     # The trace context of the last round's span: its commit continues it (`tracing`).
     trace_context: Context | None = None
     ahead: DraftAhead | None = None  # a draft in flight for the next round
-    chain: PlainChain | None = None  # the plain steps the model thread runs for it
     ahead_policy: AheadPolicy = field(default_factory=AheadPolicy)  # whether to send one
     drafts_ahead: int = 0  # drafts sent ahead by this request's rounds
     drafts_ahead_used: int = 0  # of which a round used (the others were discarded)

@@ -7,8 +7,7 @@ Modules
 - row_kernels: which vocabulary-wide passes run in the native kernels.
 - filters: sampling options and the top-k / top-p / min-p filters.
 - rules: acceptance rules (exact, lenient, speculative cascades, baselines).
-- verify: verification of a draft (greedy, sampled, coupled) and single-token draws
-  (a plain step's token).
+- verify: verification of a draft (greedy, sampled, coupled) and single-token draws.
 - maxima: argmax and the two largest values along the last axis, vectorised.
 - metrics: per-token metrics (entropy, stability, validity, suppression, log-probabilities)
   and request counters.
@@ -62,7 +61,6 @@ from hydra_jury.poe.verify import (
     Verification,
     draw_token,
     leading_true,
-    plain_step_token,
     verify_coupled,
     verify_greedy,
     verify_sampled,
@@ -99,7 +97,6 @@ __all__ = [
     "normalise_logprobs",
     "partial_log_product",
     "partial_log_product_and_votes",
-    "plain_step_token",
     "point_mass_logprobs",
     "probabilities",
     "random_seed",

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from hydra_jury.poe.contrastive import contrastive_logprobs
 from hydra_jury.poe.filters import SamplingParams, filter_logprobs
 from hydra_jury.poe.randomness import categorical, uniforms
 from hydra_jury.poe.rules import (
@@ -30,7 +29,6 @@ from hydra_jury.poe.rules import (
     rule_target,
 )
 from hydra_jury.poe.target import probabilities
-from hydra_jury.poe.target_rows import TargetRows
 
 
 @dataclass(frozen=True)
@@ -113,27 +111,6 @@ def draw_token(
         probs = probabilities(filtered)
     token = categorical(probs, seed, torch.tensor([position]), purpose)
     return int(token[0]), filtered
-
-
-def plain_step_token(
-    target: TargetRows,
-    sampling: SamplingParams,
-    seed: int,
-    position: int,
-    amateur_logprobs: torch.Tensor | None = None,
-    contrastive_alpha: float = 0.0,
-) -> int:
-    """A plain step's token for `position` from the target's row (`target_rows` of one
-    position): its greedy token, or a draw keyed by (seed, position, "sample"); with
-    `amateur_logprobs` [1, V], from the contrastive distribution of the target and the
-    amateur instead. Wherever a plain step is decided (the loop's thread, or a server's
-    model thread running sessions' steps back to back), its token is this one."""
-    if amateur_logprobs is not None:
-        chosen = contrastive_logprobs(target.logprobs, amateur_logprobs, contrastive_alpha)
-        return draw_token(chosen, sampling, seed, position, "sample")[0]
-    if sampling.greedy:
-        return int(target.greedy[0])  # the draw's greedy choice, made with the rows
-    return draw_token(target.logprobs, sampling, seed, position, "sample", target.probs)[0]
 
 
 def leading_true(mask: torch.Tensor) -> int:

@@ -14,10 +14,7 @@ event loop of their own thread and run each batch on the model thread:
   joins at the next step and leaves when its γ steps are done. A plain step and a
   one-pass check of outside drafts (its pending token and drafts) are one step each, so
   a one-pass round shares the plain steps' trunk forward instead of running one of its
-  own beside it. A non-speculative request's plain steps after its first come as one
-  call, a chain (`serving.plain_chain`) that goes on from batch to batch: its step is
-  scored by the jury and its token drawn in the same batch, and its next step runs in
-  the next (the Score batcher never sees those steps);
+  own beside it;
 - **score**: the jury's ragged forward over every session's drafted positions.
 
 A call that fails fails alone (`run_isolated`); results come back on the host, as the
@@ -36,16 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from hydra_jury.serving.batcher import CONTINUE, BatchLimits, CallBatcher, run_isolated
+from hydra_jury.serving.batcher import BatchLimits, CallBatcher, run_isolated
 from hydra_jury.serving.draft_scheduler import DraftScheduler
 from hydra_jury.serving.metrics import ServiceMetrics
 from hydra_jury.serving.model_thread import ModelThread
-from hydra_jury.serving.plain_chain import PlainChain
 from hydra_jury.workers.calls import (
     DraftCall,
     DraftResult,
@@ -57,11 +52,6 @@ from hydra_jury.workers.calls import (
 )
 from hydra_jury.workers.jury import JuryWorker
 from hydra_jury.workers.trunk import TrunkWorker
-
-
-def _trunk_call(ticket: DraftCall | PlainChain) -> DraftCall:
-    """The trunk call a Draft batcher's ticket makes now: a chain's next step's."""
-    return ticket.call if isinstance(ticket, PlainChain) else ticket
 
 
 def prefill_chunks(call: PrefillCall, size: int) -> list[PrefillCall]:
@@ -156,44 +146,12 @@ class WorkerBatchers:
         # The hidden states stay on the model's device, for the jury's score call.
         return run_isolated(calls, self.trunk.prefill_batch, self.trunk.prefill)
 
-    def _draft_batch(
-        self, tickets: list[DraftCall | PlainChain]
-    ) -> list[DraftResult | Exception | object]:
-        """One step of every call drafting; a chain's step is scored and its token drawn
-        in the same batch (`serving.plain_chain`). A chain stopped since its last step
-        ends without one."""
-        began = time.perf_counter()
-        outcomes: list[DraftResult | Exception | object | None] = [None] * len(tickets)
-        running = []
-        for place, ticket in enumerate(tickets):
-            if isinstance(ticket, PlainChain) and ticket.stopped:
-                outcomes[place] = None  # the chain's end
-            else:
-                running.append(place)
-        drafted = self._drafts.run([tickets[place] for place in running], _trunk_call)
-        chained = []
-        for place, outcome in zip(running, drafted, strict=True):
-            ticket = tickets[place]
-            if not isinstance(ticket, PlainChain):
-                outcomes[place] = outcome.on_host() if isinstance(outcome, DraftResult) else outcome
-            elif isinstance(outcome, DraftResult):
-                chained.append((place, ticket, outcome))
-            else:  # a plain step never goes on: its error
-                ticket.fail(outcome)
-                outcomes[place] = outcome
-        if chained:
-            calls = [ticket.score_call(draft.hidden) for _, ticket, draft in chained]
-            scores = run_isolated(calls, self.jury.score_batch, self.jury.score)
-            share = (time.perf_counter() - began) / len(tickets)
-            for (place, ticket, draft), score in zip(chained, scores, strict=True):
-                if isinstance(score, Exception):
-                    ticket.fail(score)
-                    outcomes[place] = score
-                    continue
-                seconds = time.perf_counter() - began
-                goes_on = ticket.publish(draft.on_host(), score.on_host(), seconds, share)
-                outcomes[place] = CONTINUE if goes_on else None
-        return outcomes
+    def _draft_batch(self, calls: list[DraftCall]) -> list[DraftResult | Exception | object]:
+        outcomes = self._drafts.run(calls, lambda call: call)
+        return [
+            outcome.on_host() if isinstance(outcome, DraftResult) else outcome
+            for outcome in outcomes
+        ]
 
     def _score_batch(self, calls: list[ScoreCall]) -> list[ScoreResult | Exception]:
         results = run_isolated(calls, self.jury.score_batch, self.jury.score)
