@@ -22,20 +22,20 @@ import torch
 
 from hydra_jury.hydra_model import HydraModel, Segment
 
-CONTEXTS = (96, 160, 224, 288, 352, 416, 480, 544)  # cycled over the sessions
+CONTEXTS = "96,160,224,288,352,416,480,544"  # cycled over the sessions
 
 
 class Sessions:
     """B sessions with cache slots holding contexts of different lengths."""
 
-    def __init__(self, model: HydraModel, count: int) -> None:
-        capacity = max(CONTEXTS) + 8
+    def __init__(self, model: HydraModel, count: int, contexts: list[int]) -> None:
+        capacity = max(contexts) + 8
         self.model = model
         self.trunk = model.trunk_pool(count, capacity)
         self.heads = model.head_pool(model.heads.size, count, capacity)
         self.slots = [(self.trunk.acquire(), self.heads.acquire()) for _ in range(count)]
         generator = torch.Generator().manual_seed(0)
-        self.lengths = [CONTEXTS[i % len(CONTEXTS)] for i in range(count)]
+        self.lengths = [contexts[i % len(contexts)] for i in range(count)]
         for (trunk_cache, head_cache), length in zip(self.slots, self.lengths, strict=True):
             tokens = torch.randint(0, model.config.vocab_size, (length,), generator=generator)
             hidden = model.trunk.forward(tokens, trunk_cache, 0)
@@ -76,11 +76,15 @@ def main() -> int:
     parser.add_argument("--sessions", default="1,2,4,8,16")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--contexts", default=CONTEXTS, help="positions each session holds, cycled over them"
+    )
     args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
     print(
         f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads, {args.checkpoint}: "
         "one decode step (trunk + 4 heads, one token per session, contexts "
-        f"{CONTEXTS[0]}..{CONTEXTS[-1]}), median of {args.repeats}"
+        f"{min(contexts)}..{max(contexts)}), median of {args.repeats}"
     )
     print(
         "| dtype | sessions | B single forwards (ms) | one ragged forward (ms) | "
@@ -90,7 +94,7 @@ def main() -> int:
     for dtype in args.dtypes.split(","):
         model = HydraModel.load(args.checkpoint, dtype=dtype)
         for count in (int(c) for c in args.sessions.split(",")):
-            sessions = Sessions(model, count)
+            sessions = Sessions(model, count, contexts)
             tokens = torch.randint(0, model.config.vocab_size, (count,))
             with torch.inference_mode():
                 alone, expected = timed(sessions.step, args.repeats, tokens, False)
