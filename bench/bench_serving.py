@@ -19,6 +19,15 @@ calls of different sessions into one forward (continuous batching); with `--unba
 the same table is measured with every forward limited to one call (`--max-batch-tokens
 1`): the servers as they were before batching, side by side in one run.
 
+With `--repeats N` every setting runs N times, the modes in turn at each session count
+(every mode at one count before the next count, their order reversed every other
+time), and each row is the median of its
+runs; after the table, per count, the automatic drafter against the best fixed mode,
+taken run by run between settings that ran side by side. (A machine whose speed drifts
+by a quarter within minutes otherwise decides that comparison: run one mode after
+another, the 2-core Zen 3 machine put the automatic drafter at 0.88x non-speculative
+PoE at 8 sessions of `serve`, where it chose plain steps in 99% of its rounds.)
+
 Batch invariance: the same seeded requests run one at a time and then all at once; the
 share whose tokens are identical. Random draws are keyed by (seed, position, purpose), so
 tokens differ only where a batched forward's float reductions moved a draw across a
@@ -276,7 +285,16 @@ def main() -> int:
     parser.add_argument(
         "--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}"
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every setting this many times, the modes in turn at each session count, "
+        "and report medians (and the automatic drafter against the best fixed mode)",
+    )
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     if args.stagger and not args.duration:
         parser.error("--stagger needs --duration (sustained load)")
     counts = [int(count) for count in args.sessions.split(",")]
@@ -300,12 +318,13 @@ def main() -> int:
     settings = [("batched", [])]
     if args.unbatched:
         settings.append(("one call per forward", ["--max-batch-tokens", "1"]))
-    identical: list[str] = []
+    notes: list[str] = []  # batch invariance, and the automatic drafter side by side
     for server in args.servers.split(","):
         for dtype in args.dtypes.split(","):
             for services, limit in settings:
                 with started(server, args.checkpoint, ["--dtype", dtype, *limit]) as address:
-                    rows = run_modes(address, modes, counts, args)
+                    label = f"{server}, {dtype}"
+                    rows = run_modes(address, modes, counts, args, notes, label)
                     for name, count, rate, single, ttft, tpot in rows:
                         print(
                             f"| {server} | {dtype} | {services} | {name} | {count} | "
@@ -325,35 +344,79 @@ def main() -> int:
                                 options,
                                 SETS[args.prompts],
                             )
-                            identical.append(
+                            notes.append(
                                 f"{server}, {dtype}, {name}: {same} of {total} requests "
                                 f"identical alone and in a batch of {total}"
                             )
-    for line in identical:
+    for line in notes:
         print(line)
     return 0
 
 
-def run_modes(address: str, modes: dict, counts: list[int], args) -> Iterator[tuple]:
+def run_modes(
+    address: str, modes: dict, counts: list[int], args, notes: list[str], label: str
+) -> Iterator[tuple]:
     """(mode, sessions, tokens/s, one session's tokens/s, TTFTs, TPOTs) of every mode and
-    session count, in order, after a warm-up."""
+    session count, in order, after a warm-up. With `--repeats` N > 1 the settings run in
+    turn instead, every mode at one session count before the next count (in reverse
+    order every other time), N times over:
+    the modes compared at a count run within a minute of each other, so that a machine
+    whose speed drifts weighs on them alike. Each row's tokens/s is then the median of
+    its N runs, and its latencies pool theirs; `notes` gets, per count, the automatic
+    drafter against the best fixed mode, run by run (`label` names the server and dtype)."""
     prompts = SETS[args.prompts]
     measure(address, 1, 1, 8, MODES["plain"][1], prompts)
-    for name, options in modes.items():
-        single = None
+
+    def one(count: int, options: dict) -> tuple:
+        return measure(
+            address,
+            count,
+            args.requests,
+            args.new_tokens,
+            options,
+            prompts,
+            args.duration,
+            args.stagger,
+        )
+
+    if args.repeats == 1:
+        for name, options in modes.items():
+            single = None
+            for count in counts:
+                rate, ttft, tpot = one(count, options)
+                single = single or rate
+                yield name, count, rate, single, ttft, tpot
+        return
+    runs: dict[tuple[str, int], list[tuple]] = {}
+    for repeat in range(args.repeats):
         for count in counts:
-            rate, ttft, tpot = measure(
-                address,
-                count,
-                args.requests,
-                args.new_tokens,
-                options,
-                prompts,
-                args.duration,
-                args.stagger,
+            # The modes' order turns round every repeat: the second of two runs side by
+            # side can be slower for being second (the server's and Redis's state).
+            ordered = list(modes.items())[:: -1 if repeat % 2 else 1]
+            for name, options in ordered:
+                runs.setdefault((name, count), []).append(one(count, options))
+    rates = {key: [rate for rate, _, _ in measured] for key, measured in runs.items()}
+    for name in modes:
+        single = statistics.median(rates[name, counts[0]])
+        for count in counts:
+            measured = runs[name, count]
+            ttft = [t for _, ttfts, _ in measured for t in ttfts]
+            tpot = [t for _, _, tpots in measured for t in tpots]
+            yield name, count, statistics.median(rates[name, count]), single, ttft, tpot
+    automatic = MODES["auto"][0]
+    fixed = [name for name in modes if name != automatic]
+    if automatic in modes and fixed:
+        for count in counts:  # repeat by repeat: the runs of one repeat ran side by side
+            ratios = [
+                rates[automatic, count][i] / max(rates[name, count][i] for name in fixed)
+                for i in range(args.repeats)
+            ]
+            notes.append(
+                f"{label}, {count} sessions: {automatic} against the best of "
+                f"{', '.join(fixed)}: {statistics.median(ratios):.2f}x "
+                f"(median of {args.repeats} runs side by side; "
+                f"{min(ratios):.2f}-{max(ratios):.2f})"
             )
-            single = single or rate
-            yield name, count, rate, single, ttft, tpot
 
 
 if __name__ == "__main__":
