@@ -21,9 +21,9 @@ the same table is measured with every forward limited to one call (`--max-batch-
 
 With `--repeats N` every setting runs N times, the modes in turn at each session count
 (every mode at one count before the next count, their order reversed every other
-time), and each row is the median of its
-runs; after the table, per count, the automatic drafter against the best fixed mode,
-taken run by run between settings that ran side by side. (A machine whose speed drifts
+time), and each row is the median of its runs; after the table, per count, the
+automatic drafter against the best fixed mode, taken run by run between settings that
+ran side by side. (A machine whose speed drifts
 by a quarter within minutes otherwise decides that comparison: run one mode after
 another, the 2-core Zen 3 machine put the automatic drafter at 0.88x non-speculative
 PoE at 8 sessions of `serve`, where it chose plain steps in 99% of its rounds.)
@@ -359,11 +359,11 @@ def run_modes(
     """(mode, sessions, tokens/s, one session's tokens/s, TTFTs, TPOTs) of every mode and
     session count, in order, after a warm-up. With `--repeats` N > 1 the settings run in
     turn instead, every mode at one session count before the next count (in reverse
-    order every other time), N times over:
-    the modes compared at a count run within a minute of each other, so that a machine
-    whose speed drifts weighs on them alike. Each row's tokens/s is then the median of
-    its N runs, and its latencies pool theirs; `notes` gets, per count, the automatic
-    drafter against the best fixed mode, run by run (`label` names the server and dtype)."""
+    order every other time), N times over: the modes compared at a count run within a
+    minute of each other, so that a machine whose speed drifts weighs on them alike.
+    Each row's tokens/s is then the median of its N runs, and its latencies pool theirs;
+    `notes` gets, per count, the automatic drafter against the best fixed mode, run by
+    run (`label` names the server and dtype)."""
     prompts = SETS[args.prompts]
     measure(address, 1, 1, 8, MODES["plain"][1], prompts)
 
