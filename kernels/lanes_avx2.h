@@ -6,13 +6,21 @@ struct Lanes {
 // Outputs per tile of the float products (rows_times_weight.h).
 constexpr int kTileOutputs = 1;
 
-// Whether float32 weights are fetched ahead in software (rows_times_weight.h). Not here:
-// on a 2-core AMD EPYC (Zen 3, AVX2 only) the hardware prefetcher streams them faster
-// alone. Every projection of SmolLM2's trunk and a head, paired in one process: 0.86x the
-// time without, 0.87x fetching 512 bytes ahead; decoding 0.91x the time a token; 2 to 16
-// rows 0.81-1.02x. Quantized weights still gain from it there (int8 1.13x the time
-// without), and the AVX-512 machines were tuned with it.
-constexpr bool kFetchFloat32Ahead = false;
+// From how many rows of activations a whole-Lanes tile fetches float32 weights ahead in
+// software (rows_times_weight.h; from 8 rows the part tiles fetch the next tile's). One
+// row does not: on a 2-core AMD EPYC (Zen 3, AVX2 only) the hardware prefetcher streams
+// them faster alone. Every projection of SmolLM2's trunk and a head, paired in one
+// process: 0.86x the time without, 0.87x fetching 512 bytes ahead; decoding 0.91x the
+// time a token. Nor do two or three rows (1.08-1.17x the time fetching ahead: every
+// projection of the trunk and the LM head, 7 pairs in one process, the rule switched
+// between calls). Four rows and more do: with four multiply-adds for each weight loaded,
+// the core keeps fewer weights in flight than the stream needs. 4 rows 0.82-0.85x the
+// time, 5 to 7 rows 0.87-0.92x, fetching 2, 4, 8 or 16 KB ahead alike; in-process
+// decoding with the 4-head jury (whose LM head multiplies 4 rows a step) 1.04x the
+// tokens/s non-speculative, 1.02x at γ = 4, 7 pairs each, the tokens identical.
+// Quantized weights gain from it at one row (int8 1.13x the time without), and the
+// AVX-512 machines were tuned with it at every row count.
+constexpr int64_t kFetchFloat32AheadFrom = 4;
 
 // Outputs per tile of int4 weights times one row of int8 activations (rows_times_weight.h).
 // Two here: on the Zen 3 EPYC, SmolLM2's int4 projections took 0.73x the time of one

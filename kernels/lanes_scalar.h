@@ -4,7 +4,7 @@ struct Lanes {
   float f[32];
 };
 
-constexpr bool kFetchFloat32Ahead = true;  // rows_times_weight.h (lanes_avx2.h: why not there)
+constexpr int64_t kFetchFloat32AheadFrom = 1;  // rows_times_weight.h (lanes_avx2.h: why 4 there)
 constexpr int kInt4TileOutputs = 1;  // rows_times_weight.h (lanes_avx2.h: why two there)
 
 // Outputs per tile of the float products (rows_times_weight.h).

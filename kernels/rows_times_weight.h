@@ -7,7 +7,8 @@
 
 // How far ahead of the block being read the weights are fetched: streams of small
 // matrices leave the hardware prefetcher too little time to ramp up. (Each Weight says
-// whether it fetches ahead: float32 weights do not on AVX2, lanes_avx2.h says why.)
+// from how many rows it fetches ahead: float32 weights on AVX2 from four, lanes_avx2.h
+// says why.)
 #ifndef HJ_PREFETCH
 #define HJ_PREFETCH 8192
 #endif
@@ -15,7 +16,7 @@ constexpr int64_t kPrefetchBytes = HJ_PREFETCH;
 
 struct Float32Rows {
   static constexpr int kBlockBytes = 128;  // the bytes of weight one block of 32 reads
-  static constexpr bool kFetchAhead = kFetchFloat32Ahead;  // from the set's Lanes
+  static constexpr int64_t kFetchAheadFrom = kFetchFloat32AheadFrom;  // the set's
   const float* w;
   int64_t k;
   static constexpr bool kInParts = true;  // part tiles below
@@ -31,7 +32,7 @@ struct Float32Rows {
 struct Int8Rows {  // per-output-channel scale, applied to the finished sum
   static constexpr int kBlockBytes = 32;
   static constexpr bool kInParts = false;
-  static constexpr bool kFetchAhead = true;
+  static constexpr int64_t kFetchAheadFrom = 1;
   const int8_t* w;
   const float* scale;
   int64_t k;
@@ -43,7 +44,7 @@ struct Int8Rows {  // per-output-channel scale, applied to the finished sum
 struct Int4Rows {  // a scale and a minimum per group of inputs: w = q * scale + min
   static constexpr int kBlockBytes = 16;
   static constexpr bool kInParts = false;
-  static constexpr bool kFetchAhead = true;
+  static constexpr int64_t kFetchAheadFrom = 1;
   const uint8_t* w;
   const float* scale;
   const float* minimum;
@@ -70,7 +71,7 @@ static inline void output_tile(const Weight& weight, int64_t o, const float* x, 
   for (int64_t b = 0; b < blocks; ++b) {
     Lanes w[kOutputs];
     for (int j = 0; j < kOutputs; ++j) {
-      if constexpr (Weight::kFetchAhead) {
+      if constexpr (kRows >= Weight::kFetchAheadFrom) {
         const char* ahead = static_cast<const char*>(weight.address(o + j, b)) + kPrefetchBytes;
         for (int line = 0; line < Weight::kBlockBytes; line += 64) __builtin_prefetch(ahead + line);
       }
