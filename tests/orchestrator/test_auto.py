@@ -167,13 +167,36 @@ def test_the_engine_measures_as_often_whatever_the_number_of_requests():
                 request.observe(costs, Choice("none", 0), reached=0, kept=0)
 
     rounds(16)
-    assert requests[0].choose(costs, 3, head_cap=0, greedy=False) == Choice("ngram", 3)
+    # Measuring with 1 / 4 of the drafts on offer (see the next test).
+    assert requests[0].choose(costs, 8, head_cap=0, greedy=False) == Choice("ngram", 2)
     rounds(31)  # 124 rounds since
-    assert [r.choose(costs, 3, head_cap=0, greedy=False) for r in requests] == [
+    assert [r.choose(costs, 8, head_cap=0, greedy=False) for r in requests] == [
         Choice("none", 0)
     ] * 4
     rounds(1)  # 128
-    assert requests[2].choose(costs, 3, head_cap=0, greedy=False) == Choice("ngram", 3)
+    assert requests[2].choose(costs, 8, head_cap=0, greedy=False) == Choice("ngram", 2)
+
+
+def test_under_load_a_measuring_round_checks_fewer_drafts():
+    """A measuring round checks every draft on offer for a request alone and 1 / n of
+    them (at least one) with n running: its positions join a batch every other session
+    waits for. Head and draft-model rounds are measured the same way."""
+    costs = measured(verify=(1.0, 1.0), head=(1.0, 1.0))  # drafts never pay
+    alone = AutoState()
+    for _ in range(16):
+        alone.observe(costs, Choice("none", 0), reached=0, kept=0)
+    assert alone.choose(costs, 6, head_cap=0, greedy=False) == Choice("ngram", 6)
+    crowd = [AutoState() for _ in range(8)]
+    for _ in range(16 * 8):
+        for request in crowd:
+            request.observe(costs, Choice("none", 0), reached=0, kept=0)
+    assert crowd[0].choose(costs, 6, head_cap=0, greedy=False) == Choice("ngram", 1)
+    assert costs.measured_drafts(16) == 2 and costs.measured_drafts(3) == 1
+    # Greedy, with head drafts on offer, a period later:
+    for _ in range(16 * 8):
+        for request in crowd:
+            request.observe(costs, Choice("none", 0), reached=0, kept=0)
+    assert crowd[1].choose(costs, 0, head_cap=8, greedy=True) == Choice("head", 1)
 
 
 def test_a_kind_that_does_not_pay_is_measured_less_and_less_often():
