@@ -42,6 +42,7 @@ import statistics
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -85,6 +86,17 @@ def started(server: str, checkpoint: str, args: list[str]) -> Iterator[str]:
         child.process.wait(timeout=60)
 
 
+def drafter_mix(rounds: Counter) -> str:
+    """Rounds by who drafted them, most first: "1010 plain steps (98.7%), 13 prompt
+    lookup (1.3%)"."""
+    names = {"none": "plain steps", "ngram": "prompt lookup", "head": "head drafts"}
+    total = sum(rounds.values())
+    return ", ".join(
+        f"{count} {names.get(drafter, drafter)} ({100 * count / total:.1f}%)"
+        for drafter, count in rounds.most_common()
+    )
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -103,16 +115,26 @@ def sampled(prompts: list[str], index: int, new_tokens: int, options: dict, prom
     )
 
 
-def timed(stub, request) -> tuple[list[int], float, float]:
-    """The request's tokens, time to first token and time per output token after it."""
+def rounds_of(message) -> Counter:
+    """The rounds of a finished request by who drafted them ("none": a plain step), from
+    its last message's statistics."""
+    if not message.HasField("stats"):
+        return Counter()
+    return Counter(dict(message.stats.rounds_by_drafter))
+
+
+def timed(stub, request) -> tuple[list[int], float, float, Counter]:
+    """The request's tokens, time to first token, time per output token after it, and
+    its rounds by drafter."""
     began = time.perf_counter()
-    first, tokens = None, []
+    first, tokens, rounds = None, [], Counter()
     for message in stub.GenerateStream(request, timeout=900):
         if message.tokens and first is None:
             first = time.perf_counter()
         tokens += [token.token_id for token in message.tokens]
+        rounds = rounds_of(message) or rounds
     ended = time.perf_counter()
-    return tokens, first - began, (ended - first) / max(1, len(tokens) - 1)
+    return tokens, first - began, (ended - first) / max(1, len(tokens) - 1), rounds
 
 
 # A sustained setting's request that a full server refuses (RESOURCE_EXHAUSTED) is sent
@@ -123,12 +145,12 @@ RETRY_AFTER_S = 0.05
 
 def until(
     stub, request, deadline: float, refusals: list[int]
-) -> tuple[int, tuple[float, float] | None]:
-    """The tokens of `request` streamed before `deadline` (perf_counter seconds), and its
-    time to first token and per output token after it if it finished by then (a request
-    still running at the deadline is cancelled). A refusal for a full server before the
-    first token is counted in `refusals` and the request sent again, the wait included
-    in its time to first token."""
+) -> tuple[int, tuple[float, float] | None, Counter]:
+    """The tokens of `request` streamed before `deadline` (perf_counter seconds), and,
+    if it finished by then, its time to first token and per output token after it and
+    its rounds by drafter (a request still running at the deadline is cancelled). A
+    refusal for a full server before the first token is counted in `refusals` and the
+    request sent again, the wait included in its time to first token."""
     began = time.perf_counter()
     while True:
         try:
@@ -138,25 +160,26 @@ def until(
                 raise
             refusals.append(1)
             if time.perf_counter() + RETRY_AFTER_S >= deadline:
-                return 0, None
+                return 0, None, Counter()
             time.sleep(RETRY_AFTER_S)
 
 
 def _streamed(
     stub, request, deadline: float, began: float
-) -> tuple[int, tuple[float, float] | None]:
-    first, tokens = None, 0
+) -> tuple[int, tuple[float, float] | None, Counter]:
+    first, tokens, rounds = None, 0, Counter()
     stream = stub.GenerateStream(request, timeout=900)
     for message in stream:
         now = time.perf_counter()
         if now >= deadline:
             stream.cancel()
-            return tokens, None
+            return tokens, None, Counter()
         if message.tokens and first is None:
             first = now
         tokens += len(message.tokens)
+        rounds = rounds_of(message) or rounds
     ended = time.perf_counter()
-    return tokens, (first - began, (ended - first) / max(1, tokens - 1))
+    return tokens, (first - began, (ended - first) / max(1, tokens - 1)), rounds
 
 
 def measure(
@@ -169,10 +192,11 @@ def measure(
     duration: float | None = None,
     stagger: bool = False,
 ):
-    """Aggregate tokens/s, TTFTs and TPOTs of `sessions` in a closed loop: `requests`
-    each, over the wall time until the last ends; or with `duration`, requests until
-    `duration` seconds have passed, over the tokens streamed by then (a session that
-    finishes early starts its next request, so the batches stay as full as the load).
+    """Aggregate tokens/s, TTFTs, TPOTs and rounds by drafter of `sessions` in a closed
+    loop: `requests` each, over the wall time until the last ends; or with `duration`,
+    requests until `duration` seconds have passed, over the tokens streamed by then (a
+    session that finishes early starts its next request, so the batches stay as full as
+    the load; the rounds are those of the requests that finished).
     With `stagger`, session i's first request asks for (i + 1) / sessions of
     `new_tokens`, so that from then on the sessions' requests end at times spread over
     a request's length, in every mode alike, as independent users' do (otherwise
@@ -182,6 +206,7 @@ def measure(
     counts: list[int] = []
     latencies: list[tuple[float, float]] = []
     refusals: list[int] = []
+    rounds: list[Counter] = []  # each finished request's
     began = time.perf_counter()
     deadline = None if duration is None else began + duration
 
@@ -196,14 +221,15 @@ def measure(
                 length = max(1, round(new_tokens * (index + 1) / sessions))
             request = sampled(prompts, index, length, options, turn)
             if deadline is None:
-                tokens, ttft, tpot = timed(stub, request)
+                tokens, ttft, tpot, drafters = timed(stub, request)
                 counts.append(len(tokens))
                 latencies.append((ttft, tpot))
             else:
-                count, latency = until(stub, request, deadline, refusals)
+                count, latency, drafters = until(stub, request, deadline, refusals)
                 counts.append(count)
                 if latency is not None:
                     latencies.append(latency)
+            rounds.append(drafters)
             turn += 1
 
     threads = [threading.Thread(target=session_loop, args=(i,)) for i in range(sessions)]
@@ -219,7 +245,8 @@ def measure(
             "full server and sent again",
             file=sys.stderr,
         )
-    return sum(counts) / wall, [ttft for ttft, _ in latencies], [tpot for _, tpot in latencies]
+    ttfts, tpots = [ttft for ttft, _ in latencies], [tpot for _, tpot in latencies]
+    return sum(counts) / wall, ttfts, tpots, sum(rounds, Counter())
 
 
 def invariance(
@@ -325,7 +352,11 @@ def main() -> int:
                 with started(server, args.checkpoint, ["--dtype", dtype, *limit]) as address:
                     label = f"{server}, {dtype}"
                     rows = run_modes(address, modes, counts, args, notes, label)
-                    for name, count, rate, single, ttft, tpot in rows:
+                    for name, count, rate, single, ttft, tpot, rounds in rows:
+                        if name == MODES["auto"][0] and rounds:
+                            notes.append(
+                                f"{label}, {count} sessions: {name}'s rounds, {drafter_mix(rounds)}"
+                            )
                         print(
                             f"| {server} | {dtype} | {services} | {name} | {count} | "
                             f"{rate:.1f} | {rate / single:.2f} | "
@@ -356,14 +387,14 @@ def main() -> int:
 def run_modes(
     address: str, modes: dict, counts: list[int], args, notes: list[str], label: str
 ) -> Iterator[tuple]:
-    """(mode, sessions, tokens/s, one session's tokens/s, TTFTs, TPOTs) of every mode and
-    session count, in order, after a warm-up. With `--repeats` N > 1 the settings run in
-    turn instead, every mode at one session count before the next count (in reverse
-    order every other time), N times over: the modes compared at a count run within a
-    minute of each other, so that a machine whose speed drifts weighs on them alike.
-    Each row's tokens/s is then the median of its N runs, and its latencies pool theirs;
-    `notes` gets, per count, the automatic drafter against the best fixed mode, run by
-    run (`label` names the server and dtype)."""
+    """(mode, sessions, tokens/s, one session's tokens/s, TTFTs, TPOTs, rounds by drafter)
+    of every mode and session count, in order, after a warm-up. With `--repeats` N > 1
+    the settings run in turn instead, every mode at one session count before the next
+    count (in reverse order every other time), N times over: the modes compared at a
+    count run within a minute of each other, so that a machine whose speed drifts weighs
+    on them alike. Each row's tokens/s is then the median of its N runs, and its
+    latencies and rounds pool theirs; `notes` gets, per count, the automatic drafter
+    against the best fixed mode, run by run (`label` names the server and dtype)."""
     prompts = SETS[args.prompts]
     measure(address, 1, 1, 8, MODES["plain"][1], prompts)
 
@@ -383,9 +414,9 @@ def run_modes(
         for name, options in modes.items():
             single = None
             for count in counts:
-                rate, ttft, tpot = one(count, options)
+                rate, ttft, tpot, rounds = one(count, options)
                 single = single or rate
-                yield name, count, rate, single, ttft, tpot
+                yield name, count, rate, single, ttft, tpot, rounds
         return
     runs: dict[tuple[str, int], list[tuple]] = {}
     for repeat in range(args.repeats):
@@ -395,14 +426,15 @@ def run_modes(
             ordered = list(modes.items())[:: -1 if repeat % 2 else 1]
             for name, options in ordered:
                 runs.setdefault((name, count), []).append(one(count, options))
-    rates = {key: [rate for rate, _, _ in measured] for key, measured in runs.items()}
+    rates = {key: [rate for rate, *_ in measured] for key, measured in runs.items()}
     for name in modes:
         single = statistics.median(rates[name, counts[0]])
         for count in counts:
             measured = runs[name, count]
-            ttft = [t for _, ttfts, _ in measured for t in ttfts]
-            tpot = [t for _, _, tpots in measured for t in tpots]
-            yield name, count, statistics.median(rates[name, count]), single, ttft, tpot
+            ttft = [t for _, ttfts, _, _ in measured for t in ttfts]
+            tpot = [t for _, _, tpots, _ in measured for t in tpots]
+            rounds = sum((drafters for *_, drafters in measured), Counter())
+            yield name, count, statistics.median(rates[name, count]), single, ttft, tpot, rounds
     automatic = MODES["auto"][0]
     fixed = [name for name in modes if name != automatic]
     if automatic in modes and fixed:
