@@ -19,14 +19,17 @@ calls of different sessions into one forward (continuous batching); with `--unba
 the same table is measured with every forward limited to one call (`--max-batch-tokens
 1`): the servers as they were before batching, side by side in one run.
 
+After the table, per session count, the automatic drafter's rounds by drafter (plain
+steps, prompt lookup, head drafts), from the statistics of its finished requests.
+
 With `--repeats N` every setting runs N times, the modes in turn at each session count
 (every mode at one count before the next count, their order reversed every other
 time), and each row is the median of its runs; after the table, per count, the
 automatic drafter against the best fixed mode, taken run by run between settings that
-ran side by side. (A machine whose speed drifts
-by a quarter within minutes otherwise decides that comparison: run one mode after
-another, the 2-core Zen 3 machine put the automatic drafter at 0.88x non-speculative
-PoE at 8 sessions of `serve`, where it chose plain steps in 99% of its rounds.)
+ran side by side. (A machine whose speed drifts by a quarter within minutes otherwise
+decides that comparison: run one mode after another, the 2-core Zen 3 machine put the
+automatic drafter at 0.88x non-speculative PoE at 8 sessions of `serve`, where it
+chose plain steps in 99% of its rounds.)
 
 Batch invariance: the same seeded requests run one at a time and then all at once; the
 share whose tokens are identical. Random draws are keyed by (seed, position, purpose), so
