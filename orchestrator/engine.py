@@ -150,6 +150,7 @@ class Engine:
         return run.output(self.tokenizer, auto_inputs)
 
     def _rounds(self, run: Run) -> Iterator[RoundOutput]:
+        self.costs.started()  # the load the automatic mode's costs are kept under
         try:
             try:
                 self._prefill(run, run.progress.reused_tokens)
@@ -171,6 +172,7 @@ class Engine:
                 output.timings = run.timer.timings()
                 yield output
         finally:
+            self.costs.ended()
             self.rounds.settle(run)  # no call of the session in flight past its end
             if run.keep_caches:
                 self.backend.finish(run.session)

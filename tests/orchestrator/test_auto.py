@@ -8,7 +8,6 @@ import itertools
 import pytest
 
 from hydra_jury.orchestrator.auto import (
-    CONCURRENCY_ROUNDS,
     COST_DECAY,
     EXPLORE_BACKOFF,
     EXPLORE_EVERY,
@@ -16,6 +15,7 @@ from hydra_jury.orchestrator.auto import (
     Choice,
     CostModel,
     expected_tokens,
+    load_level,
 )
 from hydra_jury.orchestrator.engine import Engine
 from hydra_jury.orchestrator.local_backend import LocalBackend
@@ -38,10 +38,12 @@ def test_a_line_is_fitted_to_round_costs():
     assert one_size.line() is None and one_size.mean() == 1.0
 
 
-def measured(verify=(0.05, 0.001), head=(0.02, 0.03)) -> CostModel:
-    """Costs as if measured: a one-pass round 50 ms + 1 ms per position, a head round
-    20 ms + 30 ms per draft token."""
+def measured(verify=(0.05, 0.001), head=(0.02, 0.03), running: int = 1) -> CostModel:
+    """Costs as if measured with `running` requests running (left running): a one-pass
+    round 50 ms + 1 ms per position, a head round 20 ms + 30 ms per draft token."""
     costs = CostModel()
+    for _ in range(running):
+        costs.started()
     for positions in range(1, 9):
         costs.observe(DrafterKind.NGRAM, positions, verify[0] + verify[1] * positions)
         costs.observe("head", positions, head[0] + head[1] * positions)
@@ -119,6 +121,9 @@ def test_each_kind_of_round_is_measured_first_and_now_and_then():
     assert state.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == Choice("ngram", 3)
     assert state.choose(costs, 0, head_cap=4, greedy=True, model_cap=4) == Choice("none", 0)
     costs.observe(DrafterKind.NGRAM, 1, 0.05)
+    # A plain step is one size: a one-pass round with drafts is the second.
+    assert state.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == Choice("ngram", 3)
+    costs.observe(DrafterKind.NGRAM, 4, 0.06)
     assert state.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == Choice("head", 4)
     costs.observe("head", 4, 0.2)
     assert state.choose(costs, 3, head_cap=4, greedy=True, model_cap=4) == Choice("model", 4)
@@ -155,7 +160,7 @@ def test_each_kind_of_round_is_measured_first_and_now_and_then():
 def test_the_engine_measures_as_often_whatever_the_number_of_requests():
     """Four requests running: the period is 4 x 16 of their rounds together (the wait after
     the first is two periods: that measurement found drafts that do not pay)."""
-    costs = measured(verify=(1.0, 1.0))
+    costs = measured(verify=(1.0, 1.0), running=4)
     requests = [AutoState() for _ in range(4)]
     for request in requests:
         for _ in range(30):
@@ -186,6 +191,7 @@ def test_under_load_a_measuring_round_checks_fewer_drafts():
     for _ in range(16):
         alone.observe(costs, Choice("none", 0), reached=0, kept=0)
     assert alone.choose(costs, 6, head_cap=0, greedy=False) == Choice("ngram", 6)
+    costs = measured(verify=(1.0, 1.0), head=(1.0, 1.0), running=8)
     crowd = [AutoState() for _ in range(8)]
     for _ in range(16 * 8):
         for request in crowd:
@@ -236,7 +242,7 @@ def test_a_kind_that_does_not_pay_is_measured_less_and_less_often():
 def test_measuring_resumes_its_period_when_the_load_falls():
     """Backed off under a load of 4 requests, a kind is measured at the period again once
     one request runs alone: what was measured under the load is stale."""
-    costs = CostModel()
+    costs = measured(running=4)
     requests = [AutoState() for _ in range(4)]
 
     def rounds(count: int, running: list[AutoState]) -> None:
@@ -254,9 +260,56 @@ def test_measuring_resumes_its_period_when_the_load_falls():
         rounds(1, requests)
     period = EXPLORE_EVERY * 4
     assert [b - a for a, b in itertools.pairwise(measured_at)] == [2 * period, 4 * period]
-    # Backed off to EXPLORE_BACKOFF periods of 4 requests; one alone for 64 rounds:
-    rounds(CONCURRENCY_ROUNDS, requests[:1])
+    # Backed off to EXPLORE_BACKOFF periods of 4 requests; three of them end, and the
+    # one left measures after a period of its own:
+    for _ in range(3):
+        costs.ended()
+    rounds(EXPLORE_EVERY, requests[:1])
     assert costs.explores(DrafterKind.NGRAM)
+
+
+def test_costs_are_kept_per_load():
+    """Under 8 requests a round is not priced by the rounds measured alone: a load met for
+    the first time measures its one-pass rounds at two sizes before it drafts from them,
+    and a load met before prices by its own line at once."""
+    levels = [load_level(n) for n in (1, 2, 3, 4, 5, 7, 8, 11, 15, 16, 22)]
+    assert levels == [0, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]  # a count dipping by one stays
+    costs, state = measured(verify=(0.05, 0.001)), AutoState()  # alone a position is cheap
+    for _ in range(30):
+        state.observe(costs, Choice("ngram", 3, match=3), reached=3, kept=2)
+    costs.rounds = 1  # between two measuring rounds: chosen on merit
+    offer = {"ngram_drafts": 6, "head_cap": 0, "greedy": False, "ngram_match": 3}
+    alone = state.choose(costs, **offer)
+    assert alone.drafter == "ngram" and alone.drafts > 2
+    for _ in range(7):
+        costs.started()
+    # Nothing measured under 8 yet: a measuring round of 6 // 8 -> 1 draft.
+    assert state.choose(costs, **offer) == Choice("ngram", 1, match=3)
+    for _ in range(10):
+        costs.observe(DrafterKind.NGRAM, 1, 0.01)  # a plain step's share of 8-row batches
+    assert state.choose(costs, **offer) == Choice("ngram", 1, match=3)  # one size only
+    costs.observe(DrafterKind.NGRAM, 2, 0.018)  # a position at 0.8 of a plain step
+    assert state.choose(costs, **offer) == Choice("none", 0)
+    for _ in range(7):
+        costs.ended()
+    assert state.choose(costs, **offer) == alone  # alone again: its line is still there
+
+
+def test_the_engine_counts_the_requests_running(engine):
+    """Every request of the engine counts to the load while its rounds run, whatever its
+    mode; one given up part way (its generation closed) stops counting."""
+    first = engine.start(request(REPEATING[0], rule="verifier_only"))
+    assert engine.costs.active == 0  # not running until its first round is asked for
+    next(iter(first))
+    assert engine.costs.active == 1
+    second = engine.start(request(REPEATING[1]))
+    next(iter(second))
+    assert engine.costs.active == 2
+    for _ in second:
+        pass
+    assert engine.costs.active == 1
+    first.close()
+    assert engine.costs.active == 0
 
 
 def test_the_cost_lines_remember_as_many_rounds_of_each_request_under_load():
@@ -268,6 +321,8 @@ def test_the_cost_lines_remember_as_many_rounds_of_each_request_under_load():
         """A one-pass position's predicted cost after each request's 10 rounds at a
         new price (20 ms a position instead of 10), the plain steps' unchanged."""
         costs, states = CostModel(), [AutoState() for _ in range(requests)]
+        for _ in states:
+            costs.started()
         for price, rounds in ((0.01, 60), (0.02, 10)):
             for index in range(rounds * requests):
                 state = states[index % requests]
@@ -289,7 +344,7 @@ class FixedCosts(CostModel):
 
     def __init__(self, costs: CostModel) -> None:
         super().__init__()
-        self.lines = costs.lines
+        self.levels = costs.levels
 
     def observe(self, kind: str, positions: int, seconds: float) -> None:
         return None
