@@ -220,14 +220,21 @@ class LocalBackend(DecodingBackend):
         return self._run(self.trunk.uncertainty, call)
 
     def release(self, session: str) -> None:
+        self._left(session)
         # Without the deadline: a cancelled or failed request must still free its caches.
         self._on_model_thread(self._release_everywhere, session)
+
+    def _left(self, session: str) -> None:
+        """The batches stop waiting for the session's next call: its generation ended."""
+        if self.batchers is not None:
+            self.batchers.left(session)
 
     def _release_everywhere(self, session: str) -> None:
         self.trunk.release(session)
         self.jury.release(session)
 
     def finish(self, session: str) -> None:
+        self._left(session)
         self._on_model_thread(self._finish_everywhere, session)
 
     def _finish_everywhere(self, session: str) -> None:

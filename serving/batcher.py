@@ -81,6 +81,7 @@ class BatchLimits:
 # batches of 4 (the split stack, 2-core Intel Xeon: 45–49 tokens/s; waiting for all 8,
 # 75.6).
 WINDOW_STRETCH = 8
+RECENT_BATCHES = 8  # the batches whose callers the next batch expects (`_expected`)
 # How often a window waiting on another service's batch looks whether that batch is done.
 HOST_TURN_POLL_S = 0.002
 
@@ -91,6 +92,16 @@ def _callers(requests: list) -> frozenset | int:
     if any(not isinstance(session, str) for session in sessions):
         return len(requests)
     return frozenset(sessions)
+
+
+def _sessions_done(batch: list[_Queued], results: list) -> frozenset[str]:
+    """The sessions whose calls a batch completed (not those going on in the next)."""
+    return frozenset(
+        session
+        for entry, result in zip(batch, results, strict=True)
+        if result is not CONTINUE
+        and isinstance(session := getattr(entry.request, "session", None), str)
+    )
 
 
 def run_isolated(
@@ -168,7 +179,7 @@ class CallBatcher(Generic[Request, Response]):
         self.running = 0  # calls in the batch on the model thread now
         # The callers of the last batches: sessions where the calls name one, else a
         # batch's size (`_expected`).
-        self._recent: deque[frozenset | int] = deque(maxlen=8)
+        self._recent: deque[frozenset | int] = deque(maxlen=RECENT_BATCHES)
         self._carried = 0  # calls that go on in the next batch, waiting for the turn
         self.cost = LinearCost()  # a batch's seconds against its positions
         thread.batchers.append(self)
@@ -268,6 +279,7 @@ class CallBatcher(Generic[Request, Response]):
             tracing.describe(entry.span, queue_wait_s=round(began - entry.queued, 6))
         for entry in batch:
             tracing.describe(entry.span, batch_size=len(batch), batch_tokens=tokens)
+        self.thread.last_done = (self, _sessions_done(batch, results))
         carried = []
         for entry, result in zip(batch, results, strict=True):
             future = entry.future
@@ -286,7 +298,8 @@ class CallBatcher(Generic[Request, Response]):
         """With the turn: waits up to the window while the next batch would be smaller
         than the recent ones and no other batcher of the model thread has calls waiting
         (a lone session never waits, and the model thread never idles for it while it
-        has other work). Sessions in a closed loop arrive a little apart — their previous
+        has other work), or while sessions the last batch sent this way are still on it
+        (`_coming`). Sessions in a closed loop arrive a little apart — their previous
         call's results in their hands first — and a batch of all of them costs little
         more than a batch of some. The expected size counts the sessions that came back
         in the last batches, so that sessions split over two batches meet again in the
@@ -294,7 +307,8 @@ class CallBatcher(Generic[Request, Response]):
         while another service of the host holds the host turn (the batch could not run
         before it ends anyway), up to `WINDOW_STRETCH` windows in all. A window that ends
         short forgets them but for those waiting now: a session has gone, and the next
-        batches do not wait for it. The host turn's exclusive holder (the trunk) does not
+        batches do not wait for it; a session whose generation has ended is forgotten at
+        once (`forget`). The host turn's exclusive holder (the trunk) does not
         wait while a shared holder (a jury shard) waits with calls queued: the sessions
         each waits for may be queued at the other (`serving.host_turn`)."""
         expected = self._expected()
@@ -306,7 +320,9 @@ class CallBatcher(Generic[Request, Response]):
         arrived = len(self._queue)
         arrivals, host = self.thread.arrivals(), self.thread.host_turn
         try:
-            while len(self._queue) < expected and not self.thread.others_pending(self):
+            while len(self._queue) < expected and (
+                not self.thread.others_pending(self) or self._coming()
+            ):
                 now = time.monotonic()
                 if host is not None:
                     if host.yields():  # the sessions waited for may be waiting for these
@@ -329,9 +345,38 @@ class CallBatcher(Generic[Request, Response]):
                 arrivals.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(arrivals.wait(), left)
+                expected = self._expected()  # less a session that has left (`forget`)
         finally:
             if host is not None:
                 host.unmark_gathering()
+
+    def _coming(self) -> bool:
+        """Whether sessions this batcher has seen lately are on their way to it: the
+        thread's last batch, another batcher's, completed their calls (a round's Score
+        follows its Draft, the next round's Draft its Score), and they are not queued
+        here yet. The batch waits for them even while another batcher has calls queued:
+        else sessions split over two batches stay split. (8 sessions of `serve`, 2-core
+        AMD EPYC: a session whose Draft call came a millisecond after its batch had
+        started stayed a phase behind the others, and then another, for 60 steps: three
+        Draft batches and three Score batches a step, of 1, 6 and 1 sessions, as each
+        batcher ran what it had while the other held calls.)"""
+        last = self.thread.last_done
+        if not self.recurring or last is None or last[0] is self or not last[1]:
+            return False
+        queued = {getattr(entry.request, "session", None) for entry in self._queue}
+        seen = set().union(*(c for c in self._recent if isinstance(c, frozenset)))
+        return any(session in seen and session not in queued for session in last[1])
+
+    def forget(self, session: str) -> None:
+        """`session`'s generation has ended: the next batches do not wait for it."""
+        self._recent = deque(
+            (
+                (callers - {session} if isinstance(callers, frozenset) else callers)
+                for callers in self._recent
+                if callers != frozenset({session})
+            ),
+            maxlen=RECENT_BATCHES,
+        )
 
     def _expected(self) -> int:
         """The calls the next batch waits for: as many as the largest of the last

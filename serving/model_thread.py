@@ -130,6 +130,9 @@ class ModelThread:
         self._turn: asyncio.Lock | None = None
         self._arrivals: asyncio.Event | None = None
         self.batchers: list[Any] = []  # the CallBatchers that run their batches here
+        # The batcher of the thread's last batch and the sessions whose calls it
+        # completed: their next calls are on their way to the thread's other batchers.
+        self.last_done: tuple[Any, frozenset[str]] | None = None
         # Services sharing the host's cores take turns for their batches (None: alone).
         self.host_turn: HostTurn | None = None
 
@@ -155,6 +158,16 @@ class ModelThread:
         if self._arrivals is None:
             self._arrivals = asyncio.Event()
         return self._arrivals
+
+    def session_left(self, session: str) -> None:
+        """`session`'s generation has ended: no batcher waits for its next call. On the
+        event loop."""
+        for batcher in self.batchers:
+            batcher.forget(session)
+        if self.last_done is not None and session in self.last_done[1]:
+            self.last_done = (self.last_done[0], self.last_done[1] - {session})
+        if self._arrivals is not None:
+            self._arrivals.set()
 
     def others_pending(self, batcher: Any) -> bool:
         """Whether a batcher other than `batcher` has calls waiting for this thread."""

@@ -234,6 +234,7 @@ class WorkerServicer:
     ) -> internal_pb2.ReleaseResponse:
         if not request.session:
             raise InvalidArgument("session: a non-empty session id is required")
+        self.thread.session_left(request.session)  # its batches stop waiting for it
         end = self.worker.finish if request.keep_caches else self.worker.release
         held = await self.thread.run(end, request.session)
         return internal_pb2.ReleaseResponse(released=held, epoch=self.epoch)

@@ -79,6 +79,7 @@ class WorkerBatchers:
         metrics: ServiceMetrics | None = None,
     ) -> None:
         self.trunk, self.jury, self.limits = trunk, jury, limits or BatchLimits()
+        self.thread = thread
         self._drafts = DraftScheduler[DraftCall](trunk)
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(
@@ -121,6 +122,11 @@ class WorkerBatchers:
         if len(chunks) > 1:
             self.trunk.check_prefill(call)
         return chunks
+
+    def left(self, session: str) -> None:
+        """`session`'s generation has ended: the batches stop waiting for its next call
+        (`ModelThread.session_left`). From any thread."""
+        self._loop.call_soon_threadsafe(self.thread.session_left, session)
 
     def close(self) -> None:
         """Stops the batchers' loop (after the generations have stopped)."""

@@ -4,15 +4,18 @@ and a long wait are RESOURCE_EXHAUSTED with a retry hint, and nothing hangs."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from dataclasses import dataclass
 
 import grpc
 import pytest
 import torch
 
 from hydra_jury.protos.hydrajury.v1 import internal_pb2
-from hydra_jury.serving.batcher import BatchLimits, run_isolated
+from hydra_jury.serving.batcher import BatchLimits, CallBatcher, run_isolated
+from hydra_jury.serving.model_thread import ModelThread
 from tests.worker_services import (
     HIDDEN_SIZE,
     TurnPeer,
@@ -472,6 +475,19 @@ def test_sessions_split_over_two_batches_meet_again_in_the_next(start_jury):
     assert batches("hydrajury_batch_calls_count", {"rpc": "Score"}) == before + 1
 
 
+def test_a_released_session_is_not_waited_for(start_jury):
+    """A service's Release ends the session's part in its batches: the next Score call of
+    the session left runs at once, not after a window spent waiting for the other."""
+    jury = start_jury(max_sessions=4, batch_limits=BatchLimits(window_s=1.0))
+    for session in ("a", "b"):
+        jury.stub.Prefill(jury_prefill_request(session, 0, positions=3), timeout=10)
+    batched(jury, "Score", score_request("a", 3), [score_request("b", 3)])  # {a}, then {b}
+    jury.stub.Release(internal_pb2.ReleaseRequest(session="b"), timeout=10)
+    began = time.monotonic()
+    jury.stub.Score(score_request("a", 3), timeout=10)
+    assert time.monotonic() - began < 0.5
+
+
 def test_a_round_s_calls_wait_for_every_session_seen_in_the_last_batches(start_jury):
     """Score calls come every round: a session seen once in the last batches is waited
     for, so that shards that each ran a different part of the sessions wait for all of
@@ -497,6 +513,71 @@ def test_sessions_that_come_once_are_not_waited_for(start_jury):
     began = time.monotonic()
     jury.stub.Prefill(jury_prefill_request("d", 0, positions=3), timeout=10)
     assert time.monotonic() - began < 0.5
+
+
+@dataclass(frozen=True)
+class Step:
+    session: str
+
+
+def two_phases(scenario) -> list[tuple[str, list[str]]]:
+    """Runs `scenario(draft, score, thread)` over a Draft and a Score batcher sharing a
+    model thread (a round's two calls in `serve`), with a window of 0.5 s, after
+    sessions "a" and "b" ran a Draft and then a Score batch together; the batches run
+    since, as (batcher, sessions)."""
+    ran: list[tuple[str, list[str]]] = []
+
+    def handler(name: str):
+        def run(steps: list[Step]) -> list[None]:
+            ran.append((name, sorted(step.session for step in steps)))
+            return [None] * len(steps)
+
+        return run
+
+    async def main() -> None:
+        thread = ModelThread("test-phases")
+        try:
+            limits = BatchLimits(window_s=0.5)
+            draft = CallBatcher("Draft", thread, handler("Draft"), lambda step: 1, limits)
+            score = CallBatcher("Score", thread, handler("Score"), lambda step: 1, limits)
+            for batcher in (draft, score):
+                await asyncio.gather(batcher.submit(Step("a")), batcher.submit(Step("b")))
+            ran.clear()
+            await scenario(draft, score, thread)
+        finally:
+            await asyncio.to_thread(thread.shutdown)
+
+    asyncio.run(main())
+    return ran
+
+
+def test_sessions_on_their_way_are_waited_for_while_another_batcher_has_calls():
+    """The last batch (Score) completed "a" and "b": their Draft calls are on the way.
+    "a" is queued, "b" a little behind, and "c" waits for a Score batch: the Draft batch
+    waits for "b" all the same. Run at once, "b" would stay a phase behind "a"."""
+
+    async def scenario(draft, score, thread) -> None:
+        first = asyncio.ensure_future(draft.submit(Step("a")))
+        other = asyncio.ensure_future(score.submit(Step("c")))
+        await asyncio.sleep(0.05)
+        await asyncio.gather(first, other, draft.submit(Step("b")))
+
+    assert two_phases(scenario) == [("Draft", ["a", "b"]), ("Score", ["c"])]
+
+
+def test_a_session_that_left_is_not_waited_for():
+    """The generation of "b" ends (`ModelThread.session_left`) while the Draft batch of "a"
+    waits for it: the batch runs at once, not at the end of the window."""
+
+    async def scenario(draft, score, thread) -> None:
+        first = asyncio.ensure_future(draft.submit(Step("a")))
+        await asyncio.sleep(0.05)
+        began = time.monotonic()
+        thread.session_left("b")
+        await first
+        assert time.monotonic() - began < 0.25
+
+    assert two_phases(scenario) == [("Draft", ["a"])]
 
 
 def score_batches(jury) -> float:

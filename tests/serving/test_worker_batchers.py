@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -198,6 +199,38 @@ def test_a_batched_backend_tells_a_round_its_share_of_the_batches(jury_model):
     finally:
         backend.batchers.close()
         thread.shutdown()
+
+
+def test_the_batches_stop_waiting_for_a_session_whose_generation_ended(jury_model):
+    """Two generations in `serve`'s batched backend, one shorter: once it has ended, the
+    other's steps run at once instead of waiting a batch window (1 s here) for it."""
+    from hydra_jury.orchestrator.engine import Engine
+    from hydra_jury.orchestrator.request import GenerationRequest
+
+    thread = ModelThread("test-model")
+    backend = LocalBackend(
+        jury_model,
+        limits=SessionLimits(max_sessions=4, max_session_tokens=128),
+        thread=thread,
+        batching=BatchLimits(window_s=1.0),
+    )
+    engine = Engine(backend, jury_model.load_tokenizer())
+
+    def generate(tokens: int) -> float:
+        request = GenerationRequest(
+            prompt="Count the sheep.", max_new_tokens=tokens, ignore_eos=True, rule="verifier_only"
+        )
+        generation = engine.start(request)
+        for _ in generation:
+            pass
+        return time.monotonic()
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            short, long = pool.submit(generate, 2), pool.submit(generate, 8)
+            assert long.result(timeout=60) - short.result(timeout=60) < 0.9
+    finally:
+        backend.close()
 
 
 def test_a_plain_step_goes_ahead_through_the_draft_batcher(jury_model):
