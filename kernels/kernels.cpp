@@ -43,12 +43,15 @@ struct Problem {
 // Activations quantized to int8 per block of 32 inputs (quantized_rows), row after row
 // ([sources, rows] of them), each row padded with zeros to a whole number of chunks of
 // 64: q [.., padded] and q + 128 as bytes; per lane of 4 inputs (padded / 4 a row) the
-// step d of the lane's block and the float sum of the lane's q.
+// step d of the lane's block; and per block (block_row floats a row, zeros past the
+// row's blocks up to a multiple of 16) d times the sum of the block's q, which an int4
+// weight's minimums multiply (rows_times_weight.h).
 struct QuantizedRows {
   const int8_t* q;
   const uint8_t* biased;
-  const float *step, *sum;
-  int64_t padded, member_rows;  // member_rows: rows between stack members (0: shared rows)
+  const float *step, *block_sum;
+  int64_t padded, block_row;
+  int64_t member_rows;  // rows between stack members (0: shared rows)
 };
 
 // One layer's attention for one session (attention.h): qkv [S, T, (heads + 2 kv_heads) *
@@ -234,11 +237,13 @@ QuantizedRows quantized_rows(const at::Tensor& x, int isa) {
   int64_t padded = (inputs + 63) / 64 * 64;
   thread_local std::vector<int8_t> q;
   thread_local std::vector<uint8_t> biased;
-  thread_local std::vector<float> step, sum;
+  thread_local std::vector<float> step, lane_sum, block_sum;
   q.resize(sources * rows * padded);
   biased.resize(q.size());
   step.resize(sources * rows * padded / 4);
-  sum.resize(step.size());
+  lane_sum.resize(step.size());
+  int64_t block_row = (padded / 32 + 15) / 16 * 16;
+  block_sum.assign(sources * rows * block_row, 0.0f);
   const float* in = x.data_ptr<float>();
   for (int64_t s = 0; s < sources; ++s)
     for (int64_t r = 0; r < rows; ++r) {
@@ -253,10 +258,20 @@ QuantizedRows quantized_rows(const at::Tensor& x, int isa) {
           source = tail;
         }
         chunk(source, q.data() + at + c, biased.data() + at + c, step.data() + (at + c) / 4,
-              sum.data() + (at + c) / 4);
+              lane_sum.data() + (at + c) / 4);
+      }
+      // A block's 8 lane sums are whole numbers below 2^24: their float sum is exact in
+      // any order, and its product with d one rounding, the same on every set.
+      float* sums = block_sum.data() + (s * rows + r) * block_row;
+      for (int64_t b = 0; b < padded / 32; ++b) {
+        const float* lanes = lane_sum.data() + at / 4 + b * 8;
+        float total = 0.0f;
+        for (int l = 0; l < 8; ++l) total += lanes[l];
+        sums[b] = step[at / 4 + b * 8] * total;
       }
     }
-  return {q.data(), biased.data(), step.data(), sum.data(), padded, shared ? 0 : rows};
+  return {q.data(), biased.data(), step.data(), block_sum.data(), padded, block_row,
+          shared ? 0 : rows};
 }
 
 // y = x' W^T (+ residual), x' the prepared input; the weight's format from its dtype:

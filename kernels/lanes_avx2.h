@@ -261,6 +261,14 @@ static inline Floats16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps
 
 static inline Floats16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 
+// The first n (0-16) floats at p, zeros after them; nothing past them is read.
+static inline Floats16 load16_first(const float* p, int64_t n) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i low = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane);
+  __m256i high = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n) - 8), lane);
+  return {_mm256_maskload_ps(p, low), _mm256_maskload_ps(p + 8, high)};
+}
+
 static inline Floats16 pair16(float low, float high) {
   return {_mm256_set1_ps(low), _mm256_set1_ps(high)};
 }

@@ -4,7 +4,11 @@ struct Lanes {
 };
 
 constexpr int64_t kFetchFloat32AheadFrom = 1;  // rows_times_weight.h (lanes_avx2.h: why 4 there)
-constexpr int kInt4TileOutputs = 1;  // rows_times_weight.h (lanes_avx2.h: why two there)
+// Outputs per tile of int4 weights times one row of int8 activations (rows_times_weight.h).
+// On the 2-core Intel Xeon (family 6 model 207), every int4 projection of a SmolLM2 decode
+// step with the output matrix, 12 alternated runs in one process, against one output at a
+// time: 0.84x the time with tiles of 2, 0.80x with 3 or 4, 0.75x with 6 or 8.
+constexpr int kInt4TileOutputs = 8;
 
 // Outputs per tile of the float products (rows_times_weight.h).
 constexpr int kTileOutputs = 2;
@@ -180,6 +184,11 @@ static inline Ints16 dot_int4(const Int4Chunk& w, const int8_t* q) {
 static inline Floats16 zero16() { return {_mm512_setzero_ps()}; }
 
 static inline Floats16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
+
+// The first n (0-16) floats at p, zeros after them; nothing past them is read.
+static inline Floats16 load16_first(const float* p, int64_t n) {
+  return {_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p)};
+}
 
 static inline Floats16 pair16(float low, float high) {
   return {_mm512_insertf32x8(_mm512_set1_ps(low), _mm256_set1_ps(high), 1)};

@@ -229,6 +229,13 @@ static inline Floats16 load16(const float* p) {
   return v;
 }
 
+// The first n (0-16) floats at p, zeros after them; nothing past them is read.
+static inline Floats16 load16_first(const float* p, int64_t n) {
+  Floats16 v = {};
+  for (int64_t l = 0; l < n; ++l) v.f[l] = p[l];
+  return v;
+}
+
 // Lanes 0-7 `low`, lanes 8-15 `high`: one value per block of 32 inputs.
 static inline Floats16 pair16(float low, float high) {
   Floats16 v;

@@ -209,9 +209,12 @@ static void int4(const Problem& p, const uint8_t* w, const float* scale, const f
 // block of 32 inputs (QuantizedRows, kernels.cpp). A chunk of 64 inputs is 16 lanes of 4
 // (lanes 0-7 its first block, 8-15 its second; a last block of 32 alone is a chunk whose
 // second block is zero); a lane's integer sum is exact, then
-//   int8: acc = fma(float(w . q), d, acc),                         y = sum16(acc) * scale[o]
-//   int4: acc = fma(fma(float(w . q), scale_g, float(sum q) * min_g), d, acc),  y = sum16(acc)
-// in chunk order, so an output is the same on every set, thread and batch, as above.
+//   int8: acc = fma(float(w . q), d, acc),                       y = sum16(acc) * scale[o]
+//   int4: acc = fma(float(w . q) * scale_g, d, acc),   then per 16 blocks b..b + 15
+//         acc = fma(min_g(b..), block_sum[b..], acc),   y = sum16(acc)
+// in chunk order, block_sum being each block's d times the sum of its q (QuantizedRows):
+// the minimums' part once a row per output, not in every chunk. So an output is the same
+// on every set, thread and batch, as above.
 
 template <int kRows>
 static inline void int8_output_rows(const int8_t* w, float scale, const QuantizedRows& x,
@@ -234,10 +237,29 @@ static inline void int8_output_rows(const int8_t* w, float scale, const Quantize
   for (int r = 0; r < kRows; ++r) y[r * y_row] = sum16(acc[r]) * scale;
 }
 
+// Adds the minimums' part of one output for one row to its lanes: min_g(b) times
+// block_sum[b] for every block b, block b into lane b % 16 (the row's block sums are zero
+// past its blocks).
+static inline Floats16 add_int4_minimums(Floats16 acc, const float* minimum, int64_t group_blocks,
+                                         const float* block_sum, int64_t blocks) {
+  for (int64_t b = 0; b < blocks; b += 16) {
+    Floats16 minimums;
+    if (group_blocks == 1) {
+      minimums = b + 16 <= blocks ? load16(minimum + b) : load16_first(minimum + b, blocks - b);
+    } else {  // groups of several blocks: each block's group's minimum
+      float spread[16] = {};
+      for (int64_t l = 0; l < 16 && b + l < blocks; ++l) spread[l] = minimum[(b + l) / group_blocks];
+      minimums = load16(spread);
+    }
+    acc = fma16(minimums, load16(block_sum + b), acc);
+  }
+  return acc;
+}
+
 // kOutputs consecutive outputs (rows of w `groups` groups apart in scale and minimum) times
-// kRows rows: each chunk's activations, sums and steps are loaded once for the tile's
-// outputs, and the outputs' chains run side by side (lanes_avx2.h says what it gains).
-// Every output takes the same operations in the same order whatever the tile.
+// kRows rows: each chunk's activations and steps are loaded once for the tile's outputs,
+// and the outputs' chains run side by side (lanes_avx2.h says what it gains). Every
+// output takes the same operations in the same order whatever the tile.
 template <int kOutputs, int kRows>
 static inline void int4_output_rows(const uint8_t* w, const float* scale, const float* minimum,
                                     int64_t groups, int64_t group_blocks, const QuantizedRows& x,
@@ -247,17 +269,16 @@ static inline void int4_output_rows(const uint8_t* w, const float* scale, const 
     for (int r = 0; r < kRows; ++r) acc[j][r] = zero16();
   // Groups g0 and g1 of a chunk's two blocks (g1 < 0: a tail, its second block zero).
   auto add = [&](int64_t c, const Int4Chunk (&chunk)[kOutputs], int64_t g0, int64_t g1) {
-    Floats16 s[kOutputs], m[kOutputs];  // each output's scales and minimums, for every row
+    Floats16 s[kOutputs];  // each output's scales, for every row
     for (int j = 0; j < kOutputs; ++j) {
-      const float *scales = scale + j * groups, *minimums = minimum + j * groups;
+      const float* scales = scale + j * groups;
       s[j] = pair16(scales[g0], g1 < 0 ? 0.0f : scales[g1]);
-      m[j] = pair16(minimums[g0], g1 < 0 ? 0.0f : minimums[g1]);
     }
     for (int r = 0; r < kRows; ++r) {
       int64_t at = (row + r) * x.padded + c * 64;
-      Floats16 sums = load16(x.sum + at / 4), steps = load16(x.step + at / 4);
+      Floats16 steps = load16(x.step + at / 4);
       for (int j = 0; j < kOutputs; ++j) {
-        Floats16 lanes = fma16(to_float16(dot_int4(chunk[j], x.q + at)), s[j], mul16(sums, m[j]));
+        Floats16 lanes = mul16(to_float16(dot_int4(chunk[j], x.q + at)), s[j]);
         acc[j][r] = fma16(lanes, steps, acc[j][r]);
       }
     }
@@ -286,7 +307,10 @@ static inline void int4_output_rows(const uint8_t* w, const float* scale, const 
     add(c, chunk, next_group(), -1);
   }
   for (int j = 0; j < kOutputs; ++j)
-    for (int r = 0; r < kRows; ++r) y[r * y_row + j] = sum16(acc[j][r]);
+    for (int r = 0; r < kRows; ++r)
+      y[r * y_row + j] = sum16(add_int4_minimums(acc[j][r], minimum + j * groups, group_blocks,
+                                                 x.block_sum + (row + r) * x.block_row,
+                                                 inputs / 32));
 }
 
 static void int8_quantized_rows(const Problem& p, const QuantizedRows& x, const int8_t* w,
