@@ -30,6 +30,9 @@ constexpr int64_t kFetchFloat32AheadFrom = 4;
 // there (decoding 0.7-0.9x), so int8 keeps one. The AVX-512 machines were not measured
 // and keep one, as they were tuned.
 constexpr int kInt4TileOutputs = 2;
+// With more rows, one output at a time: two outputs times four rows would need eight
+// accumulators of two registers each, all sixteen (not measured).
+constexpr int kInt4RowsTileOutputs = 1;
 
 // A Lanes is four registers ("parts" of 8 lanes). With many rows the float products run
 // one part at a time over a weight row (rows_times_weight.h's part tiles): a row's

@@ -9,6 +9,11 @@ constexpr int64_t kFetchFloat32AheadFrom = 1;  // rows_times_weight.h (lanes_avx
 // step with the output matrix, 12 alternated runs in one process, against one output at a
 // time: 0.84x the time with tiles of 2, 0.80x with 3 or 4, 0.75x with 6 or 8.
 constexpr int kInt4TileOutputs = 8;
+// The same with 2 to 16 rows (4 rows at a time; rows_times_weight.h): every int4 projection
+// of the trunk and head0, 8 alternated runs in one process, against one output at a time:
+// tiles of 4 0.86x the time at 2 rows, 0.85x at 4, 0.79x at 5, 0.82x at 8, 0.80x at 16
+// (tiles of 2 and 3 0.82-0.94x).
+constexpr int kInt4RowsTileOutputs = 4;
 
 // Outputs per tile of the float products (rows_times_weight.h).
 constexpr int kTileOutputs = 2;

@@ -335,21 +335,21 @@ static void int4_quantized_rows(const Problem& p, const QuantizedRows& x, const 
     float* y = p.y + s * p.rows * p.outputs;
     int64_t row = x.member_rows * s;
     int64_t o = first;
-    // Tiles of outputs for one row (kInt4TileOutputs, from the set's Lanes); more rows
-    // fill the registers with their own chains.
-    if (p.rows == 1)
-      for (; o + kInt4TileOutputs <= last; o += kInt4TileOutputs) {
+    // Tiles of kOutputs outputs times every row, in groups of up to 4 rows.
+    auto in_tiles = [&]<int kOutputs>() {
+      for (; o + kOutputs <= last; o += kOutputs) {
         int64_t g = (s * p.outputs + o) * groups;
-        int4_output_rows<kInt4TileOutputs, 1>(member + o * (p.inputs / 2), scale + g, minimum + g, groups,
-                               group / 32, x, row, p.inputs, y + o, p.outputs);
+        in_row_groups(p.rows, [&]<int kRows>(int64_t r) {
+          int4_output_rows<kOutputs, kRows>(member + o * (p.inputs / 2), scale + g, minimum + g,
+                                            groups, group / 32, x, row + r, p.inputs,
+                                            y + r * p.outputs + o, p.outputs);
+        });
       }
-    for (; o < last; ++o) {
-      int64_t g = (s * p.outputs + o) * groups;
-      in_row_groups(p.rows, [&]<int kRows>(int64_t r) {
-        int4_output_rows<1, kRows>(member + o * (p.inputs / 2), scale + g, minimum + g, groups,
-                                   group / 32, x, row + r, p.inputs, y + r * p.outputs + o,
-                                   p.outputs);
-      });
-    }
+    };
+    // As many outputs a tile as the set's registers hold for one row, or for more
+    // (kInt4TileOutputs, kInt4RowsTileOutputs), then the outputs left one at a time.
+    if (p.rows == 1) in_tiles.template operator()<kInt4TileOutputs>();
+    else in_tiles.template operator()<kInt4RowsTileOutputs>();
+    in_tiles.template operator()<1>();
   });
 }
