@@ -33,6 +33,7 @@ constexpr int kInt4TileOutputs = 2;
 // With more rows, one output at a time: two outputs times four rows would need eight
 // accumulators of two registers each, all sixteen (not measured).
 constexpr int kInt4RowsTileOutputs = 1;
+constexpr int kInt8RowsTileOutputs = 1;  // the same
 
 // A Lanes is four registers ("parts" of 8 lanes). With many rows the float products run
 // one part at a time over a weight row (rows_times_weight.h's part tiles): a row's

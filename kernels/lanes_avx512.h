@@ -14,6 +14,10 @@ constexpr int kInt4TileOutputs = 8;
 // tiles of 4 0.86x the time at 2 rows, 0.85x at 4, 0.79x at 5, 0.82x at 8, 0.80x at 16
 // (tiles of 2 and 3 0.82-0.94x).
 constexpr int kInt4RowsTileOutputs = 4;
+// int8 weights times 2 to 16 rows, the same way: 0.88x the time at 2 rows, 0.73-0.75x at
+// 4 to 16 (tiles of 2 and 3 0.75-0.88x). One row gains nothing from tiles (1 to 8 outputs
+// within 0.98-1.01x, its weights' stream decides it), and keeps one output at a time.
+constexpr int kInt8RowsTileOutputs = 4;
 
 // Outputs per tile of the float products (rows_times_weight.h).
 constexpr int kTileOutputs = 2;

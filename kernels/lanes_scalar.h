@@ -7,6 +7,7 @@ struct Lanes {
 constexpr int64_t kFetchFloat32AheadFrom = 1;  // rows_times_weight.h (lanes_avx2.h: why 4 there)
 constexpr int kInt4TileOutputs = 1;  // rows_times_weight.h (lanes_avx2.h: why two there)
 constexpr int kInt4RowsTileOutputs = 1;
+constexpr int kInt8RowsTileOutputs = 1;
 
 // Outputs per tile of the float products (rows_times_weight.h).
 constexpr int kTileOutputs = 1;

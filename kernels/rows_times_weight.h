@@ -216,25 +216,39 @@ static void int4(const Problem& p, const uint8_t* w, const float* scale, const f
 // the minimums' part once a row per output, not in every chunk. So an output is the same
 // on every set, thread and batch, as above.
 
-template <int kRows>
-static inline void int8_output_rows(const int8_t* w, float scale, const QuantizedRows& x,
+// kOutputs consecutive outputs (rows of w `inputs` apart) times kRows rows, as
+// int4_output_rows below: every output takes the same operations whatever the tile.
+template <int kOutputs, int kRows>
+static inline void int8_output_rows(const int8_t* w, const float* scale, const QuantizedRows& x,
                                     int64_t row, int64_t inputs, float* y, int64_t y_row) {
-  Floats16 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = zero16();
-  auto add = [&](int64_t c, const Int8Chunk& chunk) {
+  Floats16 acc[kOutputs][kRows];
+  for (int j = 0; j < kOutputs; ++j)
+    for (int r = 0; r < kRows; ++r) acc[j][r] = zero16();
+  auto add = [&](int64_t c, const Int8Chunk (&chunk)[kOutputs]) {
     for (int r = 0; r < kRows; ++r) {
       int64_t at = (row + r) * x.padded + c * 64;
-      Ints16 dot = dot_int8(chunk, x.q + at, x.biased + at);
-      acc[r] = fma16(to_float16(dot), load16(x.step + at / 4), acc[r]);
+      Floats16 steps = load16(x.step + at / 4);
+      for (int j = 0; j < kOutputs; ++j) {
+        Ints16 dot = dot_int8(chunk[j], x.q + at, x.biased + at);
+        acc[j][r] = fma16(to_float16(dot), steps, acc[j][r]);
+      }
     }
   };
+  Int8Chunk chunk[kOutputs];
   int64_t c = 0;
   for (; c < inputs / 64; ++c) {
-    __builtin_prefetch(w + c * 64 + kPrefetchBytes);
-    add(c, load_int8_chunk(w + c * 64));
+    for (int j = 0; j < kOutputs; ++j) {
+      __builtin_prefetch(w + j * inputs + c * 64 + kPrefetchBytes);
+      chunk[j] = load_int8_chunk(w + j * inputs + c * 64);
+    }
+    add(c, chunk);
   }
-  if (inputs % 64) add(c, load_int8_tail(w + c * 64));
-  for (int r = 0; r < kRows; ++r) y[r * y_row] = sum16(acc[r]) * scale;
+  if (inputs % 64) {
+    for (int j = 0; j < kOutputs; ++j) chunk[j] = load_int8_tail(w + j * inputs + c * 64);
+    add(c, chunk);
+  }
+  for (int j = 0; j < kOutputs; ++j)
+    for (int r = 0; r < kRows; ++r) y[r * y_row + j] = sum16(acc[j][r]) * scale[j];
 }
 
 // Adds the minimums' part of one output for one row to its lanes: min_g(b) times
@@ -319,11 +333,18 @@ static void int8_quantized_rows(const Problem& p, const QuantizedRows& x, const 
     const int8_t* member = w + s * p.outputs * p.inputs;
     float* y = p.y + s * p.rows * p.outputs;
     int64_t row = x.member_rows * s;
-    for (int64_t o = first; o < last; ++o)
-      in_row_groups(p.rows, [&]<int kRows>(int64_t r) {
-        int8_output_rows<kRows>(member + o * p.inputs, scale[s * p.outputs + o], x, row + r,
-                                p.inputs, y + r * p.outputs + o, p.outputs);
-      });
+    int64_t o = first;
+    auto in_tiles = [&]<int kOutputs>() {
+      for (; o + kOutputs <= last; o += kOutputs)
+        in_row_groups(p.rows, [&]<int kRows>(int64_t r) {
+          int8_output_rows<kOutputs, kRows>(member + o * p.inputs, scale + s * p.outputs + o, x,
+                                            row + r, p.inputs, y + r * p.outputs + o, p.outputs);
+        });
+    };
+    // One output at a time for one row (its weights' stream decides it); for more rows as
+    // many as the set's registers hold (kInt8RowsTileOutputs), then the outputs left.
+    if (p.rows > 1) in_tiles.template operator()<kInt8RowsTileOutputs>();
+    in_tiles.template operator()<1>();
   });
 }
 
