@@ -86,10 +86,16 @@ RECENT_BATCHES = 8  # the batches whose callers the next batch expects (`_expect
 HOST_TURN_POLL_S = 0.002
 
 
+def _session_of(request) -> str | None:
+    """The session a call belongs to, where it names one."""
+    session = getattr(request, "session", None)
+    return session if isinstance(session, str) else None
+
+
 def _callers(requests: list) -> frozenset | int:
     """The sessions `requests` belong to, or their number where one names none."""
-    sessions = [getattr(request, "session", None) for request in requests]
-    if any(not isinstance(session, str) for session in sessions):
+    sessions = [_session_of(request) for request in requests]
+    if any(session is None for session in sessions):
         return len(requests)
     return frozenset(sessions)
 
@@ -99,8 +105,7 @@ def _sessions_done(batch: list[_Queued], results: list) -> frozenset[str]:
     return frozenset(
         session
         for entry, result in zip(batch, results, strict=True)
-        if result is not CONTINUE
-        and isinstance(session := getattr(entry.request, "session", None), str)
+        if result is not CONTINUE and (session := _session_of(entry.request)) is not None
     )
 
 
@@ -363,7 +368,7 @@ class CallBatcher(Generic[Request, Response]):
         last = self.thread.last_done
         if not self.recurring or last is None or last[0] is self or not last[1]:
             return False
-        queued = {getattr(entry.request, "session", None) for entry in self._queue}
+        queued = {_session_of(entry.request) for entry in self._queue}
         seen = set().union(*(c for c in self._recent if isinstance(c, frozenset)))
         return any(session in seen and session not in queued for session in last[1])
 
