@@ -140,6 +140,16 @@ static inline void in_row_groups(int64_t rows, const Fn& fn) {
   }
 }
 
+// fn.template operator()<kOutputs, kRows>(o, r) for tiles of kOutputs outputs from o (up
+// to `last`; o is left at the first output no tile took) times every row, in groups of up
+// to 4 rows.
+template <int kOutputs, class Fn>
+static inline void output_tiles(int64_t& o, int64_t last, int64_t rows, const Fn& fn) {
+  for (; o + kOutputs <= last; o += kOutputs)
+    in_row_groups(rows,
+                  [&]<int kRows>(int64_t r) { fn.template operator()<kOutputs, kRows>(o, r); });
+}
+
 // From this many rows on, a product is bound by the multiply-adds more than by the
 // weights' stream, and tiles of kTileOutputs outputs pay (2-core AMD EPYC, SmolLM2's
 // layers and LM head in float32, activations kept in registers: 8 to 11 rows 1.1-1.2x
@@ -155,27 +165,19 @@ static void outputs(const Weight& weight, int64_t first, int64_t last, const flo
   int64_t o = first;
   if constexpr (Weight::kInParts)
     if (kPartTilesFrom > 0 && rows >= kPartTilesFrom) {
-      for (; o + kPartTileOutputs <= last; o += kPartTileOutputs)
-        in_row_groups(rows, [&]<int kRows>(int64_t r) {
-          part_tile<kPartTileOutputs, kRows>(weight, o, x + r * x_row, x_row, blocks,
-                                             y + r * y_row, y_row);
-        });
-      for (; o < last; ++o)
-        in_row_groups(rows, [&]<int kRows>(int64_t r) {
-          part_tile<1, kRows>(weight, o, x + r * x_row, x_row, blocks, y + r * y_row, y_row);
-        });
+      auto tile = [&]<int kOutputs, int kRows>(int64_t from, int64_t r) {
+        part_tile<kOutputs, kRows>(weight, from, x + r * x_row, x_row, blocks, y + r * y_row,
+                                   y_row);
+      };
+      output_tiles<kPartTileOutputs>(o, last, rows, tile);
+      output_tiles<1>(o, last, rows, tile);
       return;
     }
-  if (rows >= kTiledRows)
-    for (; o + kTileOutputs <= last; o += kTileOutputs)
-      in_row_groups(rows, [&]<int kRows>(int64_t r) {
-        output_tile<kTileOutputs, kRows>(weight, o, x + r * x_row, x_row, blocks,
-                                         y + r * y_row, y_row);
-      });
-  for (; o < last; ++o)
-    in_row_groups(rows, [&]<int kRows>(int64_t r) {
-      output_tile<1, kRows>(weight, o, x + r * x_row, x_row, blocks, y + r * y_row, y_row);
-    });
+  auto tile = [&]<int kOutputs, int kRows>(int64_t from, int64_t r) {
+    output_tile<kOutputs, kRows>(weight, from, x + r * x_row, x_row, blocks, y + r * y_row, y_row);
+  };
+  if (rows >= kTiledRows) output_tiles<kTileOutputs>(o, last, rows, tile);
+  output_tiles<1>(o, last, rows, tile);
 }
 
 static void float32(const Problem& p, const float* w) {
@@ -262,7 +264,8 @@ static inline Floats16 add_int4_minimums(Floats16 acc, const float* minimum, int
       minimums = b + 16 <= blocks ? load16(minimum + b) : load16_first(minimum + b, blocks - b);
     } else {  // groups of several blocks: each block's group's minimum
       float spread[16] = {};
-      for (int64_t l = 0; l < 16 && b + l < blocks; ++l) spread[l] = minimum[(b + l) / group_blocks];
+      for (int64_t l = 0; l < 16 && b + l < blocks; ++l)
+        spread[l] = minimum[(b + l) / group_blocks];
       minimums = load16(spread);
     }
     acc = fma16(minimums, load16(block_sum + b), acc);
@@ -333,18 +336,15 @@ static void int8_quantized_rows(const Problem& p, const QuantizedRows& x, const 
     const int8_t* member = w + s * p.outputs * p.inputs;
     float* y = p.y + s * p.rows * p.outputs;
     int64_t row = x.member_rows * s;
-    int64_t o = first;
-    auto in_tiles = [&]<int kOutputs>() {
-      for (; o + kOutputs <= last; o += kOutputs)
-        in_row_groups(p.rows, [&]<int kRows>(int64_t r) {
-          int8_output_rows<kOutputs, kRows>(member + o * p.inputs, scale + s * p.outputs + o, x,
-                                            row + r, p.inputs, y + r * p.outputs + o, p.outputs);
-        });
+    auto tile = [&]<int kOutputs, int kRows>(int64_t from, int64_t r) {
+      int8_output_rows<kOutputs, kRows>(member + from * p.inputs, scale + s * p.outputs + from, x,
+                                        row + r, p.inputs, y + r * p.outputs + from, p.outputs);
     };
     // One output at a time for one row (its weights' stream decides it); for more rows as
     // many as the set's registers hold (kInt8RowsTileOutputs), then the outputs left.
-    if (p.rows > 1) in_tiles.template operator()<kInt8RowsTileOutputs>();
-    in_tiles.template operator()<1>();
+    int64_t o = first;
+    if (p.rows > 1) output_tiles<kInt8RowsTileOutputs>(o, last, p.rows, tile);
+    output_tiles<1>(o, last, p.rows, tile);
   });
 }
 
@@ -355,22 +355,17 @@ static void int4_quantized_rows(const Problem& p, const QuantizedRows& x, const 
     const uint8_t* member = w + s * p.outputs * (p.inputs / 2);
     float* y = p.y + s * p.rows * p.outputs;
     int64_t row = x.member_rows * s;
-    int64_t o = first;
-    // Tiles of kOutputs outputs times every row, in groups of up to 4 rows.
-    auto in_tiles = [&]<int kOutputs>() {
-      for (; o + kOutputs <= last; o += kOutputs) {
-        int64_t g = (s * p.outputs + o) * groups;
-        in_row_groups(p.rows, [&]<int kRows>(int64_t r) {
-          int4_output_rows<kOutputs, kRows>(member + o * (p.inputs / 2), scale + g, minimum + g,
-                                            groups, group / 32, x, row + r, p.inputs,
-                                            y + r * p.outputs + o, p.outputs);
-        });
-      }
+    auto tile = [&]<int kOutputs, int kRows>(int64_t from, int64_t r) {
+      int64_t g = (s * p.outputs + from) * groups;
+      int4_output_rows<kOutputs, kRows>(member + from * (p.inputs / 2), scale + g, minimum + g,
+                                        groups, group / 32, x, row + r, p.inputs,
+                                        y + r * p.outputs + from, p.outputs);
     };
     // As many outputs a tile as the set's registers hold for one row, or for more
     // (kInt4TileOutputs, kInt4RowsTileOutputs), then the outputs left one at a time.
-    if (p.rows == 1) in_tiles.template operator()<kInt4TileOutputs>();
-    else in_tiles.template operator()<kInt4RowsTileOutputs>();
-    in_tiles.template operator()<1>();
+    int64_t o = first;
+    if (p.rows == 1) output_tiles<kInt4TileOutputs>(o, last, p.rows, tile);
+    else output_tiles<kInt4RowsTileOutputs>(o, last, p.rows, tile);
+    output_tiles<1>(o, last, p.rows, tile);
   });
 }
