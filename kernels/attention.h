@@ -1,4 +1,5 @@
-// Included once per instruction set, inside that set's namespace, after its Lanes.
+// Included once per instruction set, inside that set's namespace, after its Lanes and
+// vocabulary.h (whose exp the softmax takes).
 //
 // One layer's attention for the T new positions of each of one or more sessions, on their
 // caches: rotate q and k, store k and v at positions start.., and let each query attend to
@@ -28,7 +29,7 @@ static void store_new_positions(const AttentionProblem& p) {
 }
 
 // One query head of one stack member (index = member * heads + head) over its new
-// positions; `weights` holds start + rows floats.
+// positions; `weights` holds start + rows floats rounded up to a multiple of 32.
 static void attend_head(const AttentionProblem& p, int64_t index, float* weights) {
   const int64_t dim = p.dim, half = dim / 2, blocks = dim / 32;
   const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
@@ -49,15 +50,23 @@ static void attend_head(const AttentionProblem& p, int64_t index, float* weights
       weights[position] = sum(acc) * scale;
       largest = std::max(largest, weights[position]);
     }
-    float total = 0.0f;
-    for (int64_t position = 0; position < seen; ++position) {
-      weights[position] = std::exp(weights[position] - largest);
-      total += weights[position];
+    // The softmax 32 positions at a time, with the vocabulary passes' exp (vocabulary.h):
+    // std::exp one position at a time was most of a decode step's attention (SmolLM2, 100
+    // positions: 11 µs a layer). The buffer's tail past `seen` is -inf, whose exp is 0.
+    int64_t padded = (seen + 31) / 32 * 32;
+    std::fill(weights + seen, weights + padded, -INFINITY);
+    Lanes shift = splat(largest), lanes_total = zero();
+    for (int64_t at = 0; at < padded; at += 32) {
+      Lanes e = exp_flushed(sub(load(weights + at), shift));
+      store(weights + at, e);
+      lanes_total = add(lanes_total, e);
     }
+    Lanes total = splat(sum(lanes_total));
+    for (int64_t at = 0; at < padded; at += 32) store(weights + at, div(load(weights + at), total));
     Lanes out[8];
     for (int64_t b = 0; b < blocks; ++b) out[b] = zero();
     for (int64_t position = 0; position < seen; ++position) {
-      Lanes weight = splat(weights[position] / total);
+      Lanes weight = splat(weights[position]);
       for (int64_t b = 0; b < blocks; ++b)
         out[b] = fma(weight, load(values + position * dim + b * 32), out[b]);
     }
@@ -70,25 +79,38 @@ static void attend_head(const AttentionProblem& p, int64_t index, float* weights
 // session's new keys and values first, then each (session, member, head) as a thread
 // comes to it. One region rather than one per session: a batch of 8 sessions would
 // otherwise wake and wait for the threads 8 times a layer, with 9 heads split 5 and 4.
-// Whichever thread computes a head, it computes it alone and the same way.
+// Inside a team's region (decode_layers) its threads share the heads out in turn instead,
+// and the caller waits for them before reading the result. Whichever thread computes a
+// head, it computes it alone and the same way.
 static void attention(const std::vector<AttentionProblem>& problems) {
   std::vector<int64_t> ends;  // cumulative heads: problem i owns [ends[i-1], ends[i])
   int64_t total = 0, longest = 0;
   for (const AttentionProblem& p : problems) {
-    store_new_positions(p);
     total += p.members * p.heads;
     ends.push_back(total);
     longest = std::max(longest, p.start + p.rows);
   }
-  std::atomic<int64_t> next{0};
-  auto work = [&](int64_t, int64_t) {
-    std::vector<float> weights(longest);
+  // Items from `next` (increasing) until it passes the last.
+  auto attend_items = [&](const auto& next) {
+    std::vector<float> weights((longest + 31) / 32 * 32);
     size_t i = 0;
-    for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < total;) {
-      while (ends[i] <= item) ++i;  // items are taken in order: the cursor only moves on
+    for (int64_t item; (item = next()) < total;) {
+      while (ends[i] <= item) ++i;  // items come in order: the cursor only moves on
       attend_head(problems[i], item - (i == 0 ? 0 : ends[i - 1]), weights.data());
     }
   };
+  if (seat.team != nullptr) {
+    if (seat.rank == 0)
+      for (const AttentionProblem& p : problems) store_new_positions(p);
+    seat.team->wait();
+    int64_t item = seat.rank - seat.team->size;
+    attend_items([&] { return item += seat.team->size; });
+    return;
+  }
+  for (const AttentionProblem& p : problems) store_new_positions(p);
+  std::atomic<int64_t> next{0};
   // One task per thread (one alone runs on this thread), each taking heads until none is left.
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), total), 1, work);
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), total), 1, [&](int64_t, int64_t) {
+    attend_items([&] { return next.fetch_add(1, std::memory_order_relaxed); });
+  });
 }

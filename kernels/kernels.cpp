@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
@@ -28,17 +29,71 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
 
 // One call: x [S, rows, inputs] (member stride x_member, 0 when every member reads the
-// same rows; row stride x_row), weights [S, outputs, inputs], y [S, rows, outputs].
+// same rows; row stride x_row), weights [S, outputs, inputs], y [S, rows, outputs], and
+// an optional residual added to y (shaped as y, its member and row strides given).
 struct Problem {
   const float* x;
   int64_t members, rows, inputs, outputs, x_member, x_row;
   float* y;
+  const float* residual = nullptr;
+  int64_t residual_member = 0, residual_row = 0;
 };
+
+// Rows of activations as the kernels read them: [sources, rows, width] floats with
+// contiguous inputs, sources apart by `member` (0, or one source, when every stack member
+// reads the same rows) and rows by `row`.
+struct Activations {
+  const float* data;
+  int64_t sources, rows, width, member, row;
+};
+
+Activations activations_of(const at::Tensor& x) {
+  return {x.data_ptr<float>(), x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1)};
+}
+
+// The threads of one parallel region that run a whole sequence of products and attentions
+// between them (decode_layers): each takes its share of every step and waits for the
+// others at a barrier before the next step reads what they wrote. One region for a decode
+// step's 31 layers instead of five per layer: every region wakes the threads and waits for
+// the last, and everything between the regions (preparing a product's input, adding its
+// residual) ran on one thread while the others waited.
+class Team {
+ public:
+  int size = 1;
+
+  // Returns once every member of the team has called it (as often as this one).
+  void wait() {
+    if (size == 1) return;
+    int phase = phase_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == size - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      phase_.store(phase + 1, std::memory_order_release);
+      return;
+    }
+    // Spin while the others are a few microseconds away, then give the core up: a thread
+    // the OS has descheduled (more threads than cores) must not be starved by the spinners.
+    for (int spins = 0; phase_.load(std::memory_order_acquire) == phase; ++spins) {
+      if (spins < 4096) _mm_pause();
+      else std::this_thread::yield();
+    }
+  }
+
+ private:
+  std::atomic<int> arrived_{0}, phase_{0};
+};
+
+// The team this thread works in and its rank there; none outside decode_layers' region.
+struct Seat {
+  Team* team = nullptr;
+  int rank = 0;
+};
+thread_local Seat seat;
 
 // Activations quantized to int8 per block of 32 inputs (quantized_rows), row after row
 // ([sources, rows] of them), each row padded with zeros to a whole number of chunks of
@@ -76,25 +131,41 @@ struct TargetRow {
   int64_t greedy;
 };
 
-// Splits every member's outputs over the threads; fn(member, first, last).
+// Splits every member's outputs over the threads (over a team's, inside its region;
+// else over PyTorch's); fn(member, first, last), then the residual added to those outputs.
 template <class Fn>
 void for_each_range(const Problem& p, const Fn& fn) {
-  // A grain of 64 outputs: a thread's share of a tiny matrix is not worth a wake-up.
-  at::parallel_for(0, p.members * p.outputs, 64, [&](int64_t begin, int64_t end) {
+  auto range = [&](int64_t begin, int64_t end) {
     while (begin < end) {
       int64_t member = begin / p.outputs, first = begin % p.outputs;
       int64_t last = std::min(p.outputs, first + (end - begin));
       fn(member, first, last);
+      if (p.residual != nullptr)
+        for (int64_t r = 0; r < p.rows; ++r) {
+          float* y = p.y + (member * p.rows + r) * p.outputs;
+          const float* add = p.residual + member * p.residual_member + r * p.residual_row;
+          for (int64_t o = first; o < last; ++o) y[o] += add[o];
+        }
       begin += last - first;
     }
-  });
+  };
+  int64_t total = p.members * p.outputs;
+  if (seat.team != nullptr) {
+    // Shares of whole tiles of 16 outputs (the tiles in rows_times_weight.h divide it).
+    int64_t share = ((total + seat.team->size - 1) / seat.team->size + 15) / 16 * 16;
+    int64_t begin = std::min(total, seat.rank * share);
+    range(begin, std::min(total, begin + share));
+    return;
+  }
+  // A grain of 64 outputs: a thread's share of a tiny matrix is not worth a wake-up.
+  at::parallel_for(0, total, 64, range);
 }
 
 namespace scalar {
 #include "lanes_scalar.h"
 #include "rows_times_weight.h"
-#include "attention.h"
 #include "vocabulary.h"
+#include "attention.h"
 #include "gates.h"
 }  // namespace scalar
 
@@ -103,8 +174,8 @@ namespace scalar {
 namespace avx2 {
 #include "lanes_avx2.h"
 #include "rows_times_weight.h"
-#include "attention.h"
 #include "vocabulary.h"
+#include "attention.h"
 #include "gates.h"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -114,8 +185,8 @@ namespace avx2 {
 namespace avx512 {
 #include "lanes_avx512.h"
 #include "rows_times_weight.h"
-#include "attention.h"
 #include "vocabulary.h"
+#include "attention.h"
 #include "gates.h"
 }  // namespace avx512
 #pragma GCC pop_options
@@ -168,50 +239,49 @@ std::string kernel_isa(std::string requested) {
   return kIsaNames[current_isa.load()];
 }
 
-// x as the product reads it: [S or 1, rows, inputs] float32 with unit input stride. With
-// `glu`, x holds [gate, up] and the input is silu(gate) * up; with `norm` [S, inputs], the
-// input is x's RMS-normalised rows times norm (one set per stack member).
-at::Tensor prepared_input(const at::Tensor& x, const c10::optional<at::Tensor>& norm, double eps,
-                          bool glu, int64_t members) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "x must be a float32 CPU tensor [S, rows, inputs]");
-  TORCH_CHECK(x.stride(2) == 1, "x's inputs must be contiguous");
-  if (!glu && !norm.has_value()) return x;
-  int64_t rows = x.size(1), inputs = glu ? x.size(2) / 2 : x.size(2);
-  TORCH_CHECK(!glu || x.size(2) % 2 == 0, "a gated input has an even width");
-  int64_t sources = x.size(0), outs = norm.has_value() ? members : sources;
-  const float* scale = nullptr;
-  if (norm.has_value()) {
-    TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->dim() == 2 &&
-                    norm->size(0) == members && norm->size(1) == inputs,
-                "the norm weight must be float32 [S, inputs]");
-    scale = norm->data_ptr<float>();
-  }
-  at::Tensor ready = at::empty({outs, rows, inputs}, x.options());
+// x's rows as a product reads them, written into `out` ([outs, rows, inputs], contiguous):
+// with `glu`, x holds [gate, up] and the input is silu(gate) * up; with `norm` [outs,
+// inputs], the input is x's RMS-normalised rows times norm (one set per stack member).
+void prepare_rows(const Activations& x, const float* norm, double eps, bool glu, int64_t outs,
+                  float* out) {
+  int64_t inputs = glu ? x.width / 2 : x.width;
   // Vectorized: a batch of 8 sessions gates 8 rows of 1,536 inputs in each of SmolLM2's
-  // layers, while the other threads wait for the product.
+  // layers.
   int isa = current_isa.load();
   auto gate_row = isa == kAvx512 ? avx512::silu_times
                   : isa == kAvx2 ? avx2::silu_times
                                  : scalar::silu_times;
-  const float* in = x.data_ptr<float>();
-  float* out = ready.data_ptr<float>();
   for (int64_t s = 0; s < outs; ++s)
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* row = in + (sources == 1 ? 0 : s * x.stride(0)) + r * x.stride(1);
-      float* target = out + (s * rows + r) * inputs;
+    for (int64_t r = 0; r < x.rows; ++r) {
+      const float* row = x.data + (x.sources == 1 ? 0 : s * x.member) + r * x.row;
+      float* target = out + (s * x.rows + r) * inputs;
       if (glu) {
         gate_row(row, row + inputs, inputs, target);
         row = target;
       }
-      if (scale != nullptr) {
+      if (norm != nullptr) {
         float squares = 0.0f;
         for (int64_t k = 0; k < inputs; ++k) squares += row[k] * row[k];
         float inverse = 1.0f / std::sqrt(squares / inputs + static_cast<float>(eps));
-        for (int64_t k = 0; k < inputs; ++k) target[k] = row[k] * inverse * scale[s * inputs + k];
+        for (int64_t k = 0; k < inputs; ++k) target[k] = row[k] * inverse * norm[s * inputs + k];
       }
     }
-  return ready;
+}
+
+// The checks of an input [S or 1, rows, width] and of a norm weight [members, inputs].
+void check_input(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "x must be a float32 CPU tensor [S, rows, inputs]");
+  TORCH_CHECK(x.stride(2) == 1, "x's inputs must be contiguous");
+}
+
+const float* checked_norm(const c10::optional<at::Tensor>& norm, int64_t members,
+                          int64_t inputs) {
+  if (!norm.has_value()) return nullptr;
+  TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->dim() == 2 &&
+                  norm->size(0) == members && norm->size(1) == inputs,
+              "the norm weight must be float32 [S, inputs]");
+  return norm->data_ptr<float>();
 }
 
 // x's rows RMS-normalised and scaled by weight [S, inputs] (x [S or 1, rows, inputs]): what a
@@ -221,19 +291,23 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double e
   TORCH_CHECK(weight.dim() == 2 && x.dim() == 3 &&
                   (x.size(0) == weight.size(0) || x.size(0) == 1),
               "x must be [S or 1, rows, inputs] for a weight [S, inputs]");
-  return prepared_input(x, weight, eps, false, weight.size(0));
+  check_input(x);
+  const float* norm = checked_norm(weight, weight.size(0), x.size(2));
+  at::Tensor normed = at::empty({weight.size(0), x.size(1), x.size(2)}, x.options());
+  prepare_rows(activations_of(x), norm, eps, false, weight.size(0), normed.data_ptr<float>());
+  return normed;
 }
 
 // x's rows quantized to int8 per block of 32 inputs (quantize_chunk in lanes_*.h, the same
 // bits on every set; products.py's PyTorch path computes the same d and q), into buffers
 // of this thread's that later calls reuse.
-QuantizedRows quantized_rows(const at::Tensor& x, int isa) {
+QuantizedRows quantized_rows(const Activations& x, int isa) {
   using Chunk = void (*)(const float*, int8_t*, uint8_t*, float*, float*);
   Chunk chunk = isa == kAvx512 ? avx512::quantize_chunk
                 : isa == kAvx2 ? avx2::quantize_chunk
                                : scalar::quantize_chunk;
-  bool shared = x.size(0) == 1 || x.stride(0) == 0;
-  int64_t sources = shared ? 1 : x.size(0), rows = x.size(1), inputs = x.size(2);
+  bool shared = x.sources == 1 || x.member == 0;
+  int64_t sources = shared ? 1 : x.sources, rows = x.rows, inputs = x.width;
   int64_t padded = (inputs + 63) / 64 * 64;
   thread_local std::vector<int8_t> q;
   thread_local std::vector<uint8_t> biased;
@@ -244,10 +318,9 @@ QuantizedRows quantized_rows(const at::Tensor& x, int isa) {
   lane_sum.resize(step.size());
   int64_t block_row = (padded / 32 + 15) / 16 * 16;
   block_sum.assign(sources * rows * block_row, 0.0f);
-  const float* in = x.data_ptr<float>();
   for (int64_t s = 0; s < sources; ++s)
     for (int64_t r = 0; r < rows; ++r) {
-      const float* row = in + s * x.stride(0) + r * x.stride(1);
+      const float* row = x.data + s * x.member + r * x.row;
       int64_t at = (s * rows + r) * padded;
       for (int64_t c = 0; c < padded; c += 64) {
         const float* source = row + c;
@@ -274,80 +347,147 @@ QuantizedRows quantized_rows(const at::Tensor& x, int isa) {
           shared ? 0 : rows};
 }
 
-// y = x' W^T (+ residual), x' the prepared input; the weight's format from its dtype:
-// float32 [S, outputs, inputs]; int8 [S, outputs, inputs] with scale [S, outputs]; int4
-// packed uint8 [S, outputs, inputs / 2] with scale and minimum [S, outputs, groups]. With
-// `int8_activations` (int8 and int4 weights), x' is quantized to int8 first and the
-// products are integer (rows_times_weight.h).
-at::Tensor rows_times(const at::Tensor& x_given, const at::Tensor& weight,
-                      const c10::optional<at::Tensor>& scale,
-                      const c10::optional<at::Tensor>& minimum, int64_t group,
-                      const c10::optional<at::Tensor>& norm, double eps, bool glu,
-                      const c10::optional<at::Tensor>& residual, bool int8_activations) {
+// A weight checked, as the kernels take it. Its format from its dtype: float32 [S, outputs,
+// inputs]; int8 [S, outputs, inputs] with scale [S, outputs]; int4 packed uint8 [S,
+// outputs, inputs / 2] with scale and minimum [S, outputs, groups].
+enum Format { kFloat32, kInt8, kInt4 };
+
+struct MatrixWeight {
+  Format format;
+  const void* values;
+  const float *scale, *minimum;
+  int64_t group, members, outputs, inputs;
+};
+
+MatrixWeight matrix_weight(const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                           const c10::optional<at::Tensor>& minimum, int64_t group,
+                           bool int8_activations) {
   TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous() && weight.device().is_cpu(),
               "the weight must be a contiguous CPU tensor [S, outputs, inputs]");
   int64_t members = weight.size(0), outputs = weight.size(1);
-  bool int4 = weight.scalar_type() == at::kByte;
-  int64_t inputs = int4 ? weight.size(2) * 2 : weight.size(2);
-  at::Tensor x = prepared_input(x_given, norm, eps, glu, members);
-  TORCH_CHECK(x.size(2) == inputs, "x has ", x.size(2), " inputs, the weight ", inputs);
-  TORCH_CHECK(inputs % 32 == 0, "the number of inputs must be a multiple of 32, not ", inputs);
-  TORCH_CHECK(x.size(0) == members || x.size(0) == 1 || x.stride(0) == 0,
-              "x and the weight have different stack sizes");
-  int64_t rows = x.size(1);
-  at::Tensor y = at::empty({members, rows, outputs}, x.options());
-  Problem p{x.data_ptr<float>(), members, rows, inputs, outputs,
-            x.size(0) == 1 ? 0 : x.stride(0), x.stride(1), y.data_ptr<float>()};
-  int isa = current_isa.load();
-  QuantizedRows qx{};
-  if (int8_activations) {
-    TORCH_CHECK(weight.scalar_type() != at::kFloat, "int8 activations need an int8 or int4 weight");
-    if (isa == kAvx512 && !vnni) isa = kAvx2;
-    qx = quantized_rows(x, isa);
-  }
   if (weight.scalar_type() == at::kFloat) {
-    const float* w = weight.data_ptr<float>();
-    if (isa == kAvx512) avx512::float32(p, w);
-    else if (isa == kAvx2) avx2::float32(p, w);
-    else scalar::float32(p, w);
-  } else if (weight.scalar_type() == at::kChar) {
+    TORCH_CHECK(!int8_activations, "int8 activations need an int8 or int4 weight");
+    return {kFloat32, weight.data_ptr<float>(), nullptr, nullptr, 0, members, outputs,
+            weight.size(2)};
+  }
+  if (weight.scalar_type() == at::kChar) {
     TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat &&
                     scale->is_contiguous() && scale->dim() == 2 && scale->size(0) == members &&
                     scale->size(1) == outputs,
                 "an int8 weight's scale must be float32 [S, outputs]");
-    const int8_t* w = weight.data_ptr<int8_t>();
-    const float* s = scale->data_ptr<float>();
-    if (int8_activations) {
-      if (isa == kAvx512) avx512::int8_quantized_rows(p, qx, w, s);
-      else if (isa == kAvx2) avx2::int8_quantized_rows(p, qx, w, s);
-      else scalar::int8_quantized_rows(p, qx, w, s);
-    } else if (isa == kAvx512) avx512::int8(p, w, s);
-    else if (isa == kAvx2) avx2::int8(p, w, s);
-    else scalar::int8(p, w, s);
+    return {kInt8, weight.data_ptr<int8_t>(), scale->data_ptr<float>(), nullptr, 0, members,
+            outputs, weight.size(2)};
+  }
+  TORCH_CHECK(weight.scalar_type() == at::kByte,
+              "the weight must be float32, int8 or packed int4 (uint8)");
+  int64_t inputs = weight.size(2) * 2;
+  TORCH_CHECK(group > 0 && group % 32 == 0 && inputs % group == 0,
+              "the group size must be a multiple of 32 that divides the inputs");
+  for (const c10::optional<at::Tensor>* t : {&scale, &minimum})
+    TORCH_CHECK(t->has_value() && (*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() &&
+                    (*t)->dim() == 3 && (*t)->size(0) == members && (*t)->size(1) == outputs &&
+                    (*t)->size(2) == inputs / group,
+                "an int4 weight's scale and minimum must be float32 [S, outputs, groups]");
+  return {kInt4, weight.data_ptr<uint8_t>(), scale->data_ptr<float>(),
+          minimum->data_ptr<float>(), group, members, outputs, inputs};
+}
+
+// The set the products of a weight run on: the integer products need VNNI at AVX-512.
+int product_isa(bool int8_activations) {
+  int isa = current_isa.load();
+  return int8_activations && isa == kAvx512 && !vnni ? kAvx2 : isa;
+}
+
+// p's products with the weight, on the set `isa`: integer with qx (int8 activations),
+// else in float.
+void multiply(const Problem& p, const MatrixWeight& m, const QuantizedRows* qx, int isa) {
+  if (m.format == kFloat32) {
+    const float* w = static_cast<const float*>(m.values);
+    if (isa == kAvx512) avx512::float32(p, w);
+    else if (isa == kAvx2) avx2::float32(p, w);
+    else scalar::float32(p, w);
+  } else if (m.format == kInt8) {
+    const int8_t* w = static_cast<const int8_t*>(m.values);
+    if (qx != nullptr) {
+      if (isa == kAvx512) avx512::int8_quantized_rows(p, *qx, w, m.scale);
+      else if (isa == kAvx2) avx2::int8_quantized_rows(p, *qx, w, m.scale);
+      else scalar::int8_quantized_rows(p, *qx, w, m.scale);
+    } else if (isa == kAvx512) avx512::int8(p, w, m.scale);
+    else if (isa == kAvx2) avx2::int8(p, w, m.scale);
+    else scalar::int8(p, w, m.scale);
   } else {
-    TORCH_CHECK(int4, "the weight must be float32, int8 or packed int4 (uint8)");
-    TORCH_CHECK(group > 0 && group % 32 == 0 && inputs % group == 0,
-                "the group size must be a multiple of 32 that divides the inputs");
-    for (const c10::optional<at::Tensor>* t : {&scale, &minimum})
-      TORCH_CHECK(t->has_value() && (*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() &&
-                      (*t)->dim() == 3 && (*t)->size(0) == members &&
-                      (*t)->size(1) == outputs && (*t)->size(2) == inputs / group,
-                  "an int4 weight's scale and minimum must be float32 [S, outputs, groups]");
-    const uint8_t* w = weight.data_ptr<uint8_t>();
-    const float *s = scale->data_ptr<float>(), *m = minimum->data_ptr<float>();
-    if (int8_activations) {
-      if (isa == kAvx512) avx512::int4_quantized_rows(p, qx, w, s, m, group);
-      else if (isa == kAvx2) avx2::int4_quantized_rows(p, qx, w, s, m, group);
-      else scalar::int4_quantized_rows(p, qx, w, s, m, group);
-    } else if (isa == kAvx512) avx512::int4(p, w, s, m, group);
-    else if (isa == kAvx2) avx2::int4(p, w, s, m, group);
-    else scalar::int4(p, w, s, m, group);
+    const uint8_t* w = static_cast<const uint8_t*>(m.values);
+    if (qx != nullptr) {
+      if (isa == kAvx512) avx512::int4_quantized_rows(p, *qx, w, m.scale, m.minimum, m.group);
+      else if (isa == kAvx2) avx2::int4_quantized_rows(p, *qx, w, m.scale, m.minimum, m.group);
+      else scalar::int4_quantized_rows(p, *qx, w, m.scale, m.minimum, m.group);
+    } else if (isa == kAvx512) avx512::int4(p, w, m.scale, m.minimum, m.group);
+    else if (isa == kAvx2) avx2::int4(p, w, m.scale, m.minimum, m.group);
+    else scalar::int4(p, w, m.scale, m.minimum, m.group);
   }
+}
+
+// y [S, rows, outputs] = x' W^T (+ residual), x' x's rows prepared (prepare_rows) into a
+// buffer of this thread's, then with int8 activations quantized; everything checked by
+// the caller. Inside a team's region each thread prepares the input for itself (a few
+// microseconds that would otherwise keep the others waiting) and computes its share.
+void product_into(const Activations& x, const MatrixWeight& m, const float* norm, double eps,
+                  bool glu, const Activations* residual, bool int8_activations, float* y) {
+  Activations input = x;
+  if (glu || norm != nullptr) {
+    thread_local std::vector<float> ready;
+    int64_t outs = norm != nullptr ? m.members : x.sources, inputs = m.inputs;
+    ready.resize(outs * x.rows * inputs);
+    prepare_rows(x, norm, eps, glu, outs, ready.data());
+    input = {ready.data(), outs, x.rows, inputs, x.rows * inputs, inputs};
+  }
+  Problem p{input.data, m.members, input.rows, m.inputs, m.outputs,
+            input.sources == 1 ? 0 : input.member, input.row, y};
+  if (residual != nullptr) {
+    p.residual = residual->data;
+    p.residual_member = residual->sources == 1 ? 0 : residual->member;
+    p.residual_row = residual->row;
+  }
+  int isa = product_isa(int8_activations);
+  if (int8_activations) {
+    QuantizedRows qx = quantized_rows(input, isa);
+    multiply(p, m, &qx, isa);
+  } else {
+    multiply(p, m, nullptr, isa);
+  }
+}
+
+// y = x' W^T (+ residual), x' the prepared input (prepare_rows); the weight's format from
+// its dtype (matrix_weight). With `int8_activations` (int8 and int4 weights), x' is
+// quantized to int8 first and the products are integer (rows_times_weight.h).
+at::Tensor rows_times(const at::Tensor& x, const at::Tensor& weight,
+                      const c10::optional<at::Tensor>& scale,
+                      const c10::optional<at::Tensor>& minimum, int64_t group,
+                      const c10::optional<at::Tensor>& norm, double eps, bool glu,
+                      const c10::optional<at::Tensor>& residual, bool int8_activations) {
+  MatrixWeight m = matrix_weight(weight, scale, minimum, group, int8_activations);
+  check_input(x);
+  TORCH_CHECK(!glu || x.size(2) % 2 == 0, "a gated input has an even width");
+  int64_t width = glu ? x.size(2) / 2 : x.size(2);
+  TORCH_CHECK(width == m.inputs, "x has ", width, " inputs, the weight ", m.inputs);
+  TORCH_CHECK(m.inputs % 32 == 0, "the number of inputs must be a multiple of 32, not ",
+              m.inputs);
+  TORCH_CHECK(x.size(0) == m.members || x.size(0) == 1 || x.stride(0) == 0,
+              "x and the weight have different stack sizes");
+  const float* norm_weight = checked_norm(norm, m.members, m.inputs);
+  at::Tensor y = at::empty({m.members, x.size(1), m.outputs}, x.options());
+  at::Tensor added;  // the residual, its outputs contiguous
+  Activations residual_rows{};
   if (residual.has_value()) {
-    TORCH_CHECK(residual->sizes() == y.sizes() && residual->scalar_type() == at::kFloat,
+    TORCH_CHECK(residual->sizes() == y.sizes() && residual->scalar_type() == at::kFloat &&
+                    residual->device().is_cpu(),
                 "the residual must be float32 [S, rows, outputs]");
-    y.add_(*residual);
+    added = residual->stride(2) == 1 ? *residual : residual->contiguous();
+    residual_rows = activations_of(added);
   }
+  product_into(activations_of(x), m, norm_weight, eps, glu,
+               residual.has_value() ? &residual_rows : nullptr, int8_activations,
+               y.data_ptr<float>());
   return y;
 }
 
@@ -414,6 +554,13 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& keys, const at::Tenso
 // length).
 constexpr int64_t kLayerEntries = 14;
 
+// One layer as decode_layers runs it: its weights checked, its attention's problems made.
+struct DecoderLayer {
+  MatrixWeight qkv, o, gate_up, down;
+  const float *attention_norm, *mlp_norm;
+  std::vector<AttentionProblem> problems;
+};
+
 at::Tensor decode_layers(const at::Tensor& x_given, const c10::List<std::optional<at::Tensor>>& weights,
                          int64_t group, bool int8_activations, double eps, at::TensorList keys,
                          at::TensorList values, at::IntArrayRef starts, at::TensorList cos,
@@ -433,39 +580,96 @@ at::Tensor decode_layers(const at::Tensor& x_given, const c10::List<std::optiona
     lengths[i] = cos[i].size(0);  // (RotaryTable.rotation's [T, 1, head_dim])
     rows += lengths[i];
   }
-  TORCH_CHECK(x_given.dim() == 3 && x_given.size(1) == rows, "x has ", x_given.size(1),
-              " rows, the sessions ", rows);
+  check_input(x_given);
+  TORCH_CHECK(x_given.size(1) == rows, "x has ", x_given.size(1), " rows, the sessions ", rows);
+  if (layers == 0) return x_given;
+
+  // Every weight checked and every buffer made before the threads start: nothing may
+  // throw inside their region.
   auto entry = [&](int64_t layer, int64_t index) -> std::optional<at::Tensor> {
     return weights.get(layer * kLayerEntries + index);
   };
-  auto product = [&](const at::Tensor& input, int64_t layer, int64_t first,
-                     const std::optional<at::Tensor>& norm, bool glu,
-                     const std::optional<at::Tensor>& residual) {
+  auto matrix = [&](int64_t layer, int64_t first) {
     std::optional<at::Tensor> weight = entry(layer, first);
     TORCH_CHECK(weight.has_value(), "a layer's weight is missing");
-    return rows_times(input, *weight, entry(layer, first + 1), entry(layer, first + 2), group,
-                      norm, eps, glu, residual, int8_activations);
+    MatrixWeight m = matrix_weight(*weight, entry(layer, first + 1), entry(layer, first + 2),
+                                   group, int8_activations);
+    TORCH_CHECK(m.inputs % 32 == 0, "the number of inputs must be a multiple of 32, not ",
+                m.inputs);
+    return m;
   };
-  at::Tensor x = x_given;
-  std::vector<AttentionProblem> problems(sessions);
-  const int64_t width = heads * keys[0].size(4);  // an attended row
+  const int64_t hidden = x_given.size(2), width = heads * keys[0].size(4);  // an attended row
+  const MatrixWeight first_qkv = matrix(0, 0), first_gate_up = matrix(0, 6);
+  const int64_t members = first_qkv.members;
+  TORCH_CHECK(x_given.size(0) == members || x_given.size(0) == 1 || x_given.stride(0) == 0,
+              "x and the weights have different stack sizes");
+  at::TensorOptions options = x_given.options();
+  at::Tensor qkv = at::empty({members, rows, first_qkv.outputs}, options);
+  at::Tensor attended = at::empty({members, rows, width}, options);
+  at::Tensor gate_up = at::empty({members, rows, first_gate_up.outputs}, options);
+  // The stream between layers: a layer's attention writes `mid` (x plus its attention),
+  // its MLP `out`, which the next layer reads; x_given is never written.
+  at::Tensor mid = at::empty({members, rows, hidden}, options);
+  at::Tensor out = at::empty({members, rows, hidden}, options);
+  std::vector<DecoderLayer> stack(layers);
   for (int64_t layer = 0; layer < layers; ++layer) {
-    at::Tensor qkv = product(x, layer, 0, entry(layer, 12), false, std::nullopt);
-    at::Tensor attended = at::empty({qkv.size(0), rows, width}, qkv.options());
+    DecoderLayer& l = stack[layer];
+    l.qkv = matrix(layer, 0), l.o = matrix(layer, 3), l.gate_up = matrix(layer, 6);
+    l.down = matrix(layer, 9);
+    for (const MatrixWeight* m : {&l.qkv, &l.o, &l.gate_up, &l.down})
+      TORCH_CHECK(m->members == members, "the layers have different stack sizes");
+    TORCH_CHECK(l.qkv.inputs == hidden && l.qkv.outputs == qkv.size(2) && l.o.inputs == width &&
+                    l.o.outputs == hidden && l.gate_up.inputs == hidden &&
+                    l.gate_up.outputs == gate_up.size(2) &&
+                    l.down.inputs * 2 == gate_up.size(2) && l.down.outputs == hidden,
+                "layer ", layer, "'s weights do not chain: hidden ", hidden, ", attended ", width);
+    l.attention_norm = checked_norm(entry(layer, 12), members, hidden);
+    l.mlp_norm = checked_norm(entry(layer, 13), members, hidden);
     int64_t offset = 0;
     for (size_t i = 0; i < sessions; ++i) {  // each session's rows: a view, no copy
-      problems[i] = attention_problem(qkv.narrow(1, offset, lengths[i]), keys[i], values[i],
-                                      layer, starts[i], cos[i], sin[i], heads, kv_heads);
-      problems[i].out = attended.data_ptr<float>() + offset * width;  // its rows of each member
-      problems[i].out_member = rows * width;
+      AttentionProblem p = attention_problem(qkv.narrow(1, offset, lengths[i]), keys[i], values[i],
+                                             layer, starts[i], cos[i], sin[i], heads, kv_heads);
+      p.out = attended.data_ptr<float>() + offset * width;  // its rows of each member
+      p.out_member = rows * width;
+      l.problems.push_back(p);
       offset += lengths[i];
     }
-    attention(problems);
-    x = product(attended, layer, 3, std::nullopt, false, x);
-    at::Tensor gate_up = product(x, layer, 6, entry(layer, 13), false, std::nullopt);
-    x = product(gate_up, layer, 9, std::nullopt, true, x);
   }
-  return x;
+  const Activations given = activations_of(x_given), attended_rows = activations_of(attended),
+                    gate_up_rows = activations_of(gate_up), mid_rows = activations_of(mid),
+                    out_rows = activations_of(out);
+  float *qkv_out = qkv.data_ptr<float>(), *mid_out = mid.data_ptr<float>(),
+        *gate_up_out = gate_up.data_ptr<float>(), *out_out = out.data_ptr<float>();
+  int isa = current_isa.load();
+  auto attention_of = isa == kAvx512 ? avx512::attention
+                      : isa == kAvx2 ? avx2::attention
+                                     : scalar::attention;
+  Team team;
+  const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp single
+    team.size = omp_get_num_threads();  // (fewer than asked inside another region)
+    seat = {&team, omp_get_thread_num()};
+    for (int64_t layer = 0; layer < layers; ++layer) {
+      const DecoderLayer& l = stack[layer];
+      const Activations& x = layer == 0 ? given : out_rows;
+      product_into(x, l.qkv, l.attention_norm, eps, false, nullptr, int8_activations, qkv_out);
+      team.wait();
+      attention_of(l.problems);
+      team.wait();
+      product_into(attended_rows, l.o, nullptr, eps, false, &x, int8_activations, mid_out);
+      team.wait();
+      product_into(mid_rows, l.gate_up, l.mlp_norm, eps, false, nullptr, int8_activations,
+                   gate_up_out);
+      team.wait();
+      product_into(gate_up_rows, l.down, nullptr, eps, true, &mid_rows, int8_activations,
+                   out_out);
+      team.wait();
+    }
+    seat = {};
+  }
+  return out;
 }
 
 

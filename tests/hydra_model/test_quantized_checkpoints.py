@@ -121,6 +121,45 @@ def test_greedy_speculative_equals_non_speculative_on_a_quantized_model(
         assert output.token_ids == reference.token_ids, gamma
 
 
+@pytest.mark.parametrize(
+    "name", ["float32", "int8", "int4", "int8-float-activations", "int4-float-activations"]
+)
+def test_the_one_call_decode_gives_the_same_bits_on_any_number_of_threads(
+    kernels, wide_jury_checkpoint, quantized, name
+):
+    """One native call runs every layer with its threads in one parallel region, each
+    taking its share of every product and attention and meeting the others at a barrier
+    between them: the trunk's and a stack of heads' rows (a prompt, then a step of two
+    positions) are the same bits on 1, 2 and 3 threads, and the per-operation path's."""
+    import hydra_jury.hydra_model.layers as layers
+
+    model = HydraModel.load(wide_jury_checkpoint) if name == "float32" else quantized[name]
+    heads = model.heads.size
+
+    def decode() -> list[torch.Tensor]:
+        trunk_cache, head_cache = model.trunk_cache(16), model.head_cache(heads, 16)
+        rows = []
+        for start, tokens in ((0, CONTEXT), (len(CONTEXT), [3, 4])):
+            hidden = model.trunk.forward(torch.tensor(tokens), trunk_cache, start)
+            rows += [hidden, model.heads.forward(hidden, head_cache, start)]
+        return rows
+
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(decode())
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layers, "decoded_layers", lambda *args, **kwargs: None)
+        stepwise = decode()
+    for result in results:
+        for row, expected in zip(result, stepwise, strict=True):
+            assert torch.equal(row, expected)
+
+
 def test_inspect_names_the_scheme(quantized, capsys):
     assert main(["inspect", str(quantized["int4"].directory)]) == 0
     assert (
