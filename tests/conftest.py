@@ -44,6 +44,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items[:] = [test for tests in sorted(files.values(), key=weight) for test in tests]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def built_kernels() -> None:
+    """The native kernels built (or loaded from their cache) before any test runs. They
+    are compiled on first use, about a minute on 2 cores: inside a test that serves a
+    model, that first use spent the test's gRPC deadline (a fresh cache and one test file
+    run alone; `make test` builds them in `make setup` first)."""
+    native()
+
+
 @pytest.fixture
 def kernels() -> Iterator[list[str]]:
     """The instruction sets the native kernels can run here (a test switches between
