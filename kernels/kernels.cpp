@@ -349,7 +349,8 @@ QuantizedRows quantized_rows(const Activations& x, int isa) {
 
 // A weight checked, as the kernels take it. Its format from its dtype: float32 [S, outputs,
 // inputs]; int8 [S, outputs, inputs] with scale [S, outputs]; int4 packed uint8 [S,
-// outputs, inputs / 2] with scale and minimum [S, outputs, groups].
+// outputs, inputs / 2] with scale and minimum [S, outputs, groups]; inputs a multiple of
+// 32 (the kernels read blocks of 32).
 enum Format { kFloat32, kInt8, kInt4 };
 
 struct MatrixWeight {
@@ -365,10 +366,11 @@ MatrixWeight matrix_weight(const at::Tensor& weight, const c10::optional<at::Ten
   TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous() && weight.device().is_cpu(),
               "the weight must be a contiguous CPU tensor [S, outputs, inputs]");
   int64_t members = weight.size(0), outputs = weight.size(1);
+  int64_t inputs = weight.scalar_type() == at::kByte ? weight.size(2) * 2 : weight.size(2);
+  TORCH_CHECK(inputs % 32 == 0, "the number of inputs must be a multiple of 32, not ", inputs);
   if (weight.scalar_type() == at::kFloat) {
     TORCH_CHECK(!int8_activations, "int8 activations need an int8 or int4 weight");
-    return {kFloat32, weight.data_ptr<float>(), nullptr, nullptr, 0, members, outputs,
-            weight.size(2)};
+    return {kFloat32, weight.data_ptr<float>(), nullptr, nullptr, 0, members, outputs, inputs};
   }
   if (weight.scalar_type() == at::kChar) {
     TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat &&
@@ -376,11 +378,10 @@ MatrixWeight matrix_weight(const at::Tensor& weight, const c10::optional<at::Ten
                     scale->size(1) == outputs,
                 "an int8 weight's scale must be float32 [S, outputs]");
     return {kInt8, weight.data_ptr<int8_t>(), scale->data_ptr<float>(), nullptr, 0, members,
-            outputs, weight.size(2)};
+            outputs, inputs};
   }
   TORCH_CHECK(weight.scalar_type() == at::kByte,
               "the weight must be float32, int8 or packed int4 (uint8)");
-  int64_t inputs = weight.size(2) * 2;
   TORCH_CHECK(group > 0 && group % 32 == 0 && inputs % group == 0,
               "the group size must be a multiple of 32 that divides the inputs");
   for (const c10::optional<at::Tensor>* t : {&scale, &minimum})
@@ -470,8 +471,6 @@ at::Tensor rows_times(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(!glu || x.size(2) % 2 == 0, "a gated input has an even width");
   int64_t width = glu ? x.size(2) / 2 : x.size(2);
   TORCH_CHECK(width == m.inputs, "x has ", width, " inputs, the weight ", m.inputs);
-  TORCH_CHECK(m.inputs % 32 == 0, "the number of inputs must be a multiple of 32, not ",
-              m.inputs);
   TORCH_CHECK(x.size(0) == m.members || x.size(0) == 1 || x.stride(0) == 0,
               "x and the weight have different stack sizes");
   const float* norm_weight = checked_norm(norm, m.members, m.inputs);
@@ -592,11 +591,8 @@ at::Tensor decode_layers(const at::Tensor& x_given, const c10::List<std::optiona
   auto matrix = [&](int64_t layer, int64_t first) {
     std::optional<at::Tensor> weight = entry(layer, first);
     TORCH_CHECK(weight.has_value(), "a layer's weight is missing");
-    MatrixWeight m = matrix_weight(*weight, entry(layer, first + 1), entry(layer, first + 2),
-                                   group, int8_activations);
-    TORCH_CHECK(m.inputs % 32 == 0, "the number of inputs must be a multiple of 32, not ",
-                m.inputs);
-    return m;
+    return matrix_weight(*weight, entry(layer, first + 1), entry(layer, first + 2), group,
+                         int8_activations);
   };
   const int64_t hidden = x_given.size(2), width = heads * keys[0].size(4);  // an attended row
   const MatrixWeight first_qkv = matrix(0, 0), first_gate_up = matrix(0, 6);
@@ -640,10 +636,6 @@ at::Tensor decode_layers(const at::Tensor& x_given, const c10::List<std::optiona
                     out_rows = activations_of(out);
   float *qkv_out = qkv.data_ptr<float>(), *mid_out = mid.data_ptr<float>(),
         *gate_up_out = gate_up.data_ptr<float>(), *out_out = out.data_ptr<float>();
-  int isa = current_isa.load();
-  auto attention_of = isa == kAvx512 ? avx512::attention
-                      : isa == kAvx2 ? avx2::attention
-                                     : scalar::attention;
   Team team;
   const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
 #pragma omp parallel num_threads(threads)
@@ -656,7 +648,7 @@ at::Tensor decode_layers(const at::Tensor& x_given, const c10::List<std::optiona
       const Activations& x = layer == 0 ? given : out_rows;
       product_into(x, l.qkv, l.attention_norm, eps, false, nullptr, int8_activations, qkv_out);
       team.wait();
-      attention_of(l.problems);
+      attention(l.problems);
       team.wait();
       product_into(attended_rows, l.o, nullptr, eps, false, &x, int8_activations, mid_out);
       team.wait();
