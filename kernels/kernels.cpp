@@ -594,24 +594,27 @@ at::Tensor decode_layers(const at::Tensor& x_given, const c10::List<std::optiona
     return matrix_weight(*weight, entry(layer, first + 1), entry(layer, first + 2), group,
                          int8_activations);
   };
-  const int64_t hidden = x_given.size(2), width = heads * keys[0].size(4);  // an attended row
-  const MatrixWeight first_qkv = matrix(0, 0), first_gate_up = matrix(0, 6);
-  const int64_t members = first_qkv.members;
-  TORCH_CHECK(x_given.size(0) == members || x_given.size(0) == 1 || x_given.stride(0) == 0,
-              "x and the weights have different stack sizes");
-  at::TensorOptions options = x_given.options();
-  at::Tensor qkv = at::empty({members, rows, first_qkv.outputs}, options);
-  at::Tensor attended = at::empty({members, rows, width}, options);
-  at::Tensor gate_up = at::empty({members, rows, first_gate_up.outputs}, options);
-  // The stream between layers: a layer's attention writes `mid` (x plus its attention),
-  // its MLP `out`, which the next layer reads; x_given is never written.
-  at::Tensor mid = at::empty({members, rows, hidden}, options);
-  at::Tensor out = at::empty({members, rows, hidden}, options);
   std::vector<DecoderLayer> stack(layers);
   for (int64_t layer = 0; layer < layers; ++layer) {
     DecoderLayer& l = stack[layer];
     l.qkv = matrix(layer, 0), l.o = matrix(layer, 3), l.gate_up = matrix(layer, 6);
     l.down = matrix(layer, 9);
+  }
+  // The buffers are sized by the first layer's weights; every layer is checked against them.
+  const int64_t hidden = x_given.size(2), width = heads * keys[0].size(4);  // an attended row
+  const int64_t members = stack[0].qkv.members;
+  TORCH_CHECK(x_given.size(0) == members || x_given.size(0) == 1 || x_given.stride(0) == 0,
+              "x and the weights have different stack sizes");
+  at::TensorOptions options = x_given.options();
+  at::Tensor qkv = at::empty({members, rows, stack[0].qkv.outputs}, options);
+  at::Tensor attended = at::empty({members, rows, width}, options);
+  at::Tensor gate_up = at::empty({members, rows, stack[0].gate_up.outputs}, options);
+  // The stream between layers: a layer's attention writes `mid` (x plus its attention),
+  // its MLP `out`, which the next layer reads; x_given is never written.
+  at::Tensor mid = at::empty({members, rows, hidden}, options);
+  at::Tensor out = at::empty({members, rows, hidden}, options);
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    DecoderLayer& l = stack[layer];
     for (const MatrixWeight* m : {&l.qkv, &l.o, &l.gate_up, &l.down})
       TORCH_CHECK(m->members == members, "the layers have different stack sizes");
     TORCH_CHECK(l.qkv.inputs == hidden && l.qkv.outputs == qkv.size(2) && l.o.inputs == width &&
